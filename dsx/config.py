@@ -1,0 +1,267 @@
+"""Pydantic models of the ``"dsx"`` section of a DeepSpeed JSON config.
+
+Every section is off unless it says ``"enabled": true``; a config without a ``"dsx"`` section behaves exactly
+as DeepSpeed. Unknown keys, wrong types and out-of-range values fail at start-up with a
+:class:`DsxConfigError` that names the key path (``dsx.activation_offload.tiers[1]``), the value given and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ActivationOffloadConfig",
+    "DsxConfig",
+    "DsxConfigError",
+    "RGNNConfig",
+    "SchedulerConfig",
+    "UnifiedConfig",
+    "load_deepspeed_config",
+    "parse_dsx_config",
+    "split_config",
+]
+
+DSX_KEY = "dsx"
+
+
+class DsxConfigError(ValueError):
+    """A bad key or value in the ``"dsx"`` section (or a config that cannot be read at all)."""
+
+
+class _Section(BaseModel):
+    # strict: "true" is not a bool and 1.5 is not an int; JSON gives exact types, so be exact.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, frozen=False)
+
+
+def _check_dir(value: str | None, key: str) -> str | None:
+    """A directory dsx writes into must exist and be writable at start-up, not at the first step."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ValueError(f"directory does not exist (create it, or point {key} at an existing directory)")
+    if not path.is_dir():
+        raise ValueError("is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError("directory is not writable by this user")
+    return str(path)
+
+
+class ActivationOffloadConfig(_Section):
+    """Activation offload (SSDTrain): saved activations leave the GPU during forward, return before backward."""
+
+    enabled: bool = False
+    tiers: list[Literal["host", "ssd"]] = Field(default_factory=lambda: ["host"], min_length=1)
+    ssd_path: str | None = None
+    host_pool_gb: float = Field(default=4.0, ge=0)
+    ssd_capacity_gb: float = Field(default=64.0, ge=0)
+    memory_budget_gb: float | None = Field(default=None, ge=0)
+    policy: Literal["auto", "offload_all", "recompute_all", "none"] = "auto"
+    layer_classes: list[str] | None = None
+    io_backend: Literal["auto", "kvikio", "aio", "posix"] = "auto"
+    min_tensor_bytes: int = Field(default=1 << 20, ge=0)
+    verify: bool = False
+    prefetch_depth: int | None = Field(default=None, ge=1)
+    io_threads: int = Field(default=4, ge=1, le=64)
+    block_size_kb: int = Field(default=1024, ge=4)
+    wear_warn_years: float = Field(default=3.0, gt=0)
+
+    @field_validator("tiers")
+    @classmethod
+    def _tiers_unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("each tier may appear once")
+        return v
+
+    @field_validator("ssd_path")
+    @classmethod
+    def _ssd_path(cls, v: str | None) -> str | None:
+        return _check_dir(v, "ssd_path")
+
+    @model_validator(mode="after")
+    def _ssd_needs_path(self) -> ActivationOffloadConfig:
+        if self.enabled and "ssd" in self.tiers and self.ssd_path is None:
+            raise ValueError("tiers contains 'ssd' but ssd_path is not set: give the directory on the SSD")
+        return self
+
+
+class UnifiedConfig(_Section):
+    """Unified tensors (PyTorch-Direct): zero-copy feature gathers from pinned host memory."""
+
+    enabled: bool = False
+    shared: Literal["auto", "on", "off"] = "auto"
+    max_gather_sms: int | None = Field(default=None, ge=1)
+    sort_indices: bool = True
+    prefetch_batches: int = Field(default=1, ge=0, le=16)
+    shared_memory_dir: str = "/dev/shm"
+    backend: Literal["auto", "cuda", "torch"] = "auto"
+
+    @field_validator("shared_memory_dir")
+    @classmethod
+    def _shm(cls, v: str) -> str:
+        out = _check_dir(v, "shared_memory_dir")
+        assert out is not None
+        return out
+
+
+class RGNNConfig(_Section):
+    """Relational GNN kernels generated from the IR (Hector)."""
+
+    enabled: bool = False
+    precision: Literal["fp32", "tf32", "bf16"] = "fp32"
+    compact_materialization: bool = True
+    linear_reorder: bool = True
+    fusion: bool = True
+    backend: Literal["auto", "triton", "interpreter"] = "auto"
+
+
+class SchedulerConfig(_Section):
+    """The per-rank runtime: side streams, I/O workers, node bandwidth arbitration, telemetry."""
+
+    enabled: bool = False
+    io_workers: int = Field(default=4, ge=1, le=64)
+    log_interval: int = Field(default=10, ge=1)
+    trace_path: str | None = None
+    bandwidth_probe_mb: int = Field(default=64, ge=1)
+
+
+class DsxConfig(_Section):
+    """The whole ``"dsx"`` section of a DeepSpeed config."""
+
+    activation_offload: ActivationOffloadConfig = Field(default_factory=ActivationOffloadConfig)
+    unified: UnifiedConfig = Field(default_factory=UnifiedConfig)
+    rgnn: RGNNConfig = Field(default_factory=RGNNConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+    @property
+    def any_enabled(self) -> bool:
+        return any(getattr(self, name).enabled for name in type(self).model_fields)
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model class whose field set applies at ``loc`` (for listing valid keys)."""
+    model: type[BaseModel] = DsxConfig
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return model
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            return model
+    return model
+
+
+def _fmt_loc(loc: tuple[Any, ...]) -> str:
+    out = DSX_KEY
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _allowed(err: dict[str, Any]) -> str:
+    kind, ctx = err["type"], err.get("ctx", {})
+    simple = {
+        "bool_type": "true or false",
+        "int_type": "an integer",
+        "float_type": "a number",
+        "string_type": "a string",
+        "list_type": "a list",
+        "model_type": "an object",
+        "dict_type": "an object",
+        "none_required": "null",
+    }
+    if kind in simple:
+        return simple[kind]
+    if kind == "literal_error":
+        return f"one of {ctx.get('expected')}"
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        sign = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
+        bound = next(iter(ctx.values()))
+        return f"a number {sign} {bound}"
+    if kind in ("value_error", "assertion_error"):
+        return str(ctx.get("error", err["msg"]))
+    if kind in ("too_short", "too_long"):
+        return err["msg"].lower()
+    return err["msg"]
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(err["loc"])
+        # Union members add their own loc part ("float", "none", "list[...]"); drop those for the path.
+        loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in {"float", "none", "int"})))
+        if err["type"] == "extra_forbidden":
+            model = _model_at(loc[:-1])
+            valid = ", ".join(model.model_fields) if model is not None else "?"
+            lines.append(f"{_fmt_loc(loc)}: unknown key; valid keys here are: {valid}")
+            continue
+        value = err.get("input")
+        shown = json.dumps(value, default=repr)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        lines.append(f"{_fmt_loc(loc)}: value {shown} is not allowed; expected {_allowed(err)}")
+    # One line per problem, deduplicated (a union reports each member's failure).
+    seen: list[str] = []
+    for line in lines:
+        if line not in seen:
+            seen.append(line)
+    return "invalid dsx config:\n  " + "\n  ".join(seen)
+
+
+# ------------------------------------------------------------------------------------------- parsing
+
+
+def parse_dsx_config(section: Any) -> DsxConfig:
+    """Validate a ``"dsx"`` section (a mapping, or None for all-off).
+
+    Raises
+    ------
+    DsxConfigError
+        With one line per problem: key path, value given and what is allowed.
+    """
+    if section is None:
+        return DsxConfig()
+    if not isinstance(section, Mapping):
+        raise DsxConfigError(
+            f"invalid dsx config:\n  {DSX_KEY}: value {json.dumps(section, default=repr)[:80]} is not allowed; "
+            "expected an object"
+        )
+    try:
+        return DsxConfig.model_validate(dict(section))
+    except ValidationError as exc:
+        raise DsxConfigError(_format_errors(exc)) from None
+
+
+def load_deepspeed_config(config: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """Read a DeepSpeed config given as a path or a dict (the dict is copied, never changed)."""
+    if isinstance(config, Mapping):
+        return json.loads(json.dumps(config))
+    path = Path(config)
+    if not path.is_file():
+        raise DsxConfigError(f"DeepSpeed config {str(path)!r} does not exist or is not a file")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DsxConfigError(f"DeepSpeed config {str(path)!r} is not valid JSON: {exc}") from None
+
+
+def split_config(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[dict[str, Any], DsxConfig]:
+    """Split a DeepSpeed config into what DeepSpeed reads and the validated ``"dsx"`` section."""
+    raw = load_deepspeed_config(config)
+    if not isinstance(raw, dict):
+        raise DsxConfigError("a DeepSpeed config must be a JSON object")
+    section = raw.pop(DSX_KEY, None)
+    return raw, parse_dsx_config(section)

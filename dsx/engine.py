@@ -1,0 +1,136 @@
+"""``dsx.initialize``: ``deepspeed.initialize`` plus the dsx features its config turns on."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import deepspeed
+import torch
+
+from dsx.config import DsxConfig, DsxConfigError, split_config
+from dsx.runtime.scheduler import Scheduler
+
+__all__ = ["DsxRuntime", "initialize", "runtime_of"]
+
+logger = logging.getLogger("dsx")
+
+# Each feature lives in its own package and exposes ``attach(engine, section, runtime) -> handle`` whose
+# handle has ``close()``. Imported only when its section is enabled, so a missing optional dependency of one
+# feature never breaks another.
+_FEATURES: dict[str, str] = {
+    "activation_offload": "dsx.offload",
+    "unified": "dsx.direct",
+    "rgnn": "dsx.rgnn",
+}
+
+
+@dataclass
+class DsxRuntime:
+    """What dsx attached to one DeepSpeed engine; reachable as ``engine.dsx``."""
+
+    config: DsxConfig
+    scheduler: Scheduler | None = None
+    features: dict[str, Any] = field(default_factory=dict)
+
+    def close(self) -> None:
+        """Detach features (hooks, files, shared segments) and stop the I/O workers."""
+        errors: list[BaseException] = []
+        for handle in reversed(list(self.features.values())):
+            try:
+                handle.close()
+            except BaseException as exc:  # keep closing the rest, then re-raise the first
+                errors.append(exc)
+        self.features.clear()
+        if self.scheduler is not None:
+            self.scheduler.close()
+        if errors:
+            raise errors[0]
+
+
+def runtime_of(engine: Any) -> DsxRuntime | None:
+    """The :class:`DsxRuntime` attached to ``engine`` by :func:`initialize`, or None for plain DeepSpeed."""
+    return getattr(engine, "dsx", None)
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    if config is not None and config_params is not None:
+        raise DsxConfigError("give either config or config_params, not both (as deepspeed.initialize)")
+    src = config if config is not None else config_params
+    if src is None and args is not None:
+        src = getattr(args, "deepspeed_config", None)
+        if src is None and getattr(args, "deepscale_config", None) is not None:
+            src = args.deepscale_config
+    if src is None:
+        raise DsxConfigError(
+            "no DeepSpeed config: pass config=<path or dict>, or args with --deepspeed_config <path>"
+        )
+    return src
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    mesh_param: Any = None,
+    config_params: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+) -> tuple[Any, Any, Any, Any]:
+    """Same arguments and return value as :func:`deepspeed.initialize`.
+
+    The ``"dsx"`` section of the config (a path or a dict, or ``args.deepspeed_config``) is validated
+    before DeepSpeed starts; DeepSpeed receives the config without it. Without a ``"dsx"`` section, or with
+    every feature disabled, the result is exactly what ``deepspeed.initialize`` returns. Otherwise the
+    engine gains an ``engine.dsx`` :class:`DsxRuntime`.
+    """
+    ds_config, dsx_config = split_config(_config_source(args, config, config_params))
+    if args is not None and hasattr(args, "deepspeed_config"):
+        # DeepSpeed re-reads args.deepspeed_config when config is None; we always pass the dict instead.
+        args.deepspeed_config = None
+    engine, opt, loader, sched = deepspeed.initialize(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        distributed_port=distributed_port,
+        mpu=mpu,
+        dist_init_required=dist_init_required,
+        collate_fn=collate_fn,
+        config=ds_config,
+        mesh_param=mesh_param,
+    )
+    if dsx_config.any_enabled:
+        engine.dsx = attach(engine, dsx_config)
+    return engine, opt, loader, sched
+
+
+def attach(engine: Any, dsx_config: DsxConfig) -> DsxRuntime:
+    """Attach the enabled dsx features to an existing engine (used by :func:`initialize`)."""
+    device = getattr(engine, "device", None)
+    device = torch.device(device) if device is not None else None
+    runtime = DsxRuntime(config=dsx_config, scheduler=Scheduler(dsx_config.scheduler, device=device))
+    try:
+        for name, module_name in _FEATURES.items():
+            section = getattr(dsx_config, name)
+            if not section.enabled:
+                continue
+            module = importlib.import_module(module_name)
+            runtime.features[name] = module.attach(engine, section, runtime)
+            logger.info("dsx: %s attached", name)
+    except BaseException:
+        runtime.close()
+        raise
+    return runtime

@@ -1,0 +1,89 @@
+"""One scheduler per rank: it owns the side streams and the I/O worker threads.
+
+Work items are submitted with the point by which they must be done (a label such as ``"bwd:layer3"``);
+the consumer waits on that label. Waiting is recorded as exposed stall time, the only time that the
+overlap failed to hide.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from dsx.config import SchedulerConfig
+from dsx.runtime.telemetry import StepTelemetry
+
+__all__ = ["Scheduler"]
+
+
+class Scheduler:
+    """Side streams, an I/O thread pool and per-step telemetry for one rank.
+
+    Parameters
+    ----------
+    config
+        The ``"dsx"."scheduler"`` section.
+    device
+        The rank's device; side streams exist only for CUDA devices (on CPU, copies run on the I/O threads).
+    """
+
+    def __init__(self, config: SchedulerConfig | None = None, device: torch.device | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        self.device = device or (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
+        self.telemetry = StepTelemetry(keep_events=self.config.trace_path is not None)
+        self._pool = ThreadPoolExecutor(max_workers=self.config.io_workers, thread_name_prefix="dsx-io")
+        self._streams: dict[str, Any] = {}
+        self._pending: dict[str, list[Future[Any]]] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------ streams
+    def stream(self, name: str) -> torch.cuda.Stream | None:
+        """A named side stream on this rank's GPU (created once), or None on CPU."""
+        if self.device.type != "cuda":
+            return None
+        if name not in self._streams:
+            self._streams[name] = torch.cuda.Stream(device=self.device)
+        return self._streams[name]
+
+    # --------------------------------------------------------------------------------------------- work
+    def submit(self, fn: Callable[..., Any], *args: Any, deadline: str | None = None, **kwargs: Any) -> Future[Any]:
+        """Run ``fn`` on an I/O thread; if ``deadline`` is given, :meth:`wait` on it joins this item."""
+        if self._closed:
+            raise RuntimeError("dsx scheduler is closed; submit work before engine.dsx.close()")
+        fut = self._pool.submit(fn, *args, **kwargs)
+        if deadline is not None:
+            self._pending.setdefault(deadline, []).append(fut)
+        return fut
+
+    def wait(self, deadline: str) -> None:
+        """Block until every item due at ``deadline`` is done; the blocked time counts as stall."""
+        futs = self._pending.pop(deadline, [])
+        if not futs:
+            return
+        t0 = time.perf_counter()
+        for fut in futs:
+            fut.result()  # re-raises the worker's exception here, on the compute thread
+        t1 = time.perf_counter()
+        self.telemetry.add_stall(t0, t1, deadline)
+
+    def wait_all(self) -> None:
+        for key in list(self._pending):
+            self.wait(key)
+
+    def end_step(self) -> None:
+        self.telemetry.end_step()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait_all()
+        finally:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,96 @@
+"""Per-step counters the scheduler keeps: compute, transfer, exposed stall, bytes per tier."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["StepTelemetry", "StepRecord"]
+
+
+@dataclass
+class StepRecord:
+    """What one training step cost and moved."""
+
+    step: int
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+    stall_s: float = 0.0
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    events: list[tuple[str, str, float, float]] = field(default_factory=list)  # (lane, name, t0, t1)
+
+    def as_scalars(self) -> dict[str, float]:
+        out = {"compute_s": self.compute_s, "transfer_s": self.transfer_s, "stall_s": self.stall_s}
+        for tier, n in self.bytes_by_tier.items():
+            out[f"bytes_{tier}"] = float(n)
+        return out
+
+
+class StepTelemetry:
+    """Thread-safe accumulator; I/O threads add transfer time and bytes, the compute thread adds stalls.
+
+    Times are wall-clock seconds from :func:`time.perf_counter`; transfer time summed over I/O threads can
+    exceed the step time when transfers overlap each other.
+    """
+
+    def __init__(self, keep_events: bool = False) -> None:
+        self._lock = threading.Lock()
+        self._keep_events = keep_events
+        self._step = 0
+        self._t_step = time.perf_counter()
+        self._cur = StepRecord(step=0)
+        self._bytes: dict[str, int] = defaultdict(int)
+        self.history: list[StepRecord] = []
+
+    @property
+    def current(self) -> StepRecord:
+        return self._cur
+
+    def add_transfer(self, tier: str, nbytes: int, t0: float, t1: float, name: str = "") -> None:
+        with self._lock:
+            self._cur.transfer_s += t1 - t0
+            self._bytes[tier] += nbytes
+            if self._keep_events:
+                self._cur.events.append((f"io:{tier}", name or tier, t0, t1))
+
+    def add_stall(self, t0: float, t1: float, name: str = "wait") -> None:
+        with self._lock:
+            self._cur.stall_s += t1 - t0
+            if self._keep_events:
+                self._cur.events.append(("compute", f"stall:{name}", t0, t1))
+
+    def add_event(self, lane: str, name: str, t0: float, t1: float) -> None:
+        if self._keep_events:
+            with self._lock:
+                self._cur.events.append((lane, name, t0, t1))
+
+    def end_step(self) -> StepRecord:
+        """Close the current step; compute time is the step's wall time less the exposed stall."""
+        now = time.perf_counter()
+        with self._lock:
+            rec = self._cur
+            rec.compute_s = max(0.0, (now - self._t_step) - rec.stall_s)
+            rec.bytes_by_tier = dict(self._bytes)
+            self.history.append(rec)
+            self._step += 1
+            self._cur = StepRecord(step=self._step)
+            self._bytes = defaultdict(int)
+            self._t_step = now
+        return rec
+
+    def summary(self) -> dict[str, Any]:
+        steps = self.history[1:] or self.history  # the first step profiles and warms up
+        if not steps:
+            return {}
+        n = len(steps)
+        tiers = sorted({t for r in steps for t in r.bytes_by_tier})
+        return {
+            "steps": n,
+            "compute_s": sum(r.compute_s for r in steps) / n,
+            "transfer_s": sum(r.transfer_s for r in steps) / n,
+            "stall_s": sum(r.stall_s for r in steps) / n,
+            "bytes_by_tier": {t: sum(r.bytes_by_tier.get(t, 0) for r in steps) / n for t in tiers},
+        }
