@@ -166,7 +166,12 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
 def _fmt_loc(loc: tuple[Any, ...]) -> str:
     out = DSX_KEY
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.isascii() and part.isidentifier():
+            out += f".{part}"
+        else:  # keys that are not identifiers are shown quoted, so that the path stays unambiguous
+            out += f"[{json.dumps(part)}]"
     return out
 
 
@@ -187,7 +192,9 @@ def _allowed(err: dict[str, Any]) -> str:
     if kind == "literal_error":
         return f"one of {ctx.get('expected')}"
     if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        sign = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
+        sign = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[
+            kind
+        ]
         bound = next(iter(ctx.values()))
         return f"a number {sign} {bound}"
     if kind in ("value_error", "assertion_error"):
@@ -202,7 +209,9 @@ def _format_errors(exc: ValidationError) -> str:
     for err in exc.errors(include_url=False):
         loc = tuple(err["loc"])
         # Union members add their own loc part ("float", "none", "list[...]"); drop those for the path.
-        loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in {"float", "none", "int"})))
+        loc = tuple(
+            p for p in loc if not (isinstance(p, str) and ("[" in p or p in {"float", "none", "int"}))
+        )
         if err["type"] == "extra_forbidden":
             model = _model_at(loc[:-1])
             valid = ", ".join(model.model_fields) if model is not None else "?"

@@ -8,7 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["StepTelemetry", "StepRecord"]
+__all__ = ["StepRecord", "StepTelemetry"]
 
 
 @dataclass

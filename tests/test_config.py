@@ -1,0 +1,168 @@
+"""The "dsx" section: every bad key or value fails at start-up naming the key path, the value and what is allowed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsx.config import DsxConfig, DsxConfigError, parse_dsx_config, split_config
+
+
+def _err(section: object) -> str:
+    with pytest.raises(DsxConfigError) as info:
+        parse_dsx_config(section)
+    return str(info.value)
+
+
+def test_absent_section_is_all_off() -> None:
+    cfg = parse_dsx_config(None)
+    assert isinstance(cfg, DsxConfig) and not cfg.any_enabled
+    ds, cfg2 = split_config({"train_batch_size": 4})
+    assert ds == {"train_batch_size": 4} and not cfg2.any_enabled
+
+
+def test_split_removes_dsx_and_does_not_touch_input() -> None:
+    raw = {"train_batch_size": 4, "dsx": {"rgnn": {"enabled": True}}}
+    ds, cfg = split_config(raw)
+    assert "dsx" not in ds and "dsx" in raw
+    assert cfg.rgnn.enabled and cfg.any_enabled
+
+
+def test_unknown_key_lists_valid_keys() -> None:
+    msg = _err({"activation_offload": {"enabled": True, "tierz": ["host"]}})
+    assert "dsx.activation_offload.tierz: unknown key" in msg
+    for valid in ("tiers", "ssd_path", "memory_budget_gb", "policy", "io_backend"):
+        assert valid in msg
+    msg = _err({"offload": {}})
+    assert "dsx.offload: unknown key" in msg and "activation_offload, unified, rgnn, scheduler" in msg
+
+
+@pytest.mark.parametrize(
+    ("section", "path", "value", "allowed"),
+    [
+        ({"unified": {"enabled": "yes"}}, "dsx.unified.enabled", '"yes"', "true or false"),
+        ({"scheduler": {"io_workers": 2.5}}, "dsx.scheduler.io_workers", "2.5", "an integer"),
+        ({"activation_offload": {"policy": "fast"}}, "dsx.activation_offload.policy", '"fast"', "'auto'"),
+        (
+            {"activation_offload": {"tiers": ["host", "disk"]}},
+            "dsx.activation_offload.tiers[1]",
+            '"disk"',
+            "'ssd'",
+        ),
+        ({"rgnn": {"precision": 16}}, "dsx.rgnn.precision", "16", "'fp32'"),
+    ],
+)
+def test_wrong_type_or_choice(section: dict, path: str, value: str, allowed: str) -> None:
+    msg = _err(section)
+    line = next(ln for ln in msg.splitlines() if path in ln)
+    assert f"value {value}" in line and allowed in line
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("host_pool_gb", -1), ("ssd_capacity_gb", -0.5), ("memory_budget_gb", -2), ("min_tensor_bytes", -4096)],
+)
+def test_negative_sizes(key: str, value: float) -> None:
+    msg = _err({"activation_offload": {key: value}})
+    assert f"dsx.activation_offload.{key}: value {value}" in msg and ">= 0" in msg
+
+
+def test_missing_directory(tmp_path) -> None:
+    missing = tmp_path / "nope"
+    msg = _err({"activation_offload": {"ssd_path": str(missing)}})
+    assert "dsx.activation_offload.ssd_path" in msg and str(missing) in msg and "does not exist" in msg
+
+
+def test_path_is_a_file(tmp_path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert "is not a directory" in _err({"unified": {"shared_memory_dir": str(f)}})
+
+
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root can write to any directory; permission bits do not bind it"
+)
+def test_unwritable_directory(tmp_path) -> None:
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    assert "not writable" in _err({"activation_offload": {"ssd_path": str(d)}})
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="covered by test_unwritable_directory for non-root users")
+def test_unwritable_directory_as_root(tmp_path) -> None:
+    # Root may write anywhere except on a read-only filesystem, so mount a tiny read-only tmpfs.
+    d = tmp_path / "ro"
+    d.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        assert "not writable" in _err({"activation_offload": {"ssd_path": str(d)}})
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
+
+
+def test_ssd_tier_needs_path() -> None:
+    msg = _err({"activation_offload": {"enabled": True, "tiers": ["ssd"]}})
+    assert "ssd_path is not set" in msg
+
+
+def test_section_not_an_object() -> None:
+    assert "expected an object" in _err([1, 2])
+
+
+def test_config_file_errors(tmp_path) -> None:
+    with pytest.raises(DsxConfigError, match="does not exist"):
+        split_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(DsxConfigError, match="not valid JSON"):
+        split_config(bad)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"train_batch_size": 2, "dsx": {"scheduler": {"enabled": True}}}))
+    ds, cfg = split_config(good)
+    assert ds == {"train_batch_size": 2} and cfg.scheduler.enabled
+
+
+_LINE = re.compile(
+    r'^  dsx(\.[A-Za-z_]\w*|\[\d+\]|\["(?:[^"\\]|\\.)*"\])*: (unknown key; valid keys here are: .+|value .+ is not allowed; expected .+)$'
+)
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3)
+    ),
+    max_leaves=12,
+)
+_keys = st.sampled_from(
+    ["activation_offload", "unified", "rgnn", "scheduler", "enabled", "tiers", "policy", "io_backend",
+     "host_pool_gb", "memory_budget_gb", "ssd_path", "precision", "io_workers", "max_gather_sms", "bogus"]
+)  # fmt: skip
+_section = st.dictionaries(_keys, _json | st.dictionaries(_keys, _json, max_size=4), max_size=4)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(section=_section | _json)
+def test_random_json_gives_only_config_errors(section: object) -> None:
+    try:
+        parse_dsx_config(section)
+    except DsxConfigError as exc:
+        lines = str(exc).splitlines()
+        assert lines[0] == "invalid dsx config:"
+        for line in lines[1:]:
+            assert _LINE.match(line), line

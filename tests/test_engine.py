@@ -1,0 +1,76 @@
+"""dsx.initialize: a real DeepSpeed engine, plus the dsx runtime when a section is enabled."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+import dsx
+from dsx.config import DsxConfigError
+
+BASE = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+    "zero_optimization": {"stage": 0},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_rank_env() -> None:
+    mp = pytest.MonkeyPatch()
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        mp.setenv(k, v)
+    from tests.harness import free_port
+
+    mp.setenv("MASTER_PORT", str(free_port()))
+    yield
+    mp.undo()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+
+
+def test_bad_section_fails_before_deepspeed_starts() -> None:
+    with pytest.raises(DsxConfigError, match=r"dsx\.rgnn\.precison: unknown key"):
+        dsx.initialize(model=_model(), config={**BASE, "dsx": {"rgnn": {"precison": "tf32"}}})
+
+
+def test_no_config_is_a_clear_error() -> None:
+    with pytest.raises(DsxConfigError, match="no DeepSpeed config"):
+        dsx.initialize(model=_model())
+
+
+def test_scheduler_section_attaches_runtime(tmp_path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**BASE, "dsx": {"scheduler": {"enabled": True, "io_workers": 2}}}))
+    args = argparse.Namespace(deepspeed_config=str(path), local_rank=0)
+    model = _model()
+    engine, _, _, _ = dsx.initialize(args=args, model=model, model_parameters=model.parameters())
+    rt = dsx.runtime_of(engine)
+    assert rt is not None and rt.scheduler is not None and rt.config.scheduler.io_workers == 2
+    # The runtime's I/O workers really run work and surface its errors on the compute thread.
+    fut = rt.scheduler.submit(lambda a, b: a + b, 2, 3, deadline="step0")
+    rt.scheduler.wait("step0")
+    assert fut.result() == 5
+    rt.scheduler.submit(lambda: 1 / 0, deadline="step1")
+    with pytest.raises(ZeroDivisionError):
+        rt.scheduler.wait("step1")
+    x = torch.randn(4, 8)
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    rt.close()
+    with pytest.raises(RuntimeError, match="scheduler is closed"):
+        rt.scheduler.submit(print)
+
+
+def test_without_dsx_section_no_runtime() -> None:
+    model = _model()
+    engine, _, _, _ = dsx.initialize(model=model, model_parameters=model.parameters(), config=dict(BASE))
+    assert dsx.runtime_of(engine) is None
