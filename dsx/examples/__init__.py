@@ -1,0 +1,1 @@
+"""Runnable jobs behind ``examples/`` (``python -m dsx.examples.gpt``)."""

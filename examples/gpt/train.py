@@ -1,0 +1,6 @@
+"""Main job: GPT through dsx.initialize (see dsx/examples/gpt.py and docs/gpt.md)."""
+
+from dsx.examples.gpt import main
+
+if __name__ == "__main__":
+    main()
