@@ -1,0 +1,255 @@
+"""Emit the fused CSR edge kernels (forward and backward) for one ``EdgeSpec``.
+
+The kernels run one program per (destination node, head). The forward walks the destination's incoming
+edges in chunks of ``BLOCK_E`` (masked), forms each edge's logit from the spec (add / dot score, leaky ReLU,
+relation scale), keeps a running max and sum (online, max-stabilised softmax, as in flash attention) and
+accumulates ``alpha * msg`` vectorised over ``D``; it stores the output row and the per-(node, head)
+log-sum-exp. The backward recomputes alpha from that log-sum-exp (nothing of size ``E x H`` is saved) and
+uses ``delta = <out, dout>`` per (node, head) for the softmax Jacobian. Gradients of rows shared by edges are
+scattered with ``tl.atomic_add``.
+
+Only the code a spec needs is emitted: the argument lists, loads and gradient scatters follow the spec, and
+the generated module exports ``FWD_ARGS`` / ``BWD_ARGS`` (kernel pointer-argument names in order) so the
+launcher passes exactly those. All address arithmetic is int64: program ids are widened before use and the
+index arrays are int64.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dsx.rgnn.kernels.spec import EdgeSpec
+
+__all__ = ["generate_edge_kernel_source"]
+
+EMITTER_VERSION = 1
+_SUM = "tl.standard._sum_combine"
+_MAX = "tl.standard._elementwise_max"
+
+
+def _ind(lines: list[str], n: int) -> list[str]:
+    return [(" " * n + ln) if ln else ln for ln in lines]
+
+
+def _term_args(spec: EdgeSpec) -> list[str]:
+    args = []
+    if spec.has_logit:
+        args += ["src_row_ptr", "dst_row_ptr", "src_term_ptr", "dst_term_ptr"]
+    if spec.rel_scale:
+        args += ["edge_rel_ptr", "rel_scale_ptr"]
+    if spec.edge_weight:
+        args += ["edge_weight_ptr"]
+    return args
+
+
+def _chunk_prologue() -> list[str]:
+    return [
+        "offs_e = e0 + tl.arange(0, BLOCK_E)",
+        "e_mask = offs_e < end",
+        "rows = tl.load(msg_row_ptr + offs_e, mask=e_mask, other=0)",
+        "x_ptrs = msg_ptr + rows[:, None] * (H * D) + h * D + offs_d[None, :]",
+        "x_mask = e_mask[:, None] & d_mask[None, :]",
+        "x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)",
+    ]
+
+
+def _logit_lines(spec: EdgeSpec) -> list[str]:
+    """Compute ``s`` (final logit, [BLOCK_E]); keep ``raw`` (pre-activation) and ``act`` for backward."""
+    out = [
+        "srow = tl.load(src_row_ptr + offs_e, mask=e_mask, other=0)",
+        "drow = tl.load(dst_row_ptr + offs_e, mask=e_mask, other=0)",
+    ]
+    if spec.score == "add":
+        out += [
+            "ts = tl.load(src_term_ptr + srow * H + h, mask=e_mask, other=0.0).to(tl.float32)",
+            "td = tl.load(dst_term_ptr + drow * H + h, mask=e_mask, other=0.0).to(tl.float32)",
+            "raw = ts + td",
+        ]
+    else:  # dot
+        out += [
+            "p_mask = e_mask[:, None] & dp_mask[None, :]",
+            "ts_ptrs = src_term_ptr + srow[:, None] * (H * DP) + h * DP + offs_p[None, :]",
+            "td_ptrs = dst_term_ptr + drow[:, None] * (H * DP) + h * DP + offs_p[None, :]",
+            "ts = tl.load(ts_ptrs, mask=p_mask, other=0.0).to(tl.float32)",
+            "td = tl.load(td_ptrs, mask=p_mask, other=0.0).to(tl.float32)",
+            f"raw = tl.reduce(ts * td, 1, {_SUM})",
+        ]
+    if spec.leaky_relu_slope is not None:
+        out.append(f"act = tl.where(raw > 0, raw, raw * {spec.leaky_relu_slope!r})")
+    else:
+        out.append("act = raw")
+    if spec.rel_scale:
+        out += [
+            "rel = tl.load(edge_rel_ptr + offs_e, mask=e_mask, other=0)",
+            "sc = tl.load(rel_scale_ptr + rel * H + h, mask=e_mask, other=0.0).to(tl.float32)",
+            "s = act * sc",
+        ]
+    else:
+        out.append("s = act")
+    return out
+
+
+def _signature(name: str, ptr_args: list[str], spec: EdgeSpec) -> list[str]:
+    consts = ["H: tl.constexpr", "D: tl.constexpr"]
+    if spec.score == "dot":
+        consts.append("DP: tl.constexpr")
+    consts += ["BLOCK_E: tl.constexpr", "BLOCK_D: tl.constexpr"]
+    if spec.score == "dot":
+        consts.append("BLOCK_DP: tl.constexpr")
+    return ["@triton.jit", f"def {name}(", *_ind([a + "," for a in ptr_args + consts], 8), "):"]
+
+
+def _preamble(spec: EdgeSpec) -> list[str]:
+    out = [
+        "v = tl.program_id(0).to(tl.int64)  # destination node; int64 so v * (H * D) cannot overflow",
+        "h = tl.program_id(1).to(tl.int64)  # head",
+        "start = tl.load(dst_ptr + v)",
+        "end = tl.load(dst_ptr + v + 1)",
+        "offs_d = tl.arange(0, BLOCK_D)",
+        "d_mask = offs_d < D",
+    ]
+    if spec.score == "dot":
+        out += ["offs_p = tl.arange(0, BLOCK_DP)", "dp_mask = offs_p < DP"]
+    return out
+
+
+def _forward(spec: EdgeSpec) -> tuple[list[str], list[str]]:
+    args = ["dst_ptr", "msg_ptr", "msg_row_ptr", *_term_args(spec), "out_ptr"]
+    if spec.softmax:
+        args.append("lse_ptr")
+    body = [*_preamble(spec), "acc = tl.full([BLOCK_D], 0.0, tl.float32)"]
+    if spec.softmax:
+        body += [
+            "neg = tl.full([BLOCK_E], float('-inf'), tl.float32)",
+            f"m_i = tl.reduce(neg, 0, {_MAX})  # running max (scalar)",
+            f"l_i = tl.reduce(tl.full([BLOCK_E], 0.0, tl.float32), 0, {_SUM})  # running sum (scalar)",
+        ]
+    loop = _chunk_prologue()
+    if spec.has_logit:
+        loop += _logit_lines(spec)
+    if spec.edge_weight:
+        loop.append("w = tl.load(edge_weight_ptr + offs_e, mask=e_mask, other=0.0).to(tl.float32)")
+    if spec.softmax:
+        loop += [
+            "s = tl.where(e_mask, s, float('-inf'))",
+            f"m_new = tl.maximum(m_i, tl.reduce(s, 0, {_MAX}))  # finite: every chunk has an edge",
+            "corr = tl.exp(m_i - m_new)",
+            "p = tl.exp(s - m_new)",
+            f"l_i = l_i * corr + tl.reduce(p, 0, {_SUM})",
+            "a = p * w" if spec.edge_weight else "a = p",
+            f"acc = acc * corr + tl.reduce(a[:, None] * x, 0, {_SUM})",
+            "m_i = m_new",
+        ]
+    else:
+        if spec.has_logit:
+            loop.append("a = s * w" if spec.edge_weight else "a = s")
+            loop.append(f"acc += tl.reduce(a[:, None] * x, 0, {_SUM})")
+        elif spec.edge_weight:
+            loop.append(f"acc += tl.reduce(w[:, None] * x, 0, {_SUM})")
+        else:
+            loop.append(f"acc += tl.reduce(x, 0, {_SUM})")
+    body += ["for e0 in range(start, end, BLOCK_E):", *_ind(loop, 4)]
+    if spec.softmax:
+        body += [
+            "has = l_i > 0",
+            "l_safe = tl.where(has, l_i, 1.0)",
+            "acc = acc / l_safe",
+            "tl.store(lse_ptr + v * H + h, tl.where(has, m_i + tl.log(l_safe), 0.0))",
+        ]
+    body.append(
+        "tl.store(out_ptr + v * (H * D) + h * D + offs_d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)"
+    )
+    return args, _signature("edge_fwd_kernel", args, spec) + _ind(body, 4)
+
+
+def _backward(spec: EdgeSpec) -> tuple[list[str], list[str]]:
+    args = ["dst_ptr", "msg_ptr", "msg_row_ptr", *_term_args(spec), "gout_ptr", "dmsg_ptr"]
+    if spec.softmax:
+        args += ["out_ptr", "lse_ptr"]
+    if spec.has_logit:
+        args += ["dsrc_ptr", "ddst_ptr"]
+    if spec.rel_scale:
+        args.append("drel_scale_ptr")
+    if spec.edge_weight:
+        args.append("dweight_ptr")
+    body = [
+        *_preamble(spec),
+        "o_off = v * (H * D) + h * D + offs_d",
+        "go = tl.load(gout_ptr + o_off, mask=d_mask, other=0.0).to(tl.float32)",
+    ]
+    if spec.softmax:
+        body += [
+            "o = tl.load(out_ptr + o_off, mask=d_mask, other=0.0).to(tl.float32)",
+            f"delta = tl.reduce(o * go, 0, {_SUM})  # sum_e alpha_e <msg_e, dout> (softmax Jacobian term)",
+            "lse = tl.load(lse_ptr + v * H + h)",
+        ]
+    loop = [*_chunk_prologue(), f"xg = tl.reduce(x * go[None, :], 1, {_SUM})  # <msg_e, dout_v>"]
+    if spec.has_logit:
+        loop += _logit_lines(spec)
+    if spec.edge_weight:
+        loop.append("w = tl.load(edge_weight_ptr + offs_e, mask=e_mask, other=0.0).to(tl.float32)")
+    # Normalised score before the edge weight (p), alpha, and dL/ds.
+    if spec.softmax:
+        loop += ["p = tl.where(e_mask, tl.exp(s - lse), 0.0)"]
+        if spec.edge_weight:
+            loop += ["alpha = p * w", "ds = p * (w * xg - delta)"]
+        else:
+            loop += ["alpha = p", "ds = p * (xg - delta)"]
+    elif spec.has_logit:
+        loop += ["p = s"]
+        loop += ["alpha = s * w", "ds = w * xg"] if spec.edge_weight else ["alpha = s", "ds = xg"]
+    else:
+        loop += ["p = tl.where(e_mask, 1.0, 0.0)", "alpha = w" if spec.edge_weight else "alpha = p"]
+    if spec.edge_weight:
+        loop.append("tl.atomic_add(dweight_ptr + offs_e, p * xg, mask=e_mask)  # summed over heads")
+    loop.append("tl.atomic_add(dmsg_ptr + rows[:, None] * (H * D) + h * D + offs_d[None, :],")
+    loop.append("              alpha[:, None] * go[None, :], mask=x_mask)")
+    if spec.has_logit:
+        if spec.rel_scale:
+            loop += [
+                "tl.atomic_add(drel_scale_ptr + rel * H + h, ds * act, mask=e_mask)",
+                "dact = ds * sc",
+            ]
+        else:
+            loop.append("dact = ds")
+        if spec.leaky_relu_slope is not None:
+            loop.append(f"draw = tl.where(raw > 0, dact, dact * {spec.leaky_relu_slope!r})")
+        else:
+            loop.append("draw = dact")
+        if spec.score == "add":
+            loop += [
+                "tl.atomic_add(dsrc_ptr + srow * H + h, draw, mask=e_mask)",
+                "tl.atomic_add(ddst_ptr + drow * H + h, draw, mask=e_mask)",
+            ]
+        else:
+            loop += [
+                "tl.atomic_add(dsrc_ptr + srow[:, None] * (H * DP) + h * DP + offs_p[None, :],",
+                "              draw[:, None] * td, mask=p_mask)",
+                "tl.atomic_add(ddst_ptr + drow[:, None] * (H * DP) + h * DP + offs_p[None, :],",
+                "              draw[:, None] * ts, mask=p_mask)",
+            ]
+    body += ["for e0 in range(start, end, BLOCK_E):", *_ind(loop, 4)]
+    return args, _signature("edge_bwd_kernel", args, spec) + _ind(body, 4)
+
+
+def generate_edge_kernel_source(spec: EdgeSpec) -> str:
+    """Return the Triton source (forward + backward kernels) for ``spec`` as one importable module."""
+    fwd_args, fwd = _forward(spec)
+    bwd_args, bwd = _backward(spec)
+    lines = [
+        f'"""Generated by dsx.rgnn.codegen.edge (emitter v{EMITTER_VERSION}) for {spec!r}; do not edit."""',
+        "import triton",
+        "import triton.language as tl",
+        "",
+        f"FWD_ARGS = {fwd_args!r}",
+        f"BWD_ARGS = {bwd_args!r}",
+        "",
+        "",
+        *fwd,
+        "",
+        "",
+        *bwd,
+        "",
+    ]
+    return "\n".join(lines)
