@@ -259,3 +259,55 @@ def test_int64_offsets_past_2_31_cuda():
     ptr = torch.tensor([0, 128], device="cuda")
     got = gather_gemm(x, w, rows, ptr, backend="triton")
     _assert_close(got, x[rows] @ w[0], 1e-5, 1e-4, "int64 gather_gemm")
+
+
+def _ahead_of_time_compile(fn, ptr_args, consts, int_args=()):
+    """Compile a generated kernel for sm_90 without a GPU (Triton's full pipeline down to a cubin)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    index_names = (
+        "dst_ptr",
+        "edge_rel_ptr",
+        "a_idx_ptr",
+        "out_idx_ptr",
+        "rel_ptr_ptr",
+        "tile_rel_ptr",
+        "tile_row_ptr",
+    )
+    sig = {a: "*i64" if ("row" in a or a in index_names) else "*fp32" for a in ptr_args}
+    sig |= {a: "i32" for a in int_args} | {k: "constexpr" for k in consts}
+    return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.parametrize("name", ["rgcn_mean", "rgat", "dot_all"])
+def test_generated_edge_kernels_compile_for_sm90(name):
+    spec = SPECS[name]
+    mod = load_source(f"edge_{spec.key()}", generate_edge_kernel_source(spec), interpret=False)
+    consts = {"H": 2, "D": 64, "BLOCK_E": 16, "BLOCK_D": 64} | (
+        {"DP": 32, "BLOCK_DP": 32} if spec.score == "dot" else {}
+    )
+    for fn, args in ((mod.edge_fwd_kernel, mod.FWD_ARGS), (mod.edge_bwd_kernel, mod.BWD_ARGS)):
+        kernel = _ahead_of_time_compile(fn, args, consts)
+        ptx = kernel.asm["ptx"]
+        assert ".entry" in ptx and ("atom" in ptx or fn is mod.edge_fwd_kernel)
+
+
+def test_generated_gather_gemm_uses_tensor_cores_for_sm90():
+    for precision in ("tf32", "bf16"):
+        mod = load_source(f"gemm_{precision}", generate_gather_gemm_source(precision), interpret=False)
+        ptrs = [
+            "a_ptr",
+            "a_idx_ptr",
+            "w_ptr",
+            "out_ptr",
+            "out_idx_ptr",
+            "rel_ptr_ptr",
+            "tile_rel_ptr",
+            "tile_row_ptr",
+        ]
+        ints = ["K", "N", "R", "stride_am", "stride_wr", "stride_wk", "stride_wn", "stride_om"]
+        consts = {"GATHER_A": True, "SCATTER_OUT": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
+        ptx = _ahead_of_time_compile(mod.gather_gemm_kernel, ptrs, consts, ints).asm["ptx"]
+        assert "mma" in ptx, f"{precision}: no tensor-core instruction in the PTX"
