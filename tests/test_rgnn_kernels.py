@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,3 +312,16 @@ def test_generated_gather_gemm_uses_tensor_cores_for_sm90():
         consts = {"GATHER_A": True, "SCATTER_OUT": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
         ptx = _ahead_of_time_compile(mod.gather_gemm_kernel, ptrs, consts, ints).asm["ptx"]
         assert "mma" in ptx, f"{precision}: no tensor-core instruction in the PTX"
+
+
+@pytest.mark.slow
+def test_benchmark_quick_smoke(tmp_path):
+    import json
+    import runpy
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "bench_rgnn_kernels.py"))
+    result = bench["main"](["--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "bench_rgnn_kernels.json").read_text())
+    assert (tmp_path / "bench_rgnn_kernels.png").stat().st_size > 0
+    assert {r["spec"] for r in saved["edge"]} == {"rgcn_mean", "rgat", "hgt"}
+    assert all(r["fwd_GBps"] > 0 for r in result["edge"]) and len(saved["gemm"]) == 3
