@@ -72,15 +72,16 @@ def test_tile_map_covers_every_row_once():
     assert torch.equal(covered, torch.ones(400, dtype=torch.int64))
 
 
-def _edge_case(spec, backend, device, heads, dim, seed, num_dst=9, num_edges=50, dtype=torch.float32):
+def _edge_case(
+    spec, backend, device, heads, dim, seed, num_dst=9, num_edges=50, dtype=torch.float32, block_e=None
+):
     gen = torch.Generator().manual_seed(seed)
     dst_ptr, msg, rows, kw = edge_graph(spec, num_dst, 7, 4, num_edges, heads, dim, gen, dtype=dtype)
-    dst_ptr, msg, rows, kw = to_device((dst_ptr, msg, rows, kw), device) if False else (
-        dst_ptr.to(device), msg.to(device), rows.to(device), to_device(kw, device))  # fmt: skip
+    dst_ptr, msg, rows, kw = dst_ptr.to(device), msg.to(device), rows.to(device), to_device(kw, device)
     gout = torch.randn(num_dst, heads, dim, generator=gen).to(device, dtype)
     results = []
     for impl, cast in (
-        (lambda *a, **k: fused_edge(*a, backend=backend, **k), None),
+        (lambda *a, **k: fused_edge(*a, backend=backend, block_e=block_e, **k), None),
         (fused_edge_ref, torch.double),
     ):
         m = (msg if cast is None else msg.to(cast)).clone().requires_grad_()
@@ -98,11 +99,12 @@ def _edge_case(spec, backend, device, heads, dim, seed, num_dst=9, num_edges=50,
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-@pytest.mark.parametrize("heads,dim", [(1, 4), (2, 5), (2, 16)])
-def test_fused_edge_interpret_matches_reference(name, heads, dim):
+@pytest.mark.parametrize("heads,dim,block_e", [(1, 4, None), (2, 5, 4), (2, 16, 8), (3, 4, 2)])
+def test_fused_edge_interpret_matches_reference(name, heads, dim, block_e):
+    # block_e below the in-degrees (~8) runs the online softmax over several chunks per destination.
     spec = SPECS[name]
     dst_ptr, ((out, grads), (out_r, grads_r)) = _edge_case(
-        spec, "interpret", "cpu", heads, dim, seed=heads * 7 + dim
+        spec, "interpret", "cpu", heads, dim, seed=heads * 7 + dim, block_e=block_e
     )
     _assert_close(out.double(), out_r, 1e-5, 1e-5, f"{name} out")
     isolated = (dst_ptr[1:] == dst_ptr[:-1]).nonzero().flatten()
@@ -174,7 +176,7 @@ def test_generated_source_follows_spec_and_uses_int64_offsets():
     assert "raw * 0.2" in generate_edge_kernel_source(SPECS["rgat"])
     for src in (plain, hgt):
         # Program ids are widened before any address arithmetic; all index arrays are int64 tensors.
-        assert "v = tl.program_id(0).to(tl.int64)" in src and "h = tl.program_id(1).to(tl.int64)" in src
+        assert "v = tl.program_id(0).to(tl.int64)" in src and "rows[:, None, None] * (H * D)" in src
         for jit_helper in ("tl.sum(", "tl.max(", "tl.zeros(", "tl.cdiv("):
             assert jit_helper not in src, f"{jit_helper} cannot run in an interpreter started after import"
     for precision in ("fp32", "tf32", "bf16"):
@@ -222,11 +224,12 @@ def test_gather_gemm_cuda(precision, rtol, k, nout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(SPECS))
-@pytest.mark.parametrize("heads,dim", [(1, 64), (2, 32), (4, 5), (8, 128)])
+@pytest.mark.parametrize("heads,dim", [(1, 64), (2, 32), (3, 5), (8, 128)])
 def test_fused_edge_cuda(name, heads, dim):
+    # ~60 in-edges per destination: several BLOCK_E chunks per node on every configuration.
     spec = SPECS[name]
     _, ((out, grads), (out_r, grads_r)) = _edge_case(
-        spec, "triton", "cuda", heads, dim, seed=dim, num_dst=2000, num_edges=30000
+        spec, "triton", "cuda", heads, dim, seed=dim, num_dst=500, num_edges=30000
     )
     _assert_close(out.double().cpu(), out_r.cpu(), 1e-5, 1e-5, f"{name} out")
     for key, g in grads_r.items():
@@ -286,7 +289,7 @@ def _ahead_of_time_compile(fn, ptr_args, consts, int_args=()):
 def test_generated_edge_kernels_compile_for_sm90(name):
     spec = SPECS[name]
     mod = load_source(f"edge_{spec.key()}", generate_edge_kernel_source(spec), interpret=False)
-    consts = {"H": 2, "D": 64, "BLOCK_E": 16, "BLOCK_D": 64} | (
+    consts = {"H": 2, "D": 64, "BLOCK_E": 16, "BLOCK_H": 2, "BLOCK_D": 64} | (
         {"DP": 32, "BLOCK_DP": 32} if spec.score == "dot" else {}
     )
     for fn, args in ((mod.edge_fwd_kernel, mod.FWD_ARGS), (mod.edge_bwd_kernel, mod.BWD_ARGS)):

@@ -1,10 +1,12 @@
 """Emit the fused CSR edge kernels (forward and backward) for one ``EdgeSpec``.
 
-The kernels run one program per (destination node, head). The forward walks the destination's incoming
-edges in chunks of ``BLOCK_E`` (masked), forms each edge's logit from the spec (add / dot score, leaky ReLU,
-relation scale), keeps a running max and sum (online, max-stabilised softmax, as in flash attention) and
-accumulates ``alpha * msg`` vectorised over ``D``; it stores the output row and the per-(node, head)
-log-sum-exp. The backward recomputes alpha from that log-sum-exp (nothing of size ``E x H`` is saved) and
+The kernels run one program per destination node covering all heads: tiles are
+``[BLOCK_E, BLOCK_H, BLOCK_D]`` (edges x heads x features, heads and features padded to powers of two and
+masked), so an edge's message row (``H * D`` contiguous values) is one coalesced load. The forward walks the
+destination's incoming edges in chunks of ``BLOCK_E``, forms the logits ``[BLOCK_E, BLOCK_H]`` from the spec
+(add / dot score, leaky ReLU, relation scale), keeps a running max and sum per head (online, max-stabilised
+softmax, as in flash attention) and accumulates ``alpha * msg``; it stores the output row and the per-(node,
+head) log-sum-exp. The backward recomputes alpha from that log-sum-exp (nothing of size ``E x H`` is saved) and
 uses ``delta = <out, dout>`` per (node, head) for the softmax Jacobian. Gradients of rows shared by edges are
 scattered with ``tl.atomic_add``.
 
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["generate_edge_kernel_source"]
 
-EMITTER_VERSION = 1
+EMITTER_VERSION = 2
 _SUM = "tl.standard._sum_combine"
 _MAX = "tl.standard._elementwise_max"
 
@@ -48,32 +50,34 @@ def _chunk_prologue() -> list[str]:
         "offs_e = e0 + tl.arange(0, BLOCK_E)",
         "e_mask = offs_e < end",
         "rows = tl.load(msg_row_ptr + offs_e, mask=e_mask, other=0)",
-        "x_ptrs = msg_ptr + rows[:, None] * (H * D) + h * D + offs_d[None, :]",
-        "x_mask = e_mask[:, None] & d_mask[None, :]",
+        "eh_mask = e_mask[:, None] & h_mask[None, :]",
+        "x_ptrs = msg_ptr + rows[:, None, None] * (H * D) + offs_h[None, :, None] * D + offs_d[None, None, :]",
+        "x_mask = eh_mask[:, :, None] & d_mask[None, None, :]",
         "x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)",
     ]
 
 
 def _logit_lines(spec: EdgeSpec) -> list[str]:
-    """Compute ``s`` (final logit, [BLOCK_E]); keep ``raw`` (pre-activation) and ``act`` for backward."""
+    """Compute ``s`` (final logit, [BLOCK_E, BLOCK_H]); keep ``raw`` (pre-activation) and ``act`` for backward."""
     out = [
         "srow = tl.load(src_row_ptr + offs_e, mask=e_mask, other=0)",
         "drow = tl.load(dst_row_ptr + offs_e, mask=e_mask, other=0)",
     ]
     if spec.score == "add":
         out += [
-            "ts = tl.load(src_term_ptr + srow * H + h, mask=e_mask, other=0.0).to(tl.float32)",
-            "td = tl.load(dst_term_ptr + drow * H + h, mask=e_mask, other=0.0).to(tl.float32)",
+            "ts = tl.load(src_term_ptr + srow[:, None] * H + offs_h[None, :], mask=eh_mask, other=0.0).to(tl.float32)",
+            "td = tl.load(dst_term_ptr + drow[:, None] * H + offs_h[None, :], mask=eh_mask, other=0.0).to(tl.float32)",
             "raw = ts + td",
         ]
     else:  # dot
         out += [
-            "p_mask = e_mask[:, None] & dp_mask[None, :]",
-            "ts_ptrs = src_term_ptr + srow[:, None] * (H * DP) + h * DP + offs_p[None, :]",
-            "td_ptrs = dst_term_ptr + drow[:, None] * (H * DP) + h * DP + offs_p[None, :]",
+            "p_mask = eh_mask[:, :, None] & dp_mask[None, None, :]",
+            "hp = offs_h[None, :, None] * DP + offs_p[None, None, :]",
+            "ts_ptrs = src_term_ptr + srow[:, None, None] * (H * DP) + hp",
+            "td_ptrs = dst_term_ptr + drow[:, None, None] * (H * DP) + hp",
             "ts = tl.load(ts_ptrs, mask=p_mask, other=0.0).to(tl.float32)",
             "td = tl.load(td_ptrs, mask=p_mask, other=0.0).to(tl.float32)",
-            f"raw = tl.reduce(ts * td, 1, {_SUM})",
+            f"raw = tl.reduce(ts * td, 2, {_SUM})",
         ]
     if spec.leaky_relu_slope is not None:
         out.append(f"act = tl.where(raw > 0, raw, raw * {spec.leaky_relu_slope!r})")
@@ -82,7 +86,7 @@ def _logit_lines(spec: EdgeSpec) -> list[str]:
     if spec.rel_scale:
         out += [
             "rel = tl.load(edge_rel_ptr + offs_e, mask=e_mask, other=0)",
-            "sc = tl.load(rel_scale_ptr + rel * H + h, mask=e_mask, other=0.0).to(tl.float32)",
+            "sc = tl.load(rel_scale_ptr + rel[:, None] * H + offs_h[None, :], mask=eh_mask, other=0.0).to(tl.float32)",
             "s = act * sc",
         ]
     else:
@@ -94,7 +98,7 @@ def _signature(name: str, ptr_args: list[str], spec: EdgeSpec) -> list[str]:
     consts = ["H: tl.constexpr", "D: tl.constexpr"]
     if spec.score == "dot":
         consts.append("DP: tl.constexpr")
-    consts += ["BLOCK_E: tl.constexpr", "BLOCK_D: tl.constexpr"]
+    consts += ["BLOCK_E: tl.constexpr", "BLOCK_H: tl.constexpr", "BLOCK_D: tl.constexpr"]
     if spec.score == "dot":
         consts.append("BLOCK_DP: tl.constexpr")
     return ["@triton.jit", f"def {name}(", *_ind([a + "," for a in ptr_args + consts], 8), "):"]
@@ -103,11 +107,14 @@ def _signature(name: str, ptr_args: list[str], spec: EdgeSpec) -> list[str]:
 def _preamble(spec: EdgeSpec) -> list[str]:
     out = [
         "v = tl.program_id(0).to(tl.int64)  # destination node; int64 so v * (H * D) cannot overflow",
-        "h = tl.program_id(1).to(tl.int64)  # head",
         "start = tl.load(dst_ptr + v)",
         "end = tl.load(dst_ptr + v + 1)",
+        "offs_h = tl.arange(0, BLOCK_H)",
+        "h_mask = offs_h < H",
         "offs_d = tl.arange(0, BLOCK_D)",
         "d_mask = offs_d < D",
+        "hd_mask = h_mask[:, None] & d_mask[None, :]",
+        "o_off = v * (H * D) + offs_h[:, None] * D + offs_d[None, :]",
     ]
     if spec.score == "dot":
         out += ["offs_p = tl.arange(0, BLOCK_DP)", "dp_mask = offs_p < DP"]
@@ -118,35 +125,35 @@ def _forward(spec: EdgeSpec) -> tuple[list[str], list[str]]:
     args = ["dst_ptr", "msg_ptr", "msg_row_ptr", *_term_args(spec), "out_ptr"]
     if spec.softmax:
         args.append("lse_ptr")
-    body = [*_preamble(spec), "acc = tl.full([BLOCK_D], 0.0, tl.float32)"]
+    body = [*_preamble(spec), "acc = tl.full([BLOCK_H, BLOCK_D], 0.0, tl.float32)"]
     if spec.softmax:
         body += [
-            "neg = tl.full([BLOCK_E], float('-inf'), tl.float32)",
-            f"m_i = tl.reduce(neg, 0, {_MAX})  # running max (scalar)",
-            f"l_i = tl.reduce(tl.full([BLOCK_E], 0.0, tl.float32), 0, {_SUM})  # running sum (scalar)",
+            "m_i = tl.full([BLOCK_H], float('-inf'), tl.float32)  # running max per head",
+            "l_i = tl.full([BLOCK_H], 0.0, tl.float32)  # running sum per head",
         ]
     loop = _chunk_prologue()
     if spec.has_logit:
         loop += _logit_lines(spec)
     if spec.edge_weight:
-        loop.append("w = tl.load(edge_weight_ptr + offs_e, mask=e_mask, other=0.0).to(tl.float32)")
+        loop.append("w = tl.load(edge_weight_ptr + offs_e, mask=e_mask, other=0.0).to(tl.float32)[:, None]")
     if spec.softmax:
         loop += [
-            "s = tl.where(e_mask, s, float('-inf'))",
+            # Mask by edge only: padded heads see finite logits (0), so their max never stays -inf (no NaN).
+            "s = tl.where(e_mask[:, None], s, float('-inf'))",
             f"m_new = tl.maximum(m_i, tl.reduce(s, 0, {_MAX}))  # finite: every chunk has an edge",
             "corr = tl.exp(m_i - m_new)",
-            "p = tl.exp(s - m_new)",
+            "p = tl.exp(s - m_new[None, :])",
             f"l_i = l_i * corr + tl.reduce(p, 0, {_SUM})",
             "a = p * w" if spec.edge_weight else "a = p",
-            f"acc = acc * corr + tl.reduce(a[:, None] * x, 0, {_SUM})",
+            f"acc = acc * corr[:, None] + tl.reduce(a[:, :, None] * x, 0, {_SUM})",
             "m_i = m_new",
         ]
     else:
         if spec.has_logit:
             loop.append("a = s * w" if spec.edge_weight else "a = s")
-            loop.append(f"acc += tl.reduce(a[:, None] * x, 0, {_SUM})")
+            loop.append(f"acc += tl.reduce(a[:, :, None] * x, 0, {_SUM})")
         elif spec.edge_weight:
-            loop.append(f"acc += tl.reduce(w[:, None] * x, 0, {_SUM})")
+            loop.append(f"acc += tl.reduce(w[:, :, None] * x, 0, {_SUM})")
         else:
             loop.append(f"acc += tl.reduce(x, 0, {_SUM})")
     body += ["for e0 in range(start, end, BLOCK_E):", *_ind(loop, 4)]
@@ -154,12 +161,10 @@ def _forward(spec: EdgeSpec) -> tuple[list[str], list[str]]:
         body += [
             "has = l_i > 0",
             "l_safe = tl.where(has, l_i, 1.0)",
-            "acc = acc / l_safe",
-            "tl.store(lse_ptr + v * H + h, tl.where(has, m_i + tl.log(l_safe), 0.0))",
+            "acc = acc / l_safe[:, None]",
+            "tl.store(lse_ptr + v * H + offs_h, tl.where(has, m_i + tl.log(l_safe), 0.0), mask=h_mask)",
         ]
-    body.append(
-        "tl.store(out_ptr + v * (H * D) + h * D + offs_d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)"
-    )
+    body.append("tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=hd_mask)")
     return args, _signature("edge_fwd_kernel", args, spec) + _ind(body, 4)
 
 
@@ -173,42 +178,41 @@ def _backward(spec: EdgeSpec) -> tuple[list[str], list[str]]:
         args.append("drel_scale_ptr")
     if spec.edge_weight:
         args.append("dweight_ptr")
-    body = [
-        *_preamble(spec),
-        "o_off = v * (H * D) + h * D + offs_d",
-        "go = tl.load(gout_ptr + o_off, mask=d_mask, other=0.0).to(tl.float32)",
-    ]
+    body = [*_preamble(spec), "go = tl.load(gout_ptr + o_off, mask=hd_mask, other=0.0).to(tl.float32)"]
     if spec.softmax:
         body += [
-            "o = tl.load(out_ptr + o_off, mask=d_mask, other=0.0).to(tl.float32)",
-            f"delta = tl.reduce(o * go, 0, {_SUM})  # sum_e alpha_e <msg_e, dout> (softmax Jacobian term)",
-            "lse = tl.load(lse_ptr + v * H + h)",
+            "o = tl.load(out_ptr + o_off, mask=hd_mask, other=0.0).to(tl.float32)",
+            f"delta = tl.reduce(o * go, 1, {_SUM})  # per head: sum_e alpha_e <msg_e, dout> (softmax Jacobian)",
+            "lse = tl.load(lse_ptr + v * H + offs_h, mask=h_mask, other=0.0)",
         ]
-    loop = [*_chunk_prologue(), f"xg = tl.reduce(x * go[None, :], 1, {_SUM})  # <msg_e, dout_v>"]
+    loop = [*_chunk_prologue(), f"xg = tl.reduce(x * go[None, :, :], 2, {_SUM})  # <msg_e, dout_v> per head"]
     if spec.has_logit:
         loop += _logit_lines(spec)
     if spec.edge_weight:
-        loop.append("w = tl.load(edge_weight_ptr + offs_e, mask=e_mask, other=0.0).to(tl.float32)")
-    # Normalised score before the edge weight (p), alpha, and dL/ds.
+        loop.append("w = tl.load(edge_weight_ptr + offs_e, mask=e_mask, other=0.0).to(tl.float32)[:, None]")
+    # p: the normalised score before the edge weight; alpha = p * w; ds = dL/d(final logit).
     if spec.softmax:
-        loop += ["p = tl.where(e_mask, tl.exp(s - lse), 0.0)"]
+        loop += ["p = tl.where(eh_mask, tl.exp(s - lse[None, :]), 0.0)"]
         if spec.edge_weight:
-            loop += ["alpha = p * w", "ds = p * (w * xg - delta)"]
+            loop += ["alpha = p * w", "ds = p * (w * xg - delta[None, :])"]
         else:
-            loop += ["alpha = p", "ds = p * (xg - delta)"]
+            loop += ["alpha = p", "ds = p * (xg - delta[None, :])"]
     elif spec.has_logit:
         loop += ["p = s"]
         loop += ["alpha = s * w", "ds = w * xg"] if spec.edge_weight else ["alpha = s", "ds = xg"]
     else:
-        loop += ["p = tl.where(e_mask, 1.0, 0.0)", "alpha = w" if spec.edge_weight else "alpha = p"]
+        loop += ["p = tl.where(eh_mask, 1.0, 0.0)", "alpha = p * w" if spec.edge_weight else "alpha = p"]
     if spec.edge_weight:
-        loop.append("tl.atomic_add(dweight_ptr + offs_e, p * xg, mask=e_mask)  # summed over heads")
-    loop.append("tl.atomic_add(dmsg_ptr + rows[:, None] * (H * D) + h * D + offs_d[None, :],")
-    loop.append("              alpha[:, None] * go[None, :], mask=x_mask)")
+        # xg is 0 on padded heads and masked edges, so the head sum needs no extra mask; one atomic per edge.
+        loop.append(f"tl.atomic_add(dweight_ptr + offs_e, tl.reduce(p * xg, 1, {_SUM}), mask=e_mask)")
+    loop += [
+        "tl.atomic_add(dmsg_ptr + rows[:, None, None] * (H * D) + offs_h[None, :, None] * D + offs_d[None, None, :],",
+        "              alpha[:, :, None] * go[None, :, :], mask=x_mask)",
+    ]
     if spec.has_logit:
         if spec.rel_scale:
             loop += [
-                "tl.atomic_add(drel_scale_ptr + rel * H + h, ds * act, mask=e_mask)",
+                "tl.atomic_add(drel_scale_ptr + rel[:, None] * H + offs_h[None, :], ds * act, mask=eh_mask)",
                 "dact = ds * sc",
             ]
         else:
@@ -219,15 +223,13 @@ def _backward(spec: EdgeSpec) -> tuple[list[str], list[str]]:
             loop.append("draw = dact")
         if spec.score == "add":
             loop += [
-                "tl.atomic_add(dsrc_ptr + srow * H + h, draw, mask=e_mask)",
-                "tl.atomic_add(ddst_ptr + drow * H + h, draw, mask=e_mask)",
+                "tl.atomic_add(dsrc_ptr + srow[:, None] * H + offs_h[None, :], draw, mask=eh_mask)",
+                "tl.atomic_add(ddst_ptr + drow[:, None] * H + offs_h[None, :], draw, mask=eh_mask)",
             ]
         else:
             loop += [
-                "tl.atomic_add(dsrc_ptr + srow[:, None] * (H * DP) + h * DP + offs_p[None, :],",
-                "              draw[:, None] * td, mask=p_mask)",
-                "tl.atomic_add(ddst_ptr + drow[:, None] * (H * DP) + h * DP + offs_p[None, :],",
-                "              draw[:, None] * ts, mask=p_mask)",
+                "tl.atomic_add(dsrc_ptr + srow[:, None, None] * (H * DP) + hp, draw[:, :, None] * td, mask=p_mask)",
+                "tl.atomic_add(ddst_ptr + drow[:, None, None] * (H * DP) + hp, draw[:, :, None] * ts, mask=p_mask)",
             ]
     body += ["for e0 in range(start, end, BLOCK_E):", *_ind(loop, 4)]
     return args, _signature("edge_bwd_kernel", args, spec) + _ind(body, 4)

@@ -19,10 +19,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _block_e(block_d: int) -> int:
-    # About 1K elements per chunk: relational graphs have mean in-degrees near 5-30, so a larger chunk
-    # would mostly be masked lanes; 1K fp32 values per program keeps registers low and occupancy high.
-    return max(8, min(64, 1024 // block_d))
+def _block_e(block_hd: int) -> int:
+    # About 1-2K elements per chunk: relational graphs have mean in-degrees near 5-30, so a larger chunk
+    # would mostly be masked lanes; a small tile keeps registers low and occupancy high.
+    return max(4, min(64, 2048 // block_hd))
 
 
 def _module(spec: EdgeSpec, backend: str):
@@ -31,25 +31,38 @@ def _module(spec: EdgeSpec, backend: str):
     )
 
 
-def _consts(spec: EdgeSpec, heads: int, dim: int, dp: int) -> dict[str, int]:
-    block_d = _pow2(dim)
-    c = {"H": heads, "D": dim, "BLOCK_D": block_d, "BLOCK_E": _block_e(block_d)}
+def _consts(spec: EdgeSpec, heads: int, dim: int, dp: int, block_e: int | None) -> dict[str, int]:
+    block_h, block_d = _pow2(heads), _pow2(dim)
+    block_e = _block_e(block_h * block_d) if block_e is None else _pow2(block_e)
+    c = {"H": heads, "D": dim, "BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_E": block_e}
     if spec.score == "dot":
         c["DP"] = dp
         c["BLOCK_DP"] = _pow2(dp)
     return c
 
 
-def _launch_opts(backend: str, block_d: int, block_e: int) -> dict[str, int]:
+def _launch_opts(backend: str, consts: dict[str, int]) -> dict[str, int]:
     if backend == "interpret":
         return {}
-    return {"num_warps": 4 if block_d * block_e >= 2048 else 2}
+    tile = consts["BLOCK_E"] * consts["BLOCK_H"] * consts["BLOCK_D"]
+    return {"num_warps": 8 if tile >= 8192 else 4 if tile >= 2048 else 2}
 
 
 class _FusedEdge(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, spec, backend, dst_ptr, msg, edge_msg_row, idx, src_term, dst_term, rel_scale, edge_weight
+        ctx,
+        spec,
+        backend,
+        block_e,
+        dst_ptr,
+        msg,
+        edge_msg_row,
+        idx,
+        src_term,
+        dst_term,
+        rel_scale,
+        edge_weight,
     ):
         mod = _module(spec, backend)
         num_dst = dst_ptr.numel() - 1
@@ -65,11 +78,11 @@ class _FusedEdge(torch.autograd.Function):
             "lse_ptr": lse,
         }
         named.update(_term_tensors(idx, src_term, dst_term, rel_scale, edge_weight))
-        consts = _consts(spec, heads, dim, dp)
+        consts = _consts(spec, heads, dim, dp, block_e)
         if num_dst > 0:
-            mod.edge_fwd_kernel[(num_dst, heads)](
+            mod.edge_fwd_kernel[(num_dst,)](
                 *[named[a] for a in mod.FWD_ARGS], **consts,
-                **_launch_opts(backend, consts["BLOCK_D"], consts["BLOCK_E"]),
+                **_launch_opts(backend, consts),
             )  # fmt: skip
         ctx.spec, ctx.backend, ctx.consts = spec, backend, consts
         ctx.save_for_backward(
@@ -114,16 +127,16 @@ class _FusedEdge(torch.autograd.Function):
         }  # fmt: skip
         named.update(_term_tensors((i_src, i_dst, i_rel), src_term, dst_term, rel_scale, edge_weight))
         if num_dst > 0:
-            mod.edge_bwd_kernel[(num_dst, consts["H"])](
+            mod.edge_bwd_kernel[(num_dst,)](
                 *[named[a] for a in mod.BWD_ARGS], **consts,
-                **_launch_opts(backend, consts["BLOCK_D"], consts["BLOCK_E"]),
+                **_launch_opts(backend, consts),
             )  # fmt: skip
 
         def cast(g, like):
             return None if g is None or like is None else g.to(like.dtype)
 
         return (
-            None, None, None,
+            None, None, None, None,
             cast(grads["dmsg_ptr"], msg), None, None,
             cast(grads.get("dsrc_ptr"), src_term), cast(grads.get("ddst_ptr"), dst_term),
             cast(grads.get("drel_scale_ptr"), rel_scale), cast(grads.get("dweight_ptr"), edge_weight),
@@ -152,10 +165,12 @@ def fused_edge(
     rel_scale: torch.Tensor | None = None,
     edge_weight: torch.Tensor | None = None,
     backend: str | None = None,
+    block_e: int | None = None,
 ) -> torch.Tensor:
     """Edge softmax + aggregation over a destination-CSR; see :mod:`dsx.rgnn.kernels` for the contract.
 
-    Returns ``out [N_dst, H, D]`` in ``msg.dtype``. Forward reads each edge's message row once and writes
+    ``block_e`` (optional) sets the edge-chunk length (rounded up to a power of two); by default it is chosen
+    so that a chunk holds about 2K values of ``H * D``. Returns ``out [N_dst, H, D]`` in ``msg.dtype``. Forward reads each edge's message row once and writes
     one row per (node, head) plus, with softmax, one log-sum-exp float; backward recomputes alpha.
     """
     _check_edge_args(spec, dst_ptr, msg, edge_msg_row, edge_src_row, edge_dst_row, src_term, dst_term,
@@ -172,7 +187,7 @@ def fused_edge(
 
     idx = (c(edge_src_row), c(edge_dst_row), c(edge_rel))
     return _FusedEdge.apply(
-        spec, chosen, c(dst_ptr), c(msg), c(edge_msg_row), idx,
+        spec, chosen, block_e, c(dst_ptr), c(msg), c(edge_msg_row), idx,
         c(src_term), c(dst_term), c(rel_scale), c(edge_weight),
     )  # fmt: skip
 
