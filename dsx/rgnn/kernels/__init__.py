@@ -55,9 +55,12 @@ dst_term=None, edge_rel=None, rel_scale=None, edge_weight=None, backend=None) ->
 
 ``generate_edge_kernel_source(spec) -> str`` (re-exported from :mod:`dsx.rgnn.codegen`) shows the emitted code.
 
-Performance facts: the edge kernel runs one program per (destination, head), loops over incoming edges in
-chunks of ``BLOCK_E`` with masks and vectorises over ``D``; it reads each edge's message row once per
-forward (bytes ~ ``E * H * D * elem + indices``) and writes ``N_dst * H * (D + 1)`` values.
+``fused_edge`` also takes ``block_e=`` (edge-chunk length; default about 2K values of ``H * D`` per chunk).
+
+Performance facts: the edge kernel runs one program per destination covering all heads
+(``[BLOCK_E, BLOCK_H, BLOCK_D]`` tiles, padded to powers of two and masked), loops over incoming edges in
+chunks of ``BLOCK_E``; it reads each edge's message row (``H * D`` contiguous values) once per forward
+(bytes ~ ``E * H * D * elem + indices``) and writes ``N_dst * H * (D + 1)`` values. See docs/rgnn-kernels.md.
 """
 
 from __future__ import annotations
