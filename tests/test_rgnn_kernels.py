@@ -73,10 +73,20 @@ def test_tile_map_covers_every_row_once():
 
 
 def _edge_case(
-    spec, backend, device, heads, dim, seed, num_dst=9, num_edges=50, dtype=torch.float32, block_e=None
+    spec,
+    backend,
+    device,
+    heads,
+    dim,
+    seed,
+    num_dst=9,
+    num_edges=50,
+    dtype=torch.float32,
+    block_e=None,
+    num_src=7,
 ):
     gen = torch.Generator().manual_seed(seed)
-    dst_ptr, msg, rows, kw = edge_graph(spec, num_dst, 7, 4, num_edges, heads, dim, gen, dtype=dtype)
+    dst_ptr, msg, rows, kw = edge_graph(spec, num_dst, num_src, 4, num_edges, heads, dim, gen, dtype=dtype)
     dst_ptr, msg, rows, kw = dst_ptr.to(device), msg.to(device), rows.to(device), to_device(kw, device)
     gout = torch.randn(num_dst, heads, dim, generator=gen).to(device, dtype)
     results = []
@@ -229,11 +239,15 @@ def test_fused_edge_cuda(name, heads, dim):
     # ~60 in-edges per destination: several BLOCK_E chunks per node on every configuration.
     spec = SPECS[name]
     _, ((out, grads), (out_r, grads_r)) = _edge_case(
-        spec, "triton", "cuda", heads, dim, seed=dim, num_dst=500, num_edges=30000
+        spec, "triton", "cuda", heads, dim, seed=dim, num_dst=500, num_edges=30000, num_src=1500
     )
-    _assert_close(out.double().cpu(), out_r.cpu(), 1e-5, 1e-5, f"{name} out")
+    # fp32 sums of ~60 terms (outputs) and atomically accumulated gradients: tolerances scale with magnitude.
+    _assert_close(
+        out.double().cpu(), out_r.cpu(), 1e-5, 1e-5 * max(1.0, out_r.abs().max().item()), f"{name} out"
+    )
     for key, g in grads_r.items():
-        _assert_close(grads[key].double().cpu(), g.cpu(), 1e-4, 1e-4, f"{name} d{key}")
+        atol = 1e-4 * max(1.0, g.abs().max().item())
+        _assert_close(grads[key].double().cpu(), g.cpu(), 1e-4, atol, f"{name} d{key}")
 
 
 @pytest.mark.gpu
