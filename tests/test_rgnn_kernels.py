@@ -49,6 +49,27 @@ def test_gather_gemm_interpret_matches_reference(k, nout):
     _assert_close(dw, dw_r, 1e-5, 1e-5, "dw")
 
 
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+def test_empty_inputs(backend):
+    """No rows at all (every relation empty) and a graph without edges: zero outputs, zero gradients."""
+    x, w = torch.randn(4, 5, requires_grad=True), torch.randn(3, 5, 6, requires_grad=True)
+    out = gather_gemm(
+        x, w, torch.zeros(0, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), backend=backend
+    )
+    assert out.shape == (0, 6)
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.grad, torch.zeros_like(w))
+    spec = SPECS["hgt"]
+    msg = torch.randn(2, 2, 4, requires_grad=True)
+    none = torch.zeros(0, dtype=torch.int64)
+    kw = dict(edge_src_row=none, edge_dst_row=none, edge_rel=none, rel_scale=torch.rand(2, 2))
+    kw |= dict(src_term=torch.randn(2, 2, 3), dst_term=torch.randn(2, 2, 3))
+    out = fused_edge(spec, torch.zeros(6, dtype=torch.int64), msg, none, backend=backend, **kw)
+    assert out.shape == (5, 2, 4) and torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert torch.equal(msg.grad, torch.zeros_like(msg))
+
+
 def test_gather_gemm_reference_is_per_row_product():
     gen = torch.Generator().manual_seed(0)
     row_idx, rel_ptr = segments(4, 25, 10, gen)

@@ -70,7 +70,8 @@ class _GatherGemm(torch.autograd.Function):
         mod = _module(precision, backend)
         m, (num_rel, k, n) = row_idx.numel(), weight.shape
         out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-        tile_map = build_tile_map(rel_ptr, m, _BLOCK_M)
+        empty = torch.empty(0, dtype=torch.int64, device=x.device)
+        tile_map = build_tile_map(rel_ptr, m, _BLOCK_M) if m > 0 and num_rel > 0 else (empty, empty)
         if m > 0 and num_rel > 0:
             strides = (weight.stride(0), weight.stride(1), weight.stride(2))
             _launch_mm(mod, x, row_idx, strides, weight, out, row_idx, rel_ptr, tile_map, k, n, True, False)
