@@ -66,6 +66,18 @@ def _timer(device: torch.device, repeats: int):
     return run
 
 
+def _peak_mb(fn, device: torch.device) -> float | None:
+    """Peak memory allocated by ``fn`` above what was live before it (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def copy_ceiling_gbps(device: torch.device, nbytes: int, timeit) -> float:
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
@@ -133,7 +145,11 @@ def _bench_edge_spec(name, spec, args, device, backend, timeit, ceiling, peak, g
     with torch.no_grad():
         t_fwd = timeit(fwd)
         t_ref = timeit(lambda: fwd(fused_edge_ref))
+        want = fwd(fused_edge_ref)
+        torch.testing.assert_close(fwd(), want, rtol=1e-4, atol=1e-4 * max(1.0, want.abs().max().item()))
+        del want
     t_fb, t_fb_ref = timeit(fwd_bwd), timeit(lambda: fwd_bwd(fused_edge_ref))
+    peak, peak_ref = _peak_mb(fwd_bwd, device), _peak_mb(lambda: fwd_bwd(fused_edge_ref), device)
     nbytes = edge_bytes(spec, args.nodes, args.edges, heads, dim)
     gbps = nbytes / t_fwd / 1e9
     print(f"edge {name:10s} fwd {1e3 * t_fwd:8.3f} ms ({gbps:7.1f} GB/s, {gbps / ceiling:5.1%} of copy) "
@@ -144,6 +160,7 @@ def _bench_edge_spec(name, spec, args, device, backend, timeit, ceiling, peak, g
         "fwd_GBps": gbps, "fraction_of_copy": gbps / ceiling,
         "fraction_of_peak": None if peak is None else gbps / peak,
         "speedup_fwd": t_ref / t_fwd, "speedup_fwd_bwd": t_fb_ref / t_fb,
+        "fwd_bwd_peak_extra_MB": peak, "fwd_bwd_ref_peak_extra_MB": peak_ref,
     }  # fmt: skip
 
 
@@ -163,19 +180,33 @@ def _bench_gemm_precision(x, w, row_idx, rel_ptr, bounds, precision, backend, ti
     def loop():
         return torch.cat([xp[row_idx[bounds[r] : bounds[r + 1]]] @ wp[r] for r in range(num_rel)])
 
+    def kernel_fwd_bwd():
+        a, b = x.detach().requires_grad_(), w.detach().requires_grad_()
+        gather_gemm(a, b, row_idx, rel_ptr, precision=precision, backend=backend).sum().backward()
+
+    def loop_fwd_bwd():
+        a, b = xp.detach().requires_grad_(), wp.detach().requires_grad_()
+        torch.cat(
+            [a[row_idx[bounds[r] : bounds[r + 1]]] @ b[r] for r in range(num_rel)]
+        ).float().sum().backward()
+
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     try:
         with torch.no_grad():
             t_k = timeit(lambda: gather_gemm(x, w, row_idx, rel_ptr, precision=precision, backend=backend))
             t_l = timeit(loop)
+        t_kb, t_lb = timeit(kernel_fwd_bwd), timeit(loop_fwd_bwd)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     print(f"gemm dim {dim:4d} {precision}: kernel {1e3 * t_k:8.3f} ms ({flops / t_k / 1e12:6.2f} TFLOP/s) "
-          f"loop {1e3 * t_l:8.3f} ms ({flops / t_l / 1e12:6.2f})", flush=True)  # fmt: skip
+          f"loop {1e3 * t_l:8.3f} ms ({flops / t_l / 1e12:6.2f}) | fwd+bwd kernel {1e3 * t_kb:8.3f} ms "
+          f"loop {1e3 * t_lb:8.3f} ms", flush=True)  # fmt: skip
     return {"dim": dim, "precision": precision, "rows": m, "relations": num_rel,
             "kernel_ms": 1e3 * t_k, "loop_ms": 1e3 * t_l, "kernel_TFLOPs": flops / t_k / 1e12,
-            "loop_TFLOPs": flops / t_l / 1e12, "speedup": t_l / t_k}  # fmt: skip
+            "loop_TFLOPs": flops / t_l / 1e12, "speedup": t_l / t_k,
+            "kernel_fwd_bwd_ms": 1e3 * t_kb, "loop_fwd_bwd_ms": 1e3 * t_lb,
+            "fwd_bwd_TFLOPs": 3 * flops / t_kb / 1e12, "speedup_fwd_bwd": t_lb / t_kb}  # fmt: skip
 
 
 def bench_gemm(args, device, backend, timeit):
