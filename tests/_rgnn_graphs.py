@@ -22,11 +22,11 @@ def segments(num_rel: int, num_rows: int, num_src: int, gen: torch.Generator, em
 
 
 def edge_graph(spec: EdgeSpec, num_dst: int, num_src: int, num_rel: int, num_edges: int, heads: int, dim: int,
-               gen: torch.Generator, dp: int = 3, dtype=torch.float32):  # fmt: skip
+               gen: torch.Generator, dp: int = 3, dtype=torch.float32, node_dst: bool = False):  # fmt: skip
     """Edges sorted by destination with isolated destinations, duplicate edges and empty relations.
 
     Returns ``(dst_ptr, msg, edge_msg_row, kwargs)`` where ``msg`` is compact: one row per unique
-    (source, relation) pair.
+    (source, relation) pair. ``node_dst``: ``dst_term`` per destination node instead of per (node, relation).
     """
     used_dst = max(1, num_dst - 3)  # the last destinations stay isolated
     dst = torch.randint(0, used_dst, (num_edges,), generator=gen)
@@ -45,10 +45,13 @@ def edge_graph(spec: EdgeSpec, num_dst: int, num_src: int, num_rel: int, num_edg
     if spec.has_logit:
         # Terms indexed per edge by (source, relation) and (destination, relation) rows, as in RGAT / HGT.
         src_pair, kw["edge_src_row"] = torch.unique(src * num_rel + rel, return_inverse=True)
-        dst_pair, kw["edge_dst_row"] = torch.unique(dst * num_rel + rel, return_inverse=True)
         shape = (heads,) if spec.score == "add" else (heads, dp)
         kw["src_term"] = torch.randn(src_pair.numel(), *shape, generator=gen).to(dtype)
-        kw["dst_term"] = torch.randn(dst_pair.numel(), *shape, generator=gen).to(dtype)
+        if node_dst:  # dst_term indexed by the destination node itself (no edge_dst_row)
+            kw["dst_term"] = torch.randn(num_dst, *shape, generator=gen).to(dtype)
+        else:
+            dst_pair, kw["edge_dst_row"] = torch.unique(dst * num_rel + rel, return_inverse=True)
+            kw["dst_term"] = torch.randn(dst_pair.numel(), *shape, generator=gen).to(dtype)
     if spec.rel_scale:
         kw["edge_rel"] = rel
         kw["rel_scale"] = (torch.rand(num_rel, heads, generator=gen) + 0.5).to(dtype)
@@ -75,3 +78,5 @@ SPECS = {
     "dot_all": EdgeSpec(score="dot", leaky_relu_slope=0.1, rel_scale=True, edge_weight=True, softmax=True),
     "add_unnormalised": EdgeSpec(score="add", rel_scale=True, edge_weight=True),
 }
+
+LOGIT_SPECS = [name for name, spec in SPECS.items() if spec.has_logit]

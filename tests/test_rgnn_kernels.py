@@ -11,7 +11,7 @@ import torch
 from dsx.rgnn.codegen import generate_edge_kernel_source, generate_gather_gemm_source, load_source
 from dsx.rgnn.kernels import EdgeSpec, fused_edge, fused_edge_ref, gather_gemm, gather_gemm_ref
 from dsx.rgnn.kernels.gather_gemm import build_tile_map
-from tests._rgnn_graphs import SPECS, edge_graph, segments, to_device
+from tests._rgnn_graphs import LOGIT_SPECS, SPECS, edge_graph, segments, to_device
 
 GRAD_KEYS = ("src_term", "dst_term", "rel_scale", "edge_weight")
 
@@ -105,9 +105,12 @@ def _edge_case(
     dtype=torch.float32,
     block_e=None,
     num_src=7,
+    node_dst=False,
 ):
     gen = torch.Generator().manual_seed(seed)
-    dst_ptr, msg, rows, kw = edge_graph(spec, num_dst, num_src, 4, num_edges, heads, dim, gen, dtype=dtype)
+    dst_ptr, msg, rows, kw = edge_graph(
+        spec, num_dst, num_src, 4, num_edges, heads, dim, gen, dtype=dtype, node_dst=node_dst
+    )
     dst_ptr, msg, rows, kw = dst_ptr.to(device), msg.to(device), rows.to(device), to_device(kw, device)
     gout = torch.randn(num_dst, heads, dim, generator=gen).to(device, dtype)
     results = []
@@ -145,6 +148,19 @@ def test_fused_edge_interpret_matches_reference(name, heads, dim, block_e):
         _assert_close(grads[key].double(), g, 1e-5, 1e-5, f"{name} d{key}")
 
 
+@pytest.mark.parametrize("name", LOGIT_SPECS)
+@pytest.mark.parametrize("heads,dim,block_e", [(1, 4, None), (3, 5, 2)])
+def test_fused_edge_interpret_dst_term_per_node(name, heads, dim, block_e):
+    """edge_dst_row=None: dst_term indexed by destination (gradient summed in registers, no atomics)."""
+    spec = SPECS[name]
+    _, ((out, grads), (out_r, grads_r)) = _edge_case(
+        spec, "interpret", "cpu", heads, dim, seed=11 + dim, block_e=block_e, node_dst=True
+    )
+    _assert_close(out.double(), out_r, 1e-5, 1e-5, f"{name} out")
+    for key, g in grads_r.items():
+        _assert_close(grads[key].double(), g, 1e-5, 1e-5, f"{name} d{key}")
+
+
 def _naive_edge(spec, dst_ptr, msg, rows, kw):
     """Per-node, per-head loops written straight from the docstring: an independent check of the reference."""
     num_dst, (_, heads, dim) = dst_ptr.numel() - 1, msg.shape
@@ -157,7 +173,8 @@ def _naive_edge(spec, dst_ptr, msg, rows, kw):
                 if spec.score == "none":
                     logits.append(1.0)
                     continue
-                a, b = kw["src_term"][kw["edge_src_row"][e], h], kw["dst_term"][kw["edge_dst_row"][e], h]
+                d_row = kw["edge_dst_row"][e] if "edge_dst_row" in kw else v
+                a, b = kw["src_term"][kw["edge_src_row"][e], h], kw["dst_term"][d_row, h]
                 z = float(a + b) if spec.score == "add" else float((a * b).sum())
                 if spec.leaky_relu_slope is not None and z < 0:
                     z *= spec.leaky_relu_slope
@@ -176,10 +193,11 @@ def _naive_edge(spec, dst_ptr, msg, rows, kw):
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-def test_reference_matches_naive_loops(name):
+@pytest.mark.parametrize("node_dst", [False, True])
+def test_reference_matches_naive_loops(name, node_dst):
     spec = SPECS[name]
     gen = torch.Generator().manual_seed(3)
-    dst_ptr, msg, rows, kw = edge_graph(spec, 8, 6, 3, 30, 2, 3, gen)
+    dst_ptr, msg, rows, kw = edge_graph(spec, 8, 6, 3, 30, 2, 3, gen, node_dst=node_dst)
     got = fused_edge_ref(spec, dst_ptr, msg, rows, **kw)
     torch.testing.assert_close(got.double(), _naive_edge(spec, dst_ptr, msg, rows, kw), rtol=1e-5, atol=1e-5)
 
@@ -205,6 +223,9 @@ def test_generated_source_follows_spec_and_uses_int64_offsets():
     assert "src_term_ptr" not in plain and "lse_ptr" not in plain and "tl.exp" not in plain
     assert "rel_scale_ptr" in hgt and "lse_ptr" in hgt and "DP: tl.constexpr" in hgt
     assert "raw * 0.2" in generate_edge_kernel_source(SPECS["rgat"])
+    per_node = generate_edge_kernel_source(SPECS["hgt"], dst_term_per_node=True)
+    assert "dst_row_ptr" not in per_node and "atomic_add(ddst_ptr" not in per_node
+    assert "tl.store(ddst_ptr" in per_node and "atomic_add(ddst_ptr" in hgt
     for src in (plain, hgt):
         # Program ids are widened before any address arithmetic; all index arrays are int64 tensors.
         assert "v = tl.program_id(0).to(tl.int64)" in src and "rows[:, None, None] * (H * D)" in src
@@ -256,11 +277,21 @@ def test_gather_gemm_cuda(precision, rtol, k, nout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("heads,dim", [(1, 64), (2, 32), (3, 5), (8, 128)])
-def test_fused_edge_cuda(name, heads, dim):
+@pytest.mark.parametrize("node_dst", [False, True])
+def test_fused_edge_cuda(name, heads, dim, node_dst):
     # ~60 in-edges per destination: several BLOCK_E chunks per node on every configuration.
     spec = SPECS[name]
     _, ((out, grads), (out_r, grads_r)) = _edge_case(
-        spec, "triton", "cuda", heads, dim, seed=dim, num_dst=500, num_edges=30000, num_src=1500
+        spec,
+        "triton",
+        "cuda",
+        heads,
+        dim,
+        seed=dim,
+        num_dst=500,
+        num_edges=30000,
+        num_src=1500,
+        node_dst=node_dst,
     )
     # fp32 sums of ~60 terms (outputs) and atomically accumulated gradients: tolerances scale with magnitude.
     _assert_close(
@@ -320,10 +351,13 @@ def _ahead_of_time_compile(fn, ptr_args, consts, int_args=()):
     return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32))
 
 
-@pytest.mark.parametrize("name", ["rgcn_mean", "rgat", "dot_all"])
-def test_generated_edge_kernels_compile_for_sm90(name):
+@pytest.mark.parametrize(
+    "name,node_dst", [("rgcn_mean", False), ("rgat", True), ("dot_all", False), ("hgt", True)]
+)
+def test_generated_edge_kernels_compile_for_sm90(name, node_dst):
     spec = SPECS[name]
-    mod = load_source(f"edge_{spec.key()}", generate_edge_kernel_source(spec), interpret=False)
+    src = generate_edge_kernel_source(spec, dst_term_per_node=node_dst)
+    mod = load_source(f"edge_{spec.key()}_n{int(node_dst)}", src, interpret=False)
     consts = {"H": 2, "D": 64, "BLOCK_E": 16, "BLOCK_H": 2, "BLOCK_D": 64} | (
         {"DP": 32, "BLOCK_DP": 32} if spec.score == "dot" else {}
     )

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["generate_edge_kernel_source"]
 
-EMITTER_VERSION = 2
+EMITTER_VERSION = 3
 _SUM = "tl.standard._sum_combine"
 _MAX = "tl.standard._elementwise_max"
 
@@ -34,10 +34,10 @@ def _ind(lines: list[str], n: int) -> list[str]:
     return [(" " * n + ln) if ln else ln for ln in lines]
 
 
-def _term_args(spec: EdgeSpec) -> list[str]:
+def _term_args(spec: EdgeSpec, node_dst: bool) -> list[str]:
     args = []
     if spec.has_logit:
-        args += ["src_row_ptr", "dst_row_ptr", "src_term_ptr", "dst_term_ptr"]
+        args += ["src_row_ptr"] + ([] if node_dst else ["dst_row_ptr"]) + ["src_term_ptr", "dst_term_ptr"]
     if spec.rel_scale:
         args += ["edge_rel_ptr", "rel_scale_ptr"]
     if spec.edge_weight:
@@ -57,28 +57,38 @@ def _chunk_prologue() -> list[str]:
     ]
 
 
-def _logit_lines(spec: EdgeSpec) -> list[str]:
+def _logit_lines(spec: EdgeSpec, node_dst: bool) -> list[str]:
     """Compute ``s`` (final logit, [BLOCK_E, BLOCK_H]); keep ``raw`` (pre-activation) and ``act`` for backward."""
-    out = [
-        "srow = tl.load(src_row_ptr + offs_e, mask=e_mask, other=0)",
-        "drow = tl.load(dst_row_ptr + offs_e, mask=e_mask, other=0)",
-    ]
+    out = ["srow = tl.load(src_row_ptr + offs_e, mask=e_mask, other=0)"]
+    if not node_dst:
+        out.append("drow = tl.load(dst_row_ptr + offs_e, mask=e_mask, other=0)")
     if spec.score == "add":
-        out += [
-            "ts = tl.load(src_term_ptr + srow[:, None] * H + offs_h[None, :], mask=eh_mask, other=0.0).to(tl.float32)",
-            "td = tl.load(dst_term_ptr + drow[:, None] * H + offs_h[None, :], mask=eh_mask, other=0.0).to(tl.float32)",
-            "raw = ts + td",
-        ]
+        out.append(
+            "ts = tl.load(src_term_ptr + srow[:, None] * H + offs_h[None, :], mask=eh_mask, other=0.0).to(tl.float32)"
+        )
+        if node_dst:  # td [BLOCK_H] was loaded once per destination in the preamble
+            out.append("raw = ts + td[None, :]")
+        else:
+            out.append(
+                "td = tl.load(dst_term_ptr + drow[:, None] * H + offs_h[None, :], mask=eh_mask, other=0.0)"
+                ".to(tl.float32)"
+            )
+            out.append("raw = ts + td")
     else:  # dot
         out += [
             "p_mask = eh_mask[:, :, None] & dp_mask[None, None, :]",
             "hp = offs_h[None, :, None] * DP + offs_p[None, None, :]",
             "ts_ptrs = src_term_ptr + srow[:, None, None] * (H * DP) + hp",
-            "td_ptrs = dst_term_ptr + drow[:, None, None] * (H * DP) + hp",
             "ts = tl.load(ts_ptrs, mask=p_mask, other=0.0).to(tl.float32)",
-            "td = tl.load(td_ptrs, mask=p_mask, other=0.0).to(tl.float32)",
-            f"raw = tl.reduce(ts * td, 2, {_SUM})",
         ]
+        if node_dst:  # td [BLOCK_H, BLOCK_DP] was loaded once per destination in the preamble
+            out.append(f"raw = tl.reduce(ts * td[None, :, :], 2, {_SUM})")
+        else:
+            out += [
+                "td_ptrs = dst_term_ptr + drow[:, None, None] * (H * DP) + hp",
+                "td = tl.load(td_ptrs, mask=p_mask, other=0.0).to(tl.float32)",
+                f"raw = tl.reduce(ts * td, 2, {_SUM})",
+            ]
     if spec.leaky_relu_slope is not None:
         out.append(f"act = tl.where(raw > 0, raw, raw * {spec.leaky_relu_slope!r})")
     else:
@@ -104,7 +114,7 @@ def _signature(name: str, ptr_args: list[str], spec: EdgeSpec) -> list[str]:
     return ["@triton.jit", f"def {name}(", *_ind([a + "," for a in ptr_args + consts], 8), "):"]
 
 
-def _preamble(spec: EdgeSpec) -> list[str]:
+def _preamble(spec: EdgeSpec, node_dst: bool) -> list[str]:
     out = [
         "v = tl.program_id(0).to(tl.int64)  # destination node; int64 so v * (H * D) cannot overflow",
         "start = tl.load(dst_ptr + v)",
@@ -118,14 +128,22 @@ def _preamble(spec: EdgeSpec) -> list[str]:
     ]
     if spec.score == "dot":
         out += ["offs_p = tl.arange(0, BLOCK_DP)", "dp_mask = offs_p < DP"]
+    if node_dst and spec.score == "add":
+        out.append("td = tl.load(dst_term_ptr + v * H + offs_h, mask=h_mask, other=0.0).to(tl.float32)")
+    elif node_dst and spec.score == "dot":
+        out += [
+            "hp_mask = h_mask[:, None] & dp_mask[None, :]",
+            "td_off = v * (H * DP) + offs_h[:, None] * DP + offs_p[None, :]",
+            "td = tl.load(dst_term_ptr + td_off, mask=hp_mask, other=0.0).to(tl.float32)",
+        ]
     return out
 
 
-def _forward(spec: EdgeSpec) -> tuple[list[str], list[str]]:
-    args = ["dst_ptr", "msg_ptr", "msg_row_ptr", *_term_args(spec), "out_ptr"]
+def _forward(spec: EdgeSpec, node_dst: bool) -> tuple[list[str], list[str]]:
+    args = ["dst_ptr", "msg_ptr", "msg_row_ptr", *_term_args(spec, node_dst), "out_ptr"]
     if spec.softmax:
         args.append("lse_ptr")
-    body = [*_preamble(spec), "acc = tl.full([BLOCK_H, BLOCK_D], 0.0, tl.float32)"]
+    body = [*_preamble(spec, node_dst), "acc = tl.full([BLOCK_H, BLOCK_D], 0.0, tl.float32)"]
     if spec.softmax:
         body += [
             "m_i = tl.full([BLOCK_H], float('-inf'), tl.float32)  # running max per head",
@@ -133,7 +151,7 @@ def _forward(spec: EdgeSpec) -> tuple[list[str], list[str]]:
         ]
     loop = _chunk_prologue()
     if spec.has_logit:
-        loop += _logit_lines(spec)
+        loop += _logit_lines(spec, node_dst)
     if spec.edge_weight:
         loop.append("w = tl.load(edge_weight_ptr + offs_e, mask=e_mask, other=0.0).to(tl.float32)[:, None]")
     if spec.softmax:
@@ -168,8 +186,8 @@ def _forward(spec: EdgeSpec) -> tuple[list[str], list[str]]:
     return args, _signature("edge_fwd_kernel", args, spec) + _ind(body, 4)
 
 
-def _backward(spec: EdgeSpec) -> tuple[list[str], list[str]]:
-    args = ["dst_ptr", "msg_ptr", "msg_row_ptr", *_term_args(spec), "gout_ptr", "dmsg_ptr"]
+def _backward(spec: EdgeSpec, node_dst: bool) -> tuple[list[str], list[str]]:
+    args = ["dst_ptr", "msg_ptr", "msg_row_ptr", *_term_args(spec, node_dst), "gout_ptr", "dmsg_ptr"]
     if spec.softmax:
         args += ["out_ptr", "lse_ptr"]
     if spec.has_logit:
@@ -178,7 +196,16 @@ def _backward(spec: EdgeSpec) -> tuple[list[str], list[str]]:
         args.append("drel_scale_ptr")
     if spec.edge_weight:
         args.append("dweight_ptr")
-    body = [*_preamble(spec), "go = tl.load(gout_ptr + o_off, mask=hd_mask, other=0.0).to(tl.float32)"]
+    body = [
+        *_preamble(spec, node_dst),
+        "go = tl.load(gout_ptr + o_off, mask=hd_mask, other=0.0).to(tl.float32)",
+    ]
+    if node_dst and spec.score == "add":
+        body.append("gtd = tl.full([BLOCK_H], 0.0, tl.float32)  # d dst_term[v]: summed in registers")
+    elif node_dst and spec.score == "dot":
+        body.append(
+            "gtd = tl.full([BLOCK_H, BLOCK_DP], 0.0, tl.float32)  # d dst_term[v]: summed in registers"
+        )
     if spec.softmax:
         body += [
             "o = tl.load(out_ptr + o_off, mask=hd_mask, other=0.0).to(tl.float32)",
@@ -187,7 +214,7 @@ def _backward(spec: EdgeSpec) -> tuple[list[str], list[str]]:
         ]
     loop = [*_chunk_prologue(), f"xg = tl.reduce(x * go[None, :, :], 2, {_SUM})  # <msg_e, dout_v> per head"]
     if spec.has_logit:
-        loop += _logit_lines(spec)
+        loop += _logit_lines(spec, node_dst)
     if spec.edge_weight:
         loop.append("w = tl.load(edge_weight_ptr + offs_e, mask=e_mask, other=0.0).to(tl.float32)[:, None]")
     # p: the normalised score before the edge weight; alpha = p * w; ds = dL/d(final logit).
@@ -222,25 +249,45 @@ def _backward(spec: EdgeSpec) -> tuple[list[str], list[str]]:
         else:
             loop.append("draw = dact")
         if spec.score == "add":
-            loop += [
-                "tl.atomic_add(dsrc_ptr + srow[:, None] * H + offs_h[None, :], draw, mask=eh_mask)",
-                "tl.atomic_add(ddst_ptr + drow[:, None] * H + offs_h[None, :], draw, mask=eh_mask)",
-            ]
+            loop.append("tl.atomic_add(dsrc_ptr + srow[:, None] * H + offs_h[None, :], draw, mask=eh_mask)")
+            if node_dst:
+                loop.append(f"gtd += tl.reduce(tl.where(eh_mask, draw, 0.0), 0, {_SUM})")
+            else:
+                loop.append(
+                    "tl.atomic_add(ddst_ptr + drow[:, None] * H + offs_h[None, :], draw, mask=eh_mask)"
+                )
         else:
-            loop += [
-                "tl.atomic_add(dsrc_ptr + srow[:, None, None] * (H * DP) + hp, draw[:, :, None] * td, mask=p_mask)",
-                "tl.atomic_add(ddst_ptr + drow[:, None, None] * (H * DP) + hp, draw[:, :, None] * ts, mask=p_mask)",
-            ]
+            td = "td[None, :, :]" if node_dst else "td"
+            loop.append(
+                f"tl.atomic_add(dsrc_ptr + srow[:, None, None] * (H * DP) + hp, draw[:, :, None] * {td}, mask=p_mask)"
+            )
+            if node_dst:
+                loop.append(f"gtd += tl.reduce(draw[:, :, None] * ts, 0, {_SUM})  # ts is 0 on masked lanes")
+            else:
+                loop.append(
+                    "tl.atomic_add(ddst_ptr + drow[:, None, None] * (H * DP) + hp, draw[:, :, None] * ts, mask=p_mask)"
+                )
     body += ["for e0 in range(start, end, BLOCK_E):", *_ind(loop, 4)]
+    if node_dst and spec.score == "add":
+        body.append("tl.store(ddst_ptr + v * H + offs_h, gtd, mask=h_mask)  # one writer per row: no atomics")
+    elif node_dst and spec.score == "dot":
+        body.append("tl.store(ddst_ptr + td_off, gtd, mask=hp_mask)  # one writer per row: no atomics")
     return args, _signature("edge_bwd_kernel", args, spec) + _ind(body, 4)
 
 
-def generate_edge_kernel_source(spec: EdgeSpec) -> str:
-    """Return the Triton source (forward + backward kernels) for ``spec`` as one importable module."""
-    fwd_args, fwd = _forward(spec)
-    bwd_args, bwd = _backward(spec)
+def generate_edge_kernel_source(spec: EdgeSpec, *, dst_term_per_node: bool = False) -> str:
+    """Return the Triton source (forward + backward kernels) for ``spec`` as one importable module.
+
+    ``dst_term_per_node=True`` emits the variant where ``dst_term`` is indexed by the destination node itself
+    (no ``edge_dst_row``): it is loaded once per program and its gradient is summed in registers and stored
+    once per node, without atomics.
+    """
+    node_dst = bool(dst_term_per_node) and spec.has_logit
+    fwd_args, fwd = _forward(spec, node_dst)
+    bwd_args, bwd = _backward(spec, node_dst)
+    mode = " (dst_term per destination node)" if node_dst else ""
     lines = [
-        f'"""Generated by dsx.rgnn.codegen.edge (emitter v{EMITTER_VERSION}) for {spec!r}; do not edit."""',
+        f'"""Generated by dsx.rgnn.codegen.edge (emitter v{EMITTER_VERSION}) for {spec!r}{mode}; do not edit."""',
         "import triton",
         "import triton.language as tl",
         "",

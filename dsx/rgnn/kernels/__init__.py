@@ -38,7 +38,9 @@ dst_term=None, edge_rel=None, rel_scale=None, edge_weight=None, backend=None) ->
 
     * logit: ``"add"``: ``src_term[edge_src_row[e], h] + dst_term[edge_dst_row[e], h]`` (``[Ms, H]``,
       ``[Md, H]``; RGAT); ``"dot"``: ``sum_d src_term[edge_src_row[e], h, d] * dst_term[edge_dst_row[e], h, d]``
-      (``[Ms, H, D']``, ``[Md, H, D']``; HGT); then ``leaky_relu(slope)`` if a slope is given; then
+      (``[Ms, H, D']``, ``[Md, H, D']``; HGT). ``edge_dst_row=None`` means ``dst_term`` is indexed by the
+      destination node itself (``[N_dst, H]`` / ``[N_dst, H, D']``): that variant loads it once per node and
+      sums its gradient in registers (no atomics, deterministic). Then ``leaky_relu(slope)`` if a slope is given; then
       ``*= rel_scale[edge_rel[e], h]`` if ``spec.rel_scale`` (HGT's mu_r / sqrt(d)).
     * ``softmax=True``: ``alpha[e, h]`` = softmax of the logits over the incoming edges of each destination,
       computed online and max-stabilised in one pass; only the per-(node, head) log-sum-exp is kept for

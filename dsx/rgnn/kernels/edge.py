@@ -28,10 +28,9 @@ def _block_e(block_hd: int, num_edges: int, num_dst: int) -> int:
     return max(4, min(_pow2(mean_degree), max(4, 4096 // block_hd), 128))
 
 
-def _module(spec: EdgeSpec, backend: str):
-    return load_source(
-        f"edge_{spec.key()}", generate_edge_kernel_source(spec), interpret=backend == "interpret"
-    )
+def _module(spec: EdgeSpec, backend: str, node_dst: bool):
+    source = generate_edge_kernel_source(spec, dst_term_per_node=node_dst)
+    return load_source(f"edge_{spec.key()}_n{int(node_dst)}", source, interpret=backend == "interpret")
 
 
 def _consts(spec: EdgeSpec, heads: int, dim: int, dp: int, block_e: int | None, num_edges: int, num_dst: int):
@@ -68,7 +67,8 @@ class _FusedEdge(torch.autograd.Function):
         rel_scale,
         edge_weight,
     ):
-        mod = _module(spec, backend)
+        node_dst = spec.has_logit and idx[1] is None
+        mod = _module(spec, backend, node_dst)
         num_dst = dst_ptr.numel() - 1
         _, heads, dim = msg.shape
         dp = src_term.shape[-1] if spec.score == "dot" else 0
@@ -88,7 +88,7 @@ class _FusedEdge(torch.autograd.Function):
                 *[named[a] for a in mod.FWD_ARGS], **consts,
                 **_launch_opts(backend, consts),
             )  # fmt: skip
-        ctx.spec, ctx.backend, ctx.consts = spec, backend, consts
+        ctx.spec, ctx.backend, ctx.consts, ctx.node_dst = spec, backend, consts, node_dst
         ctx.save_for_backward(
             dst_ptr, msg, edge_msg_row, *idx, src_term, dst_term, rel_scale, edge_weight, out, lse
         )
@@ -111,7 +111,7 @@ class _FusedEdge(torch.autograd.Function):
             out,
             lse,
         ) = ctx.saved_tensors
-        mod = _module(spec, backend)
+        mod = _module(spec, backend, ctx.node_dst)
         num_dst = dst_ptr.numel() - 1
         gout = gout.contiguous()
 
@@ -205,9 +205,8 @@ def _check_edge_args(spec, dst_ptr, msg, edge_msg_row, edge_src_row, edge_dst_ro
     heads = msg.shape[1]
     need = {"dst_ptr": dst_ptr, "edge_msg_row": edge_msg_row}
     if spec.has_logit:
-        need.update(
-            edge_src_row=edge_src_row, edge_dst_row=edge_dst_row, src_term=src_term, dst_term=dst_term
-        )
+        # edge_dst_row=None means dst_term is indexed by the destination node itself ([N_dst, H(, D')]).
+        need.update(edge_src_row=edge_src_row, src_term=src_term, dst_term=dst_term)
     if spec.rel_scale:
         need.update(edge_rel=edge_rel, rel_scale=rel_scale)
     if spec.edge_weight:
@@ -219,6 +218,13 @@ def _check_edge_args(spec, dst_ptr, msg, edge_msg_row, edge_src_row, edge_dst_ro
         t = need.get(name)
         if t is not None and (t.dtype != torch.int64 or t.device != msg.device):
             raise ValueError(f"{name} must be int64 on {msg.device}; got {t.dtype} on {t.device}")
+    if edge_dst_row is not None:
+        need["edge_dst_row"] = edge_dst_row
+    elif spec.has_logit and dst_term.shape[0] != dst_ptr.numel() - 1:
+        raise ValueError(
+            f"without edge_dst_row, dst_term is indexed by destination node and needs {dst_ptr.numel() - 1} rows "
+            f"(N_dst); got {dst_term.shape[0]}. Pass edge_dst_row to index it per edge."
+        )
     num_edges = edge_msg_row.numel()
     for name in ("edge_src_row", "edge_dst_row", "edge_rel", "edge_weight"):
         t = need.get(name)

@@ -71,7 +71,8 @@ def fused_edge_ref(
     dst = edge_dst_index(dst_ptr, num_edges)
     acc = torch.promote_types(msg.dtype, torch.float32)  # fp32 accumulation for bf16/fp16, fp64 stays fp64
     if spec.has_logit:
-        alpha = _edge_logit(spec, src_term, dst_term, edge_src_row, edge_dst_row, edge_rel, rel_scale).to(acc)
+        dst_rows = dst if edge_dst_row is None else edge_dst_row  # None: dst_term is indexed by node
+        alpha = _edge_logit(spec, src_term, dst_term, edge_src_row, dst_rows, edge_rel, rel_scale).to(acc)
         if spec.softmax:
             # Segment softmax per (destination, head); the max only stabilises, so it carries no gradient.
             idx = dst[:, None].expand(-1, heads)
