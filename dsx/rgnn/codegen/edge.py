@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["generate_edge_kernel_source"]
 
-EMITTER_VERSION = 3
+EMITTER_VERSION = 4
 _SUM = "tl.standard._sum_combine"
 _MAX = "tl.standard._elementwise_max"
 
@@ -104,13 +104,19 @@ def _logit_lines(spec: EdgeSpec, node_dst: bool) -> list[str]:
     return out
 
 
-def _signature(name: str, ptr_args: list[str], spec: EdgeSpec) -> list[str]:
+def _guard(flag: str, lines: list[str]) -> list[str]:
+    """Emit ``lines`` under a constexpr flag: a gradient nobody asked for costs no atomics (dead code)."""
+    return [f"if {flag}:", *_ind(lines, 4)]
+
+
+def _signature(name: str, ptr_args: list[str], spec: EdgeSpec, flags: tuple[str, ...] = ()) -> list[str]:
     consts = ["H: tl.constexpr", "D: tl.constexpr"]
     if spec.score == "dot":
         consts.append("DP: tl.constexpr")
     consts += ["BLOCK_E: tl.constexpr", "BLOCK_H: tl.constexpr", "BLOCK_D: tl.constexpr"]
     if spec.score == "dot":
         consts.append("BLOCK_DP: tl.constexpr")
+    consts += [f"{f}: tl.constexpr" for f in flags]
     return ["@triton.jit", f"def {name}(", *_ind([a + "," for a in ptr_args + consts], 8), "):"]
 
 
@@ -231,17 +237,26 @@ def _backward(spec: EdgeSpec, node_dst: bool) -> tuple[list[str], list[str]]:
         loop += ["p = tl.where(eh_mask, 1.0, 0.0)", "alpha = p * w" if spec.edge_weight else "alpha = p"]
     if spec.edge_weight:
         # xg is 0 on padded heads and masked edges, so the head sum needs no extra mask; one atomic per edge.
-        loop.append(f"tl.atomic_add(dweight_ptr + offs_e, tl.reduce(p * xg, 1, {_SUM}), mask=e_mask)")
-    loop += [
-        "tl.atomic_add(dmsg_ptr + rows[:, None, None] * (H * D) + offs_h[None, :, None] * D + offs_d[None, None, :],",
-        "              alpha[:, :, None] * go[None, :, :], mask=x_mask)",
-    ]
+        loop += _guard(
+            "NEED_DW", [f"tl.atomic_add(dweight_ptr + offs_e, tl.reduce(p * xg, 1, {_SUM}), mask=e_mask)"]
+        )
+    loop += _guard(
+        "NEED_DMSG",
+        [
+            "tl.atomic_add(dmsg_ptr + rows[:, None, None] * (H * D) + offs_h[None, :, None] * D"
+            " + offs_d[None, None, :],",
+            "              alpha[:, :, None] * go[None, :, :], mask=x_mask)",
+        ],
+    )
     if spec.has_logit:
         if spec.rel_scale:
-            loop += [
-                "tl.atomic_add(drel_scale_ptr + rel[:, None] * H + offs_h[None, :], ds * act, mask=eh_mask)",
-                "dact = ds * sc",
-            ]
+            loop += _guard(
+                "NEED_DSCALE",
+                [
+                    "tl.atomic_add(drel_scale_ptr + rel[:, None] * H + offs_h[None, :], ds * act, mask=eh_mask)"
+                ],
+            )
+            loop.append("dact = ds * sc")
         else:
             loop.append("dact = ds")
         if spec.leaky_relu_slope is not None:
@@ -249,30 +264,59 @@ def _backward(spec: EdgeSpec, node_dst: bool) -> tuple[list[str], list[str]]:
         else:
             loop.append("draw = dact")
         if spec.score == "add":
-            loop.append("tl.atomic_add(dsrc_ptr + srow[:, None] * H + offs_h[None, :], draw, mask=eh_mask)")
+            loop += _guard(
+                "NEED_DSRC",
+                ["tl.atomic_add(dsrc_ptr + srow[:, None] * H + offs_h[None, :], draw, mask=eh_mask)"],
+            )
             if node_dst:
-                loop.append(f"gtd += tl.reduce(tl.where(eh_mask, draw, 0.0), 0, {_SUM})")
+                loop += _guard("NEED_DDST", [f"gtd += tl.reduce(tl.where(eh_mask, draw, 0.0), 0, {_SUM})"])
             else:
-                loop.append(
-                    "tl.atomic_add(ddst_ptr + drow[:, None] * H + offs_h[None, :], draw, mask=eh_mask)"
+                loop += _guard(
+                    "NEED_DDST",
+                    ["tl.atomic_add(ddst_ptr + drow[:, None] * H + offs_h[None, :], draw, mask=eh_mask)"],
                 )
         else:
             td = "td[None, :, :]" if node_dst else "td"
-            loop.append(
-                f"tl.atomic_add(dsrc_ptr + srow[:, None, None] * (H * DP) + hp, draw[:, :, None] * {td}, mask=p_mask)"
+            loop += _guard(
+                "NEED_DSRC",
+                [
+                    "tl.atomic_add(dsrc_ptr + srow[:, None, None] * (H * DP) + hp, "
+                    f"draw[:, :, None] * {td}, mask=p_mask)"
+                ],
             )
             if node_dst:
-                loop.append(f"gtd += tl.reduce(draw[:, :, None] * ts, 0, {_SUM})  # ts is 0 on masked lanes")
+                loop += _guard(
+                    "NEED_DDST",
+                    [f"gtd += tl.reduce(draw[:, :, None] * ts, 0, {_SUM})  # ts is 0 on masked lanes"],
+                )
             else:
-                loop.append(
-                    "tl.atomic_add(ddst_ptr + drow[:, None, None] * (H * DP) + hp, draw[:, :, None] * ts, mask=p_mask)"
+                loop += _guard(
+                    "NEED_DDST",
+                    [
+                        "tl.atomic_add(ddst_ptr + drow[:, None, None] * (H * DP) + hp, draw[:, :, None] * ts, "
+                        "mask=p_mask)"
+                    ],
                 )
     body += ["for e0 in range(start, end, BLOCK_E):", *_ind(loop, 4)]
     if node_dst and spec.score == "add":
-        body.append("tl.store(ddst_ptr + v * H + offs_h, gtd, mask=h_mask)  # one writer per row: no atomics")
+        body += _guard(
+            "NEED_DDST", ["tl.store(ddst_ptr + v * H + offs_h, gtd, mask=h_mask)  # one writer per row"]
+        )
     elif node_dst and spec.score == "dot":
-        body.append("tl.store(ddst_ptr + td_off, gtd, mask=hp_mask)  # one writer per row: no atomics")
-    return args, _signature("edge_bwd_kernel", args, spec) + _ind(body, 4)
+        body += _guard("NEED_DDST", ["tl.store(ddst_ptr + td_off, gtd, mask=hp_mask)  # one writer per row"])
+    return args, _signature("edge_bwd_kernel", args, spec, _bwd_flags(spec)) + _ind(body, 4)
+
+
+def _bwd_flags(spec: EdgeSpec) -> tuple[str, ...]:
+    """Constexpr flags of the backward kernel, in order: which gradients to compute."""
+    flags = ["NEED_DMSG"]
+    if spec.has_logit:
+        flags += ["NEED_DSRC", "NEED_DDST"]
+    if spec.rel_scale:
+        flags.append("NEED_DSCALE")
+    if spec.edge_weight:
+        flags.append("NEED_DW")
+    return tuple(flags)
 
 
 def generate_edge_kernel_source(spec: EdgeSpec, *, dst_term_per_node: bool = False) -> str:
@@ -293,6 +337,7 @@ def generate_edge_kernel_source(spec: EdgeSpec, *, dst_term_per_node: bool = Fal
         "",
         f"FWD_ARGS = {fwd_args!r}",
         f"BWD_ARGS = {bwd_args!r}",
+        f"BWD_FLAGS = {_bwd_flags(spec)!r}",
         "",
         "",
         *fwd,

@@ -115,24 +115,33 @@ class _FusedEdge(torch.autograd.Function):
         num_dst = dst_ptr.numel() - 1
         gout = gout.contiguous()
 
-        def zeros32(t):
-            return None if t is None else torch.zeros(t.shape, device=t.device, dtype=torch.float32)
-
-        grads = {"dmsg_ptr": zeros32(msg)}
+        need = ctx.needs_input_grad
+        # (kernel pointer, constexpr flag, forward input, needed?) for every gradient the spec can produce.
+        table = [("dmsg_ptr", "NEED_DMSG", msg, need[4])]
         if spec.has_logit:
-            grads["dsrc_ptr"], grads["ddst_ptr"] = zeros32(src_term), zeros32(dst_term)
+            table += [
+                ("dsrc_ptr", "NEED_DSRC", src_term, need[7]),
+                ("ddst_ptr", "NEED_DDST", dst_term, need[8]),
+            ]
         if spec.rel_scale:
-            grads["drel_scale_ptr"] = zeros32(rel_scale)
+            table.append(("drel_scale_ptr", "NEED_DSCALE", rel_scale, need[9]))
         if spec.edge_weight:
-            grads["dweight_ptr"] = zeros32(edge_weight)
+            table.append(("dweight_ptr", "NEED_DW", edge_weight, need[10]))
+        grads, flags = {}, {}
+        for ptr, flag, like, wanted in table:
+            # A gradient nobody needs is not computed (its atomics are compiled out); the kernel still needs a
+            # pointer argument, so it gets gout, which it never writes.
+            grads[ptr] = torch.zeros(like.shape, device=like.device, dtype=torch.float32) if wanted else None
+            flags[flag] = bool(wanted)
+        launch_grads = {k: (gout if v is None else v) for k, v in grads.items()}
         named = {
             "dst_ptr": dst_ptr, "msg_ptr": msg, "msg_row_ptr": edge_msg_row, "gout_ptr": gout,
-            "out_ptr": out, "lse_ptr": lse, **grads,
+            "out_ptr": out, "lse_ptr": lse, **launch_grads,
         }  # fmt: skip
         named.update(_term_tensors((i_src, i_dst, i_rel), src_term, dst_term, rel_scale, edge_weight))
-        if num_dst > 0:
+        if num_dst > 0 and any(flags.values()):
             mod.edge_bwd_kernel[(num_dst,)](
-                *[named[a] for a in mod.BWD_ARGS], **consts,
+                *[named[a] for a in mod.BWD_ARGS], **consts, **flags,
                 **_launch_opts(backend, consts),
             )  # fmt: skip
 
@@ -141,7 +150,7 @@ class _FusedEdge(torch.autograd.Function):
 
         return (
             None, None, None, None,
-            cast(grads["dmsg_ptr"], msg), None, None,
+            cast(grads.get("dmsg_ptr"), msg), None, None,
             cast(grads.get("dsrc_ptr"), src_term), cast(grads.get("ddst_ptr"), dst_term),
             cast(grads.get("drel_scale_ptr"), rel_scale), cast(grads.get("dweight_ptr"), edge_weight),
         )  # fmt: skip
