@@ -70,6 +70,21 @@ def test_empty_inputs(backend):
     assert torch.equal(msg.grad, torch.zeros_like(msg))
 
 
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_gather_gemm_interpret_reduced_precision(precision):
+    """bf16 rounds the inputs (checked exactly against the reference on rounded inputs); tf32 runs."""
+    gen = torch.Generator().manual_seed(9)
+    row_idx, rel_ptr = segments(4, 70, 20, gen)
+    x, w = torch.randn(20, 24, generator=gen), torch.randn(4, 24, 18, generator=gen)
+    out = gather_gemm(x, w, row_idx, rel_ptr, precision=precision, backend="interpret")
+    exact = gather_gemm_ref(x.double(), w.double(), row_idx, rel_ptr)
+    _assert_close(out.double(), exact, 3e-2, 3e-2 * exact.abs().max().item(), precision)
+    if precision == "bf16":
+        rounded = gather_gemm_ref(x.bfloat16().double(), w.bfloat16().double(), row_idx, rel_ptr)
+        _assert_close(out.double(), rounded, 1e-5, 1e-5, "bf16 vs reference on bf16-rounded inputs")
+        assert (out.double() - exact).abs().max() > 1e-4, "bf16 precision did not round the inputs"
+
+
 def test_gather_gemm_reference_is_per_row_product():
     gen = torch.Generator().manual_seed(0)
     row_idx, rel_ptr = segments(4, 25, 10, gen)
@@ -146,6 +161,19 @@ def test_fused_edge_interpret_matches_reference(name, heads, dim, block_e):
     for key, g in grads_r.items():
         assert grads[key] is not None, f"{name}: no gradient for {key}"
         _assert_close(grads[key].double(), g, 1e-5, 1e-5, f"{name} d{key}")
+
+
+@pytest.mark.parametrize("name", ["rgcn_mean", "hgt"])
+def test_fused_edge_interpret_bf16_inputs(name):
+    """bf16 messages and terms: fp32 accumulation inside, output rounded to bf16 once."""
+    _, ((out, grads), (out_r, grads_r)) = _edge_case(
+        SPECS[name], "interpret", "cpu", 2, 5, seed=21, dtype=torch.bfloat16, block_e=4
+    )
+    assert out.dtype == torch.bfloat16 and grads["msg"].dtype == torch.bfloat16
+    _assert_close(out.double(), out_r, 2e-2, 2e-2 * out_r.abs().max().item(), f"{name} bf16 out")
+    # The backward reads the bf16-rounded output for delta = <out, dout>, as flash attention does.
+    for key, g in grads_r.items():
+        _assert_close(grads[key].double(), g, 5e-2, 5e-2 * g.abs().max().item(), f"{name} bf16 d{key}")
 
 
 @pytest.mark.parametrize("name", LOGIT_SPECS)

@@ -111,9 +111,32 @@ _DOTS = {
 }
 
 
-def generate_gather_gemm_source(precision: str = "fp32") -> str:
-    """Triton source of the gather-GEMM kernels for ``precision`` in ``("fp32", "tf32", "bf16")``."""
+# Triton's interpreter (3.9) stores bfloat16 as uint16 and its dot multiplies those bit patterns, and its
+# fp32 -> bf16 cast truncates where the GPU rounds to nearest even. So the interpreted bf16 variant rounds
+# the inputs to bf16 (nearest even, by bit arithmetic) and multiplies them in fp32: the same numbers as the
+# tensor-core MMA (bf16 x bf16 products are exact in fp32; fp32 accumulation either way).
+_INTERPRET_BF16 = (
+    'tl.dot(_round_bf16(a.to(tl.float32)), _round_bf16(b.to(tl.float32)), input_precision="ieee")',
+    "inputs rounded to bf16 (nearest even), exact fp32 products and accumulation (interpreter twin of the MMA)",
+)
+_ROUND_BF16 = """
+@triton.jit
+def _round_bf16(a):
+    bits = a.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # round to nearest even at bit 16
+    return bits.to(tl.float32, bitcast=True)
+
+"""
+
+
+def generate_gather_gemm_source(precision: str = "fp32", *, interpret: bool = False) -> str:
+    """Triton source of the gather-GEMM kernels for ``precision`` in ``("fp32", "tf32", "bf16")``.
+
+    ``interpret=True`` differs only for bf16, in the one-line ``_dot`` helper (see ``_INTERPRET_BF16``).
+    """
     if precision not in _DOTS:
         raise ValueError(f"precision={precision!r} is not one of {PRECISIONS}")
-    dot, why = _DOTS[precision]
-    return _HEADER.format(precision=precision, dot=dot, why=why) + _FWD + _DW
+    twin = interpret and precision == "bf16"
+    dot, why = _INTERPRET_BF16 if twin else _DOTS[precision]
+    header = _HEADER.format(precision=precision, dot=dot, why=why)
+    return header + (_ROUND_BF16 if twin else "") + _FWD + _DW

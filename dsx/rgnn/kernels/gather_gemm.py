@@ -16,9 +16,9 @@ _DW_ROWS_PER_TILE = 256
 
 
 def _module(precision: str, backend: str):
-    return load_source(
-        f"gemm_{precision}", generate_gather_gemm_source(precision), interpret=backend == "interpret"
-    )
+    interpret = backend == "interpret"
+    source = generate_gather_gemm_source(precision, interpret=interpret)
+    return load_source(f"gemm_{precision}", source, interpret=interpret)
 
 
 def build_tile_map(
