@@ -307,6 +307,22 @@ def test_bad_inputs_raise_clear_errors():
         fused_edge(SPECS["rgcn_sum"], dst_ptr.int(), msg, rows, backend="reference")
     with pytest.raises(ValueError, match="score='none'"):
         EdgeSpec(softmax=True)
+    with pytest.raises(IndexError, match="edge_msg_row holds values in \\[3, 3\\] but msg has 1 rows"):
+        fused_edge(
+            SPECS["rgcn_sum"], dst_ptr, msg, torch.tensor([3]), backend="reference", check_indices=True
+        )
+    with pytest.raises(ValueError, match="dst_ptr must start at 0 and end at 1"):
+        fused_edge(
+            SPECS["rgcn_sum"], torch.tensor([0, 2]), msg, rows, backend="reference", check_indices=True
+        )
+    with pytest.raises(IndexError, match="row_idx"):
+        gather_gemm(
+            torch.randn(3, 4),
+            torch.randn(1, 4, 5),
+            torch.tensor([5]),
+            torch.tensor([0, 1]),
+            check_indices=True,
+        )
     with pytest.raises(ValueError, match="R\\+1"):
         gather_gemm(torch.randn(3, 4), torch.randn(2, 4, 5), torch.tensor([0]), torch.tensor([0, 1]))
 

@@ -57,7 +57,8 @@ dst_term=None, edge_rel=None, rel_scale=None, edge_weight=None, backend=None) ->
 
 ``generate_edge_kernel_source(spec) -> str`` (re-exported from :mod:`dsx.rgnn.codegen`) shows the emitted code.
 
-``fused_edge`` also takes ``block_e=`` (edge-chunk length; default: the mean in-degree rounded up to a power
+Both take ``check_indices=True`` to validate CSR pointers and index ranges first (host-synchronising,
+off by default: the kernels never check indices). ``fused_edge`` also takes ``block_e=`` (edge-chunk length; default: the mean in-degree rounded up to a power
 of two, capped at ~4K values per chunk).
 
 Performance facts: the edge kernel runs one program per destination covering all heads

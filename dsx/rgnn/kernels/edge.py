@@ -8,6 +8,7 @@ from dsx.rgnn.codegen import generate_edge_kernel_source, load_source
 from dsx.rgnn.kernels.backend import resolve_backend
 from dsx.rgnn.kernels.reference import fused_edge_ref
 from dsx.rgnn.kernels.spec import EdgeSpec
+from dsx.rgnn.kernels.validate import check_index, check_ptr
 
 __all__ = ["fused_edge"]
 
@@ -179,15 +180,23 @@ def fused_edge(
     edge_weight: torch.Tensor | None = None,
     backend: str | None = None,
     block_e: int | None = None,
+    check_indices: bool = False,
 ) -> torch.Tensor:
     """Edge softmax + aggregation over a destination-CSR; see :mod:`dsx.rgnn.kernels` for the contract.
 
     ``block_e`` (optional) sets the edge-chunk length (rounded up to a power of two); by default it is the
-    mean in-degree rounded up to a power of two, capped so that a chunk holds at most ~4K values. Returns ``out [N_dst, H, D]`` in ``msg.dtype``. Forward reads each edge's message row once and writes
+    mean in-degree rounded up to a power of two, capped so that a chunk holds at most ~4K values.
+    ``check_indices=True`` validates ``dst_ptr`` and every index range first (synchronises with the host; the
+    kernels themselves never check indices).
+
+    Returns ``out [N_dst, H, D]`` in ``msg.dtype``. Forward reads each edge's message row once and writes
     one row per (node, head) plus, with softmax, one log-sum-exp float; backward recomputes alpha.
     """
     _check_edge_args(spec, dst_ptr, msg, edge_msg_row, edge_src_row, edge_dst_row, src_term, dst_term,
                      edge_rel, rel_scale, edge_weight)  # fmt: skip
+    if check_indices:
+        _check_edge_indices(spec, dst_ptr, msg, edge_msg_row, edge_src_row, edge_dst_row, src_term, dst_term,
+                            edge_rel, rel_scale)  # fmt: skip
     chosen = resolve_backend(backend, msg.device)
     if chosen == "reference":
         return fused_edge_ref(
@@ -203,6 +212,17 @@ def fused_edge(
         spec, chosen, block_e, c(dst_ptr), c(msg), c(edge_msg_row), idx,
         c(src_term), c(dst_term), c(rel_scale), c(edge_weight),
     )  # fmt: skip
+
+
+def _check_edge_indices(spec, dst_ptr, msg, edge_msg_row, edge_src_row, edge_dst_row, src_term, dst_term,
+                        edge_rel, rel_scale) -> None:  # fmt: skip
+    check_ptr("dst_ptr", dst_ptr, edge_msg_row.numel())
+    check_index("edge_msg_row", edge_msg_row, msg.shape[0], "msg")
+    if spec.has_logit:
+        check_index("edge_src_row", edge_src_row, src_term.shape[0], "src_term")
+        check_index("edge_dst_row", edge_dst_row, dst_term.shape[0], "dst_term")
+    if spec.rel_scale:
+        check_index("edge_rel", edge_rel, rel_scale.shape[0], "rel_scale")
 
 
 def _check_edge_args(spec, dst_ptr, msg, edge_msg_row, edge_src_row, edge_dst_row, src_term, dst_term,

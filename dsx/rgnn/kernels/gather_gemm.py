@@ -7,6 +7,7 @@ import torch
 from dsx.rgnn.codegen import generate_gather_gemm_source, load_source
 from dsx.rgnn.kernels.backend import resolve_backend
 from dsx.rgnn.kernels.reference import gather_gemm_ref
+from dsx.rgnn.kernels.validate import check_index, check_ptr
 
 __all__ = ["build_tile_map", "gather_gemm"]
 
@@ -120,6 +121,7 @@ def gather_gemm(
     precision: str = "fp32",
     max_rows_per_rel: int | None = None,
     backend: str | None = None,
+    check_indices: bool = False,
 ) -> torch.Tensor:
     """Typed linear over relation segments; see :mod:`dsx.rgnn.kernels` for the full contract.
 
@@ -135,6 +137,9 @@ def gather_gemm(
     max_rows_per_rel : int, optional
         Unused (kept for interface stability): the grid is sized from ``M`` and ``R`` alone.
     backend : {"triton", "interpret", "reference"}, optional
+    check_indices : bool
+        Validate ``rel_ptr`` and the range of ``row_idx`` first (synchronises with the host); off by default
+        because the kernels never check indices themselves.
 
     Returns
     -------
@@ -142,6 +147,9 @@ def gather_gemm(
     """
     del max_rows_per_rel
     _check_gemm_args(x, weight, row_idx, rel_ptr, precision)
+    if check_indices:
+        check_ptr("rel_ptr", rel_ptr, row_idx.numel())
+        check_index("row_idx", row_idx, x.shape[0], "x")
     chosen = resolve_backend(backend, x.device)
     if chosen == "reference":
         return gather_gemm_ref(x, weight, row_idx, rel_ptr)
