@@ -8,12 +8,9 @@ from dsx.rgnn.codegen import generate_edge_kernel_source, load_source
 from dsx.rgnn.kernels.backend import resolve_backend
 from dsx.rgnn.kernels.reference import fused_edge_ref
 from dsx.rgnn.kernels.spec import EdgeSpec
-from dsx.rgnn.kernels.validate import check_index, check_ptr
+from dsx.rgnn.kernels.validate import check_edge_args, check_edge_indices
 
 __all__ = ["fused_edge"]
-
-# Gradient tensors that the backward kernel writes, by the name of the forward input they belong to.
-_TERM_NAMES = ("src_term", "dst_term", "rel_scale", "edge_weight")
 
 
 def _pow2(n: int) -> int:
@@ -192,10 +189,10 @@ def fused_edge(
     Returns ``out [N_dst, H, D]`` in ``msg.dtype``. Forward reads each edge's message row once and writes
     one row per (node, head) plus, with softmax, one log-sum-exp float; backward recomputes alpha.
     """
-    _check_edge_args(spec, dst_ptr, msg, edge_msg_row, edge_src_row, edge_dst_row, src_term, dst_term,
+    check_edge_args(spec, dst_ptr, msg, edge_msg_row, edge_src_row, edge_dst_row, src_term, dst_term,
                      edge_rel, rel_scale, edge_weight)  # fmt: skip
     if check_indices:
-        _check_edge_indices(spec, dst_ptr, msg, edge_msg_row, edge_src_row, edge_dst_row, src_term, dst_term,
+        check_edge_indices(spec, dst_ptr, msg, edge_msg_row, edge_src_row, edge_dst_row, src_term, dst_term,
                             edge_rel, rel_scale)  # fmt: skip
     chosen = resolve_backend(backend, msg.device)
     if chosen == "reference":
@@ -212,64 +209,3 @@ def fused_edge(
         spec, chosen, block_e, c(dst_ptr), c(msg), c(edge_msg_row), idx,
         c(src_term), c(dst_term), c(rel_scale), c(edge_weight),
     )  # fmt: skip
-
-
-def _check_edge_indices(spec, dst_ptr, msg, edge_msg_row, edge_src_row, edge_dst_row, src_term, dst_term,
-                        edge_rel, rel_scale) -> None:  # fmt: skip
-    check_ptr("dst_ptr", dst_ptr, edge_msg_row.numel())
-    check_index("edge_msg_row", edge_msg_row, msg.shape[0], "msg")
-    if spec.has_logit:
-        check_index("edge_src_row", edge_src_row, src_term.shape[0], "src_term")
-        check_index("edge_dst_row", edge_dst_row, dst_term.shape[0], "dst_term")
-    if spec.rel_scale:
-        check_index("edge_rel", edge_rel, rel_scale.shape[0], "rel_scale")
-
-
-def _check_edge_args(spec, dst_ptr, msg, edge_msg_row, edge_src_row, edge_dst_row, src_term, dst_term,
-                     edge_rel, rel_scale, edge_weight) -> None:  # fmt: skip
-    if not isinstance(spec, EdgeSpec):
-        raise TypeError(f"spec must be an EdgeSpec, got {type(spec).__name__}")
-    if msg.dim() != 3:
-        raise ValueError(f"msg must be [M, H, D], got shape {tuple(msg.shape)}")
-    heads = msg.shape[1]
-    need = {"dst_ptr": dst_ptr, "edge_msg_row": edge_msg_row}
-    if spec.has_logit:
-        # edge_dst_row=None means dst_term is indexed by the destination node itself ([N_dst, H(, D')]).
-        need.update(edge_src_row=edge_src_row, src_term=src_term, dst_term=dst_term)
-    if spec.rel_scale:
-        need.update(edge_rel=edge_rel, rel_scale=rel_scale)
-    if spec.edge_weight:
-        need.update(edge_weight=edge_weight)
-    missing = [k for k, v in need.items() if v is None]
-    if missing:
-        raise ValueError(f"{spec} needs {missing}; pass them as keyword arguments")
-    for name in ("dst_ptr", "edge_msg_row", "edge_src_row", "edge_dst_row", "edge_rel"):
-        t = need.get(name)
-        if t is not None and (t.dtype != torch.int64 or t.device != msg.device):
-            raise ValueError(f"{name} must be int64 on {msg.device}; got {t.dtype} on {t.device}")
-    if edge_dst_row is not None:
-        need["edge_dst_row"] = edge_dst_row
-    elif spec.has_logit and dst_term.shape[0] != dst_ptr.numel() - 1:
-        raise ValueError(
-            f"without edge_dst_row, dst_term is indexed by destination node and needs {dst_ptr.numel() - 1} rows "
-            f"(N_dst); got {dst_term.shape[0]}. Pass edge_dst_row to index it per edge."
-        )
-    num_edges = edge_msg_row.numel()
-    for name in ("edge_src_row", "edge_dst_row", "edge_rel", "edge_weight"):
-        t = need.get(name)
-        if t is not None and t.numel() != num_edges:
-            raise ValueError(f"{name} has {t.numel()} entries but there are {num_edges} edges (edge_msg_row)")
-    if spec.has_logit:
-        want = 2 if spec.score == "add" else 3
-        for name, t in (("src_term", src_term), ("dst_term", dst_term)):
-            if t.dim() != want or t.shape[1] != heads:
-                raise ValueError(
-                    f"score={spec.score!r} needs {name} of rank {want} with H={heads} heads in dim 1; "
-                    f"got {tuple(t.shape)}"
-                )
-        if spec.score == "dot" and src_term.shape[2] != dst_term.shape[2]:
-            raise ValueError(
-                f"src_term and dst_term disagree on D': {src_term.shape[2]} vs {dst_term.shape[2]}"
-            )
-    if spec.rel_scale and (rel_scale.dim() != 2 or rel_scale.shape[1] != heads):
-        raise ValueError(f"rel_scale must be [R, H={heads}], got {tuple(rel_scale.shape)}")
