@@ -13,7 +13,12 @@ __all__ = ["build_tile_map", "gather_gemm"]
 
 _BLOCK_M = 64
 _BLOCK_K = 32
-_DW_ROWS_PER_TILE = 256
+
+
+def _dw_rows_per_tile(num_rows: int) -> int:
+    # Rows summed by one weight-gradient program before its atomic add into dW[r]: about 2K tiles in all,
+    # enough programs to fill the GPU while keeping the atomics on the (R, K, N) weights few.
+    return max(256, min(4096, triton_next_pow2(max(1, num_rows // 2048))))
 
 
 def _module(precision: str, backend: str):
@@ -100,13 +105,14 @@ class _GatherGemm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw32 = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
             if m > 0 and num_rel > 0:
-                t_rel, t_row = build_tile_map(rel_ptr, m, _DW_ROWS_PER_TILE)
+                rows_per_tile = _dw_rows_per_tile(m)
+                t_rel, t_row = build_tile_map(rel_ptr, m, rows_per_tile)
                 bn = _block_n(n)
                 grid = (t_rel.numel(), -(-k // _BLOCK_K), -(-n // bn))
                 mod.gather_gemm_dw_kernel[grid](
                     x, row_idx, grad, dw32, rel_ptr, t_rel, t_row,
                     k, n, num_rel, x.stride(0), grad.stride(0), dw32.stride(0), dw32.stride(1),
-                    ROWS_PER_TILE=_DW_ROWS_PER_TILE, BLOCK_M=_BLOCK_M, BLOCK_N=bn, BLOCK_K=_BLOCK_K,
+                    ROWS_PER_TILE=rows_per_tile, BLOCK_M=_BLOCK_M, BLOCK_N=bn, BLOCK_K=_BLOCK_K,
                 )  # fmt: skip
             dw = dw32.to(weight.dtype)
         return dx, dw, None, None, None, None
