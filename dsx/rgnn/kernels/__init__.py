@@ -15,7 +15,8 @@ overrides the directory) and imports it; the module is cached per (spec, backend
 
 Interface
 ---------
-``gather_gemm(x, weight, row_idx, rel_ptr, *, precision="fp32", max_rows_per_rel=None, backend=None)``
+``gather_gemm(x, weight, row_idx, rel_ptr, *, precision="fp32", max_rows_per_rel=None, backend=None,
+check_indices=False)``
     ``x [N, K]``, ``weight [R, K, Nout]``, ``row_idx int64 [M]``, ``rel_ptr int64 [R+1]`` (same device).
     ``out[i] = x[row_idx[i]] @ weight[r]`` for ``rel_ptr[r] <= i < rel_ptr[r+1]``; returns ``[M, Nout]`` in
     ``x.dtype``. Empty relations are allowed. One launch for all relations: a grid of
@@ -32,7 +33,8 @@ Interface
     ``edge_weight``, ``softmax``: bool. It is the key of the generated kernel.
 
 ``fused_edge(spec, dst_ptr, msg, edge_msg_row, *, edge_src_row=None, edge_dst_row=None, src_term=None,
-dst_term=None, edge_rel=None, rel_scale=None, edge_weight=None, backend=None) -> out [N_dst, H, D]``
+dst_term=None, edge_rel=None, rel_scale=None, edge_weight=None, backend=None, block_e=None,
+check_indices=False) -> out [N_dst, H, D]``
     Edges sorted by destination, ``dst_ptr int64 [N_dst+1]`` (CSR by destination); ``msg [M, H, D]``, edge
     ``e`` carries ``msg[edge_msg_row[e]]`` (compact materialization: ``M`` = unique (src, relation) pairs).
 
@@ -40,8 +42,8 @@ dst_term=None, edge_rel=None, rel_scale=None, edge_weight=None, backend=None) ->
       ``[Md, H]``; RGAT); ``"dot"``: ``sum_d src_term[edge_src_row[e], h, d] * dst_term[edge_dst_row[e], h, d]``
       (``[Ms, H, D']``, ``[Md, H, D']``; HGT). ``edge_dst_row=None`` means ``dst_term`` is indexed by the
       destination node itself (``[N_dst, H]`` / ``[N_dst, H, D']``): that variant loads it once per node and
-      sums its gradient in registers (no atomics, deterministic). Then ``leaky_relu(slope)`` if a slope is given; then
-      ``*= rel_scale[edge_rel[e], h]`` if ``spec.rel_scale`` (HGT's mu_r / sqrt(d)).
+      sums its gradient in registers (no atomics, deterministic). Then ``leaky_relu(slope)`` if a slope is
+      given; then ``*= rel_scale[edge_rel[e], h]`` if ``spec.rel_scale`` (HGT's mu_r / sqrt(d)).
     * ``softmax=True``: ``alpha[e, h]`` = softmax of the logits over the incoming edges of each destination,
       computed online and max-stabilised in one pass; only the per-(node, head) log-sum-exp is kept for
       backward, which recomputes alpha (no ``E x H`` tensor is saved).
@@ -53,13 +55,15 @@ dst_term=None, edge_rel=None, rel_scale=None, edge_weight=None, backend=None) ->
     Differentiable w.r.t. ``msg``, ``src_term``, ``dst_term``, ``rel_scale`` and ``edge_weight``. Gradient
     scatters into rows shared by several edges (``msg``, ``src_term``, ``dst_term``, ``rel_scale``,
     ``edge_weight`` across heads) use ``tl.atomic_add``: fp32 results are correct to rounding but their
-    summation order is not deterministic. Index tensors are int64 and all address arithmetic is int64.
+    summation order is not deterministic. Only the gradients autograd asks for are computed (constexpr
+    flags compile the others out). Index tensors are int64 and all address arithmetic is int64.
 
-``generate_edge_kernel_source(spec) -> str`` (re-exported from :mod:`dsx.rgnn.codegen`) shows the emitted code.
+``generate_edge_kernel_source(spec, *, dst_term_per_node=False) -> str`` (re-exported from
+:mod:`dsx.rgnn.codegen`) shows the emitted code; ``generate_gather_gemm_source(precision)`` likewise.
 
 Both take ``check_indices=True`` to validate CSR pointers and index ranges first (host-synchronising,
-off by default: the kernels never check indices). ``fused_edge`` also takes ``block_e=`` (edge-chunk length; default: the mean in-degree rounded up to a power
-of two, capped at ~4K values per chunk).
+off by default: the kernels never check indices). ``fused_edge`` also takes ``block_e=`` (edge-chunk
+length; default: the mean in-degree rounded up to a power of two, capped at ~4K values per chunk).
 
 Performance facts: the edge kernel runs one program per destination covering all heads
 (``[BLOCK_E, BLOCK_H, BLOCK_D]`` tiles, padded to powers of two and masked), loops over incoming edges in
