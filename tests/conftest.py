@@ -23,6 +23,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)"))
 
 
-@pytest.fixture(autouse=True)
-def _quiet_deepspeed() -> None:
+@pytest.fixture(scope="session", autouse=True)
+def _single_rank_process() -> None:
+    """In-process engines run as rank 0 of 1 (DeepSpeed would otherwise try MPI discovery).
+
+    Launched ranks never inherit these: tests/harness.py removes them from the children's environment.
+    """
+    from tests.harness import free_port
+
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())

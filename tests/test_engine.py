@@ -19,18 +19,6 @@ BASE = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_rank_env() -> None:
-    mp = pytest.MonkeyPatch()
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        mp.setenv(k, v)
-    from tests.harness import free_port
-
-    mp.setenv("MASTER_PORT", str(free_port()))
-    yield
-    mp.undo()
-
-
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
