@@ -227,7 +227,7 @@ def share_tensor(
                 os.unlink(path)
     # Every rank learns every leader's error or path.
     metas = _all_gather((error, meta[0]))
-    leader_err, leader_meta = metas[group.leader]  # type: ignore[misc]
+    _, leader_meta = metas[group.leader]  # type: ignore[misc]
     bad = [(r, m[0]) for r, m in enumerate(metas) if m[0] is not None]  # type: ignore[index]
     if bad:
         r, e = bad[0]
