@@ -244,6 +244,8 @@ def share_tensor(
     finally:
         if group.is_leader and os.path.exists(path):
             os.unlink(path)  # from here on the pages live only as long as the mappings
+    # One more exchange so that, on every rank, unified() returns only once the name is gone.
+    _all_ok(None)
     assert base is not None
     shared = base.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
     return shared, group
