@@ -202,6 +202,20 @@ def test_two_ranks_share_one_copy_and_killed_rank_leaves_nothing(tmp_path) -> No
     assert os.listdir(shm_dir) == [], "a killed rank must leave nothing in the shared-memory directory"
 
 
+def test_bench_gather_quick_smoke(tmp_path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_gather
+    finally:
+        sys.path.pop(0)
+    report = bench_gather.main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "bench_gather.json").is_file() and (tmp_path / "bench_gather.png").is_file()
+    saved = json.loads((tmp_path / "bench_gather.json").read_text())
+    assert saved["env"]["torch"] == torch.__version__ and len(saved["results"]) == len(report["results"]) == 2
+    for rec in saved["results"]:
+        assert all(rec["correct"].values()) and rec["gb_per_s"]["dsx"] > 0
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 
 ROW_BYTES = [4, 5, 12, 16, 31, 64, 100, 128, 130, 256, 512, 1000, 1024, 2052, 4096]
