@@ -15,6 +15,8 @@
 //    rows are zeroed and flag = {count, id} is set; the caller checks the flag behind an event.
 #include "unified_gather.h"
 
+#include <type_traits>
+
 namespace dsx {
 namespace {
 
@@ -34,14 +36,26 @@ struct Vec<2> { using T = uint16_t; };
 template <>
 struct Vec<1> { using T = uint8_t; };
 
-__device__ __forceinline__ int64_t out_pos(const int64_t* __restrict__ perm, int64_t j) {
-  return perm != nullptr ? perm[j] : j;
+#if defined(__CUDA_ARCH__)
+#define DSX_HD __device__ __forceinline__
+#else
+#define DSX_HD inline  // the same thread bodies run on the host in the CPU emulation test
+#endif
+
+DSX_HD int64_t out_pos(const int64_t* __restrict__ perm, int64_t j) { return perm != nullptr ? perm[j] : j; }
+
+DSX_HD unsigned long long atomic_add(unsigned long long* p, unsigned long long v) {
+#if defined(__CUDA_ARCH__)
+  return atomicAdd(p, v);
+#else
+  return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+#endif
 }
 
 // Bad id: count it, remember one, zero the output rows so that nothing uninitialised is ever returned.
-__device__ void report_bad(const GatherArgs& a, int64_t r, int64_t begin, int64_t end, int lane, int lanes) {
+DSX_HD void report_bad(const GatherArgs& a, int64_t r, int64_t begin, int64_t end, int lane, int lanes) {
   if (lane == 0) {
-    unsigned long long old = atomicAdd(&a.flag[0], static_cast<unsigned long long>(end - begin));
+    unsigned long long old = atomic_add(&a.flag[0], static_cast<unsigned long long>(end - begin));
     if (old == 0) a.flag[1] = static_cast<unsigned long long>(r);
   }
   for (int64_t j = begin; j < end; ++j) {
@@ -50,16 +64,16 @@ __device__ void report_bad(const GatherArgs& a, int64_t r, int64_t begin, int64_
   }
 }
 
+// One thread of the tuned kernel (block, grid size in blocks, thread index in the block).
 template <typename IdxT, int W, int GROUP>
-__global__ void __launch_bounds__(kThreads) gather_kernel(const GatherArgs a) {
+DSX_HD void gather_thread(const GatherArgs& a, int64_t block, int64_t grid, int tid) {
   using VecT = typename Vec<W>::T;
   constexpr int kGroupsPerBlock = kThreads / GROUP;
   constexpr int64_t kStep = static_cast<int64_t>(GROUP) * W;  // bytes one instruction covers per row
   const IdxT* __restrict__ idx = static_cast<const IdxT*>(a.index);
-  const int lane = threadIdx.x % GROUP;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kGroupsPerBlock;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kGroupsPerBlock + threadIdx.x / GROUP; i < a.n;
-       i += stride) {
+  const int lane = tid % GROUP;
+  const int64_t stride = grid * kGroupsPerBlock;
+  for (int64_t i = block * kGroupsPerBlock + tid / GROUP; i < a.n; i += stride) {
     const int64_t r = static_cast<int64_t>(idx[i]);
     if (a.dedup && i > 0 && static_cast<int64_t>(idx[i - 1]) == r) continue;  // not the head of its run
     int64_t end = i + 1;
@@ -93,13 +107,13 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const GatherArgs a) {
   }
 }
 
-// The baseline the benchmark compares against: a warp per index, in the order given.
+// One thread of the baseline: a warp per index, in the order given, no unrolling, no alignment.
 template <typename IdxT, int W>
-__global__ void __launch_bounds__(kThreads) naive_kernel(const GatherArgs a) {
+DSX_HD void naive_thread(const GatherArgs& a, int64_t block, int tid) {
   using VecT = typename Vec<W>::T;
   const IdxT* __restrict__ idx = static_cast<const IdxT*>(a.index);
-  const int lane = threadIdx.x % 32;
-  const int64_t i = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  const int lane = tid % 32;
+  const int64_t i = (block * kThreads + tid) / 32;
   if (i >= a.n) return;
   const int64_t r = static_cast<int64_t>(idx[i]);
   if (r < 0 || r >= a.num_rows) {
@@ -113,40 +127,47 @@ __global__ void __launch_bounds__(kThreads) naive_kernel(const GatherArgs a) {
   }
 }
 
+template <typename IdxT, int W, int GROUP>
+__global__ void __launch_bounds__(kThreads) gather_kernel(const GatherArgs a) {
+  gather_thread<IdxT, W, GROUP>(a, blockIdx.x, gridDim.x, threadIdx.x);
+}
+
 template <typename IdxT, int W>
-cudaError_t launch_w(const GatherArgs& a, int group, int blocks, cudaStream_t s) {
-  switch (group) {
-    case 1: gather_kernel<IdxT, W, 1><<<blocks, kThreads, 0, s>>>(a); break;
-    case 2: gather_kernel<IdxT, W, 2><<<blocks, kThreads, 0, s>>>(a); break;
-    case 4: gather_kernel<IdxT, W, 4><<<blocks, kThreads, 0, s>>>(a); break;
-    case 8: gather_kernel<IdxT, W, 8><<<blocks, kThreads, 0, s>>>(a); break;
-    case 16: gather_kernel<IdxT, W, 16><<<blocks, kThreads, 0, s>>>(a); break;
-    default: gather_kernel<IdxT, W, 32><<<blocks, kThreads, 0, s>>>(a); break;
-  }
-  return cudaGetLastError();
+__global__ void __launch_bounds__(kThreads) naive_kernel(const GatherArgs a) {
+  naive_thread<IdxT, W>(a, blockIdx.x, threadIdx.x);
 }
 
-template <typename IdxT>
-cudaError_t launch_idx(const GatherArgs& a, int w, int group, int blocks, cudaStream_t s) {
+// Compile-time dispatch: f(integral_constant<W>) etc. One instantiation per (index type, width, lanes).
+template <typename F>
+void with_width(int w, F&& f) {
   switch (w) {
-    case 16: return launch_w<IdxT, 16>(a, group, blocks, s);
-    case 8: return launch_w<IdxT, 8>(a, group, blocks, s);
-    case 4: return launch_w<IdxT, 4>(a, group, blocks, s);
-    case 2: return launch_w<IdxT, 2>(a, group, blocks, s);
-    default: return launch_w<IdxT, 1>(a, group, blocks, s);
+    case 16: f(std::integral_constant<int, 16>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
   }
 }
 
-template <typename IdxT>
-cudaError_t launch_naive_idx(const GatherArgs& a, int w, int blocks, cudaStream_t s) {
-  switch (w) {
-    case 16: naive_kernel<IdxT, 16><<<blocks, kThreads, 0, s>>>(a); break;
-    case 8: naive_kernel<IdxT, 8><<<blocks, kThreads, 0, s>>>(a); break;
-    case 4: naive_kernel<IdxT, 4><<<blocks, kThreads, 0, s>>>(a); break;
-    case 2: naive_kernel<IdxT, 2><<<blocks, kThreads, 0, s>>>(a); break;
-    default: naive_kernel<IdxT, 1><<<blocks, kThreads, 0, s>>>(a); break;
+template <typename F>
+void with_lanes(int g, F&& f) {
+  switch (g) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 16: f(std::integral_constant<int, 16>{}); break;
+    default: f(std::integral_constant<int, 32>{}); break;
   }
-  return cudaGetLastError();
+}
+
+template <typename F>
+void with_index(bool is64, F&& f) {
+  if (is64) {
+    f(int64_t{});
+  } else {
+    f(int32_t{});
+  }
 }
 
 int next_pow2(int64_t x) {
@@ -154,6 +175,11 @@ int next_pow2(int64_t x) {
   while (p < x && p < 32) p <<= 1;
   return p;
 }
+
+struct Plan {
+  int w, lanes;
+  int64_t blocks;
+};
 
 }  // namespace
 
@@ -175,16 +201,34 @@ int pick_group_lanes(int64_t row_bytes, int vec_bytes) {
   return lanes < line_lanes ? line_lanes : lanes;
 }
 
+namespace {
+
+Plan plan_gather(const GatherArgs& a, int max_blocks) {
+  Plan p{};
+  p.w = pick_vector_bytes(a.table, a.out, a.row_bytes);
+  p.lanes = pick_group_lanes(a.row_bytes, p.w);
+  const int64_t groups_per_block = kThreads / p.lanes;
+  p.blocks = (a.n + groups_per_block - 1) / groups_per_block;
+  if (max_blocks > 0 && p.blocks > max_blocks) p.blocks = max_blocks;
+  if (p.blocks > (1LL << 30)) p.blocks = 1LL << 30;  // grid-stride covers the rest
+  return p;
+}
+
+}  // namespace
+
 cudaError_t launch_gather(const GatherArgs& a, int max_blocks, cudaStream_t stream) {
   if (a.n == 0 || a.row_bytes == 0) return cudaSuccess;
-  const int w = pick_vector_bytes(a.table, a.out, a.row_bytes);
-  const int group = pick_group_lanes(a.row_bytes, w);
-  const int64_t groups_per_block = kThreads / group;
-  int64_t blocks = (a.n + groups_per_block - 1) / groups_per_block;
-  if (max_blocks > 0 && blocks > max_blocks) blocks = max_blocks;
-  if (blocks > (1LL << 30)) blocks = 1LL << 30;
-  return a.index_is_int64 ? launch_idx<int64_t>(a, w, group, static_cast<int>(blocks), stream)
-                          : launch_idx<int32_t>(a, w, group, static_cast<int>(blocks), stream);
+  const Plan p = plan_gather(a, max_blocks);
+  with_index(a.index_is_int64, [&](auto idx_tag) {
+    using IdxT = decltype(idx_tag);
+    with_width(p.w, [&](auto wc) {
+      with_lanes(p.lanes, [&](auto gc) {
+        gather_kernel<IdxT, decltype(wc)::value, decltype(gc)::value>
+            <<<static_cast<unsigned>(p.blocks), kThreads, 0, stream>>>(a);
+      });
+    });
+  });
+  return cudaGetLastError();
 }
 
 cudaError_t launch_naive_gather(const GatherArgs& a, cudaStream_t stream) {
@@ -192,8 +236,49 @@ cudaError_t launch_naive_gather(const GatherArgs& a, cudaStream_t stream) {
   const int w = pick_vector_bytes(a.table, a.out, a.row_bytes);
   const int64_t blocks = (a.n * 32 + kThreads - 1) / kThreads;
   if (blocks > (1LL << 31) - 1) return cudaErrorInvalidConfiguration;
-  return a.index_is_int64 ? launch_naive_idx<int64_t>(a, w, static_cast<int>(blocks), stream)
-                          : launch_naive_idx<int32_t>(a, w, static_cast<int>(blocks), stream);
+  with_index(a.index_is_int64, [&](auto idx_tag) {
+    using IdxT = decltype(idx_tag);
+    with_width(w, [&](auto wc) {
+      naive_kernel<IdxT, decltype(wc)::value><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+    });
+  });
+  return cudaGetLastError();
 }
+
+#if defined(DSX_HOST_EMULATION)
+// CPU emulation for tests on machines without a GPU: runs every thread of the same grid, one after the
+// other, through the same thread bodies the kernels run (threads never synchronise, so any order is a
+// valid schedule). Returns the (vector bytes, lanes, blocks) it used through plan_out.
+extern "C" int dsx_emulate_gather(const GatherArgs* args, int max_blocks, int naive, int64_t* plan_out) {
+  const GatherArgs& a = *args;
+  if (a.n == 0 || a.row_bytes == 0) return 0;
+  if (naive) {
+    const int w = pick_vector_bytes(a.table, a.out, a.row_bytes);
+    const int64_t blocks = (a.n * 32 + kThreads - 1) / kThreads;
+    plan_out[0] = w, plan_out[1] = 32, plan_out[2] = blocks;
+    with_index(a.index_is_int64, [&](auto idx_tag) {
+      using IdxT = decltype(idx_tag);
+      with_width(w, [&](auto wc) {
+        for (int64_t b = 0; b < blocks; ++b)
+          for (int t = 0; t < kThreads; ++t) naive_thread<IdxT, decltype(wc)::value>(a, b, t);
+      });
+    });
+    return 0;
+  }
+  const Plan p = plan_gather(a, max_blocks);
+  plan_out[0] = p.w, plan_out[1] = p.lanes, plan_out[2] = p.blocks;
+  with_index(a.index_is_int64, [&](auto idx_tag) {
+    using IdxT = decltype(idx_tag);
+    with_width(p.w, [&](auto wc) {
+      with_lanes(p.lanes, [&](auto gc) {
+        for (int64_t b = 0; b < p.blocks; ++b)
+          for (int t = 0; t < kThreads; ++t)
+            gather_thread<IdxT, decltype(wc)::value, decltype(gc)::value>(a, b, p.blocks, t);
+      });
+    });
+  });
+  return 0;
+}
+#endif
 
 }  // namespace dsx
