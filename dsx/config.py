@@ -189,7 +189,9 @@ def _allowed(err: dict[str, Any]) -> str:
     if kind == "literal_error":
         return f"one of {ctx.get('expected')}"
     if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        sign = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
+        sign = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[
+            kind
+        ]
         bound = next(iter(ctx.values()))
         return f"a number {sign} {bound}"
     if kind in ("value_error", "assertion_error"):
@@ -204,7 +206,9 @@ def _format_errors(exc: ValidationError) -> str:
     for err in exc.errors(include_url=False):
         loc = tuple(err["loc"])
         # Union members add their own loc part ("float", "none", "list[...]"); drop those for the path.
-        loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in {"float", "none", "int"})))
+        loc = tuple(
+            p for p in loc if not (isinstance(p, str) and ("[" in p or p in {"float", "none", "int"}))
+        )
         if err["type"] == "extra_forbidden":
             model = _model_at(loc[:-1])
             valid = ", ".join(model.model_fields) if model is not None else "?"

@@ -13,6 +13,7 @@ Performance facts (H100, PCIe Gen5, pinned copy 55 GB/s): the kernel reaches the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -166,7 +167,7 @@ def cuda_gather(
     idx = index.reshape(-1)
     if not idx.is_contiguous():
         idx = idx.contiguous()
-    row_bytes = table[0].numel() * table.element_size() if table.dim() > 1 else table.element_size()
+    row_bytes = math.prod(table.shape[1:]) * table.element_size()
     flag = torch.zeros(2, dtype=torch.int64, device=dev)
     keep = [table]
     if idx.numel() and row_bytes:

@@ -51,10 +51,14 @@ def _load_ext() -> Any:
 
 
 def _release(ptr: int | None, keep: Any) -> None:
-    # Finaliser: must not reference the UnifiedTensor itself. ``keep`` (the tensor) is held until the pages
-    # are unregistered, so they are never unmapped while still registered.
+    # Finaliser (garbage collection, interpreter exit): must not reference the UnifiedTensor itself. ``keep``
+    # (the tensor) is held until the pages are unregistered, so they are never unmapped while registered.
+    # Errors cannot be raised from here (at exit the CUDA runtime may already be unloading); close() raises.
     if ptr is not None:
-        pinning.unregister(ptr)
+        try:
+            pinning.unregister(ptr)
+        except Exception as exc:
+            logger.debug("dsx unified: unregister at finalisation failed: %s", exc)
     del keep
 
 
@@ -211,7 +215,8 @@ class UnifiedTensor:
         try:
             self.check()
         finally:
-            self._finalizer()
+            if self._finalizer.detach() is not None and self._ptr is not None:
+                pinning.unregister(self._ptr)  # exactly once: the finaliser is detached above
 
     def __enter__(self) -> UnifiedTensor:
         return self

@@ -34,7 +34,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None, device: torch.device | None = None) -> None:
         self.config = config or SchedulerConfig()
         self.device = device or (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
         )
         self.telemetry = StepTelemetry(keep_events=self.config.trace_path is not None)
         self._pool = ThreadPoolExecutor(max_workers=self.config.io_workers, thread_name_prefix="dsx-io")
@@ -52,7 +54,9 @@ class Scheduler:
         return self._streams[name]
 
     # --------------------------------------------------------------------------------------------- work
-    def submit(self, fn: Callable[..., Any], *args: Any, deadline: str | None = None, **kwargs: Any) -> Future[Any]:
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, deadline: str | None = None, **kwargs: Any
+    ) -> Future[Any]:
         """Run ``fn`` on an I/O thread; if ``deadline`` is given, :meth:`wait` on it joins this item."""
         if self._closed:
             raise RuntimeError("dsx scheduler is closed; submit work before engine.dsx.close()")
