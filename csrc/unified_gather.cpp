@@ -60,12 +60,12 @@ dsx::GatherArgs make_args(const at::Tensor& table, const at::Tensor& index, cons
 }
 
 void gather(const at::Tensor& table, const at::Tensor& index, const std::optional<at::Tensor>& perm,
-            at::Tensor& out, at::Tensor& flag, int64_t row_bytes, int64_t num_rows, int64_t max_blocks,
+            at::Tensor& out, at::Tensor& flag, int64_t row_bytes, int64_t num_rows, int64_t max_sms,
             bool dedup) {
   const c10::cuda::CUDAGuard guard(index.device());
   if (index.numel() == 0 || row_bytes == 0) return;
   const dsx::GatherArgs a = make_args(table, index, perm, out, flag, row_bytes, num_rows, dedup);
-  C10_CUDA_CHECK(dsx::launch_gather(a, static_cast<int>(max_blocks), c10::cuda::getCurrentCUDAStream().stream()));
+  C10_CUDA_CHECK(dsx::launch_gather(a, static_cast<int>(max_sms), c10::cuda::getCurrentCUDAStream().stream()));
 }
 
 void naive_gather(const at::Tensor& table, const at::Tensor& index, at::Tensor& out, at::Tensor& flag,
@@ -87,7 +87,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dsx zero-copy gather from pinned host memory";
   m.def("gather", &gather, "sorted/deduplicated zero-copy gather (index sorted when dedup)", py::arg("table"),
         py::arg("index"), py::arg("perm"), py::arg("out"), py::arg("flag"), py::arg("row_bytes"),
-        py::arg("num_rows"), py::arg("max_blocks"), py::arg("dedup"));
+        py::arg("num_rows"), py::arg("max_sms"), py::arg("dedup"));
   m.def("naive_gather", &naive_gather, "baseline: warp per row, index order", py::arg("table"), py::arg("index"),
         py::arg("out"), py::arg("flag"), py::arg("row_bytes"), py::arg("num_rows"));
   m.def("launch_shape", &launch_shape, "(vector bytes, lanes per row) the kernel picks");

@@ -216,19 +216,32 @@ Plan plan_gather(const GatherArgs& a, int max_blocks) {
 
 }  // namespace
 
-cudaError_t launch_gather(const GatherArgs& a, int max_blocks, cudaStream_t stream) {
+cudaError_t launch_gather(const GatherArgs& a, int max_sms, cudaStream_t stream) {
   if (a.n == 0 || a.row_bytes == 0) return cudaSuccess;
-  const Plan p = plan_gather(a, max_blocks);
+  int dev = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return err;
+  const int use_sms = (max_sms > 0 && max_sms < sms) ? max_sms : sms;
+  const int w = pick_vector_bytes(a.table, a.out, a.row_bytes);
+  const int lanes = pick_group_lanes(a.row_bytes, w);
   with_index(a.index_is_int64, [&](auto idx_tag) {
     using IdxT = decltype(idx_tag);
-    with_width(p.w, [&](auto wc) {
-      with_lanes(p.lanes, [&](auto gc) {
-        gather_kernel<IdxT, decltype(wc)::value, decltype(gc)::value>
-            <<<static_cast<unsigned>(p.blocks), kThreads, 0, stream>>>(a);
+    with_width(w, [&](auto wc) {
+      with_lanes(lanes, [&](auto gc) {
+        auto kernel = gather_kernel<IdxT, decltype(wc)::value, decltype(gc)::value>;
+        // As many blocks as use_sms SMs hold at once: one wave, grid-strided; the thread slots it takes are
+        // use_sms SMs' worth (the block scheduler places them where it likes).
+        int per_sm = 0;
+        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+        if (err != cudaSuccess) return;
+        const Plan p = plan_gather(a, (per_sm > 0 ? per_sm : 1) * use_sms);
+        kernel<<<static_cast<unsigned>(p.blocks), kThreads, 0, stream>>>(a);
+        err = cudaGetLastError();
       });
     });
   });
-  return cudaGetLastError();
+  return err;
 }
 
 cudaError_t launch_naive_gather(const GatherArgs& a, cudaStream_t stream) {

@@ -24,8 +24,9 @@ struct GatherArgs {
 };
 
 // Tuned kernel: sub-warp per row sized by row_bytes, 16/8/4/2/1-byte loads by alignment, 128-byte aligned
-// line requests for rows of 128 bytes or more, at most max_blocks blocks of 256 threads (grid-stride).
-cudaError_t launch_gather(const GatherArgs& args, int max_blocks, cudaStream_t stream);
+// line requests for rows of 128 bytes or more. One wave of 256-thread blocks, as many as max_sms SMs hold
+// (occupancy-derived; max_sms <= 0 means every SM), grid-strided over the indices.
+cudaError_t launch_gather(const GatherArgs& args, int max_sms, cudaStream_t stream);
 
 // Baseline for benchmarks: one warp per row in index order, no alignment, no unrolling, no dedup.
 cudaError_t launch_naive_gather(const GatherArgs& args, cudaStream_t stream);

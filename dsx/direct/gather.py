@@ -143,7 +143,7 @@ def cuda_gather(
     out: torch.Tensor | None = None,
     *,
     sort: bool = True,
-    max_blocks: int = 0,
+    max_sms: int = 0,
 ) -> tuple[torch.Tensor, PendingCheck]:
     """Launch the zero-copy kernel on the current stream of ``index.device``; return ``(out, check)``.
 
@@ -173,10 +173,10 @@ def cuda_gather(
     if idx.numel() and row_bytes:
         if sort:
             sidx, perm = torch.sort(idx)
-            ext.gather(table, sidx, perm, out, flag, row_bytes, table.shape[0], max_blocks, True)  # type: ignore[attr-defined]
+            ext.gather(table, sidx, perm, out, flag, row_bytes, table.shape[0], max_sms, True)  # type: ignore[attr-defined]
             keep += [sidx, perm]
         else:
-            ext.gather(table, idx, None, out, flag, row_bytes, table.shape[0], max_blocks, False)  # type: ignore[attr-defined]
+            ext.gather(table, idx, None, out, flag, row_bytes, table.shape[0], max_sms, False)  # type: ignore[attr-defined]
     host_flag = torch.empty(2, dtype=torch.int64, pin_memory=True)
     host_flag.copy_(flag, non_blocking=True)
     event = torch.cuda.Event()

@@ -144,12 +144,6 @@ class UnifiedTensor:
                 )
             return "torch"
 
-    def _max_blocks(self, device: torch.device) -> int:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        cap = self.config.max_gather_sms
-        # 8 blocks of 256 threads fill an SM (2048 threads): latency hiding for PCIe reads needs them all.
-        return 8 * (min(sms, cap) if cap is not None else sms)
-
     def gather(
         self,
         index: torch.Tensor,
@@ -185,7 +179,7 @@ class UnifiedTensor:
             index,
             out,
             sort=self.config.sort_indices,
-            max_blocks=self._max_blocks(index.device),
+            max_sms=self.config.max_gather_sms or 0,
         )
         if (check or self.config.check_indices) == "sync":
             pending.raise_if_bad()
