@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import resource
@@ -200,6 +201,40 @@ def test_two_ranks_share_one_copy_and_killed_rank_leaves_nothing(tmp_path) -> No
         assert sm["Rss"] >= rep["nbytes"] // 1024 * 0.95
         assert sm["Pss"] <= sm["Rss"] * 0.6
     assert os.listdir(shm_dir) == [], "a killed rank must leave nothing in the shared-memory directory"
+
+
+def test_attach_installs_section_defaults(tmp_path) -> None:
+    from dsx.config import parse_dsx_config
+    from dsx.direct import attach
+
+    unified_mod = importlib.import_module(
+        "dsx.direct.unified"
+    )  # the module (the package exports the function)
+
+    section = parse_dsx_config({"unified": {"enabled": True, "shared": "off", "sort_indices": False,
+                                            "shared_memory_dir": str(tmp_path), "backend": "torch"}}).unified  # fmt: skip
+    handle = attach(None, section, None)
+    try:
+        ut = unified(_table(30, (5,), torch.float32, 8))
+        assert ut.config is section and not ut.shared
+        idx = torch.tensor([4, 4, 29, 0])
+        assert torch.equal(ut[idx], ut.tensor[idx])
+    finally:
+        handle.close()
+    assert unified_mod._config is not section
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU-only torch message")
+def test_op_builder_says_why_it_cannot_build_here() -> None:
+    from dsx.ops import UnifiedGatherBuilder, load_unified_gather
+
+    b = UnifiedGatherBuilder()
+    assert all(Path(p).is_file() for p in b.sources()) and b.absolute_name() == "dsx.ops.dsx_unified_gather"
+    assert not b.is_compatible()
+    with pytest.raises(RuntimeError, match="built without CUDA"):
+        load_unified_gather()
+    with pytest.raises(RuntimeError, match="built without CUDA"):  # remembered, not rebuilt per call
+        load_unified_gather()
 
 
 def test_bench_gather_quick_smoke(tmp_path) -> None:
