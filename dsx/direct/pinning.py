@@ -69,6 +69,11 @@ class _Cudart:
             self.lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
             self.lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
             self.lib.cudaGetErrorString.restype = ctypes.c_char_p
+            self.lib.cudaHostGetDevicePointer.argtypes = [
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.c_void_p,
+                ctypes.c_uint,
+            ]
 
     def register(self, ptr: int, nbytes: int, flags: int) -> int:
         if self.lib is not None:
@@ -79,6 +84,18 @@ class _Cudart:
         if self.lib is not None:
             return int(self.lib.cudaHostUnregister(ptr))
         return int(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+    def covers(self, ptr: int, nbytes: int) -> bool:
+        """Whether CUDA maps the first and the last byte of the range (None-able without ctypes: assume so)."""
+        if self.lib is None:
+            return True
+        out = ctypes.c_void_p()
+        ok = all(
+            self.lib.cudaHostGetDevicePointer(ctypes.byref(out), p, 0) == 0 for p in (ptr, ptr + nbytes - 1)
+        )
+        if not ok:
+            self.clear_error()
+        return ok
 
     def clear_error(self) -> None:
         # A failed runtime call also sets the thread's "last error"; clear it, or torch's next kernel-launch
@@ -113,7 +130,16 @@ def register(ptr: int, nbytes: int) -> None:
         owned = 1
         if err == _ALREADY_REGISTERED:
             rt.clear_error()
-            owned = 0  # pinned by someone else (e.g. a previous library): usable, but not ours to unpin
+            owned = 0  # pinned by someone else (e.g. pin_memory()): usable, but not ours to unpin
+            if not rt.covers(ptr, nbytes):
+                # CUDA pins whole pages: a small tensor sharing a page with memory registered elsewhere
+                # overlaps it without being covered by it; a kernel reading it would fault.
+                raise PinningError(
+                    f"cannot pin {nbytes} bytes at {ptr:#x}: the range overlaps host memory registered "
+                    "elsewhere (CUDA pins whole 4 KiB pages) but is not covered by it. Give dsx.unified a "
+                    "tensor with its own pages (e.g. one allocated on its own; large tensors always are), or "
+                    "close the other registration first."
+                )
         elif err != 0:
             rt.clear_error()
             msg = rt.error_string(err)
