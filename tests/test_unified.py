@@ -172,8 +172,7 @@ def test_sweep_removes_only_dead_leaders_files(tmp_path) -> None:
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
 
 
-@pytest.mark.slow
-def test_two_ranks_share_one_copy_and_killed_rank_leaves_nothing(tmp_path) -> None:
+def _two_rank_job(tmp_path: Path, accelerator: str) -> None:
     """2 ranks via the deepspeed launcher (gloo): same pages (Pss = Rss / 2), then one rank is SIGKILLed."""
     out, shm_dir = tmp_path / "out", tmp_path / "shm"
     out.mkdir()
@@ -181,7 +180,7 @@ def test_two_ranks_share_one_copy_and_killed_rank_leaves_nothing(tmp_path) -> No
     env = {
         **os.environ,
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "DS_ACCELERATOR": "cpu",
+        "DS_ACCELERATOR": accelerator,
     }
     port = 29500 + (os.getpid() % 2000)
     cmd = [
@@ -201,6 +200,16 @@ def test_two_ranks_share_one_copy_and_killed_rank_leaves_nothing(tmp_path) -> No
         assert sm["Rss"] >= rep["nbytes"] // 1024 * 0.95
         assert sm["Pss"] <= sm["Rss"] * 0.6
     assert os.listdir(shm_dir) == [], "a killed rank must leave nothing in the shared-memory directory"
+
+
+@pytest.mark.slow
+def test_two_ranks_share_one_copy_and_killed_rank_leaves_nothing(tmp_path) -> None:
+    _two_rank_job(tmp_path, "cpu")
+
+
+@pytest.mark.multigpu
+def test_two_gpu_ranks_register_and_gather_the_shared_copy(tmp_path) -> None:
+    _two_rank_job(tmp_path, "cuda")  # the worker also gathers on its own GPU from the shared pages
 
 
 def test_attach_installs_section_defaults(tmp_path) -> None:

@@ -50,6 +50,9 @@ def main() -> None:
     files_after = sorted(os.listdir(shm_dir))
     idx = torch.randint(0, rows, (1000,), generator=torch.Generator().manual_seed(rank))
     ok_gather = bool(torch.equal(ut.gather(idx), data[idx]))
+    if torch.cuda.is_available():  # on the GPU machine: each rank gathers from the shared pages zero-copy
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        ok_gather = ok_gather and ut.is_pinned and bool(torch.equal(ut.gather(idx.cuda()).cpu(), data[idx]))
     ut.tensor.sum()  # touch every page so Rss/Pss count them
     smaps = _smaps_for(shm_dir)
     dist.barrier()
