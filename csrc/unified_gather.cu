@@ -38,8 +38,10 @@ struct Vec<1> { using T = uint8_t; };
 
 #if defined(__CUDA_ARCH__)
 #define DSX_HD __device__ __forceinline__
+#define DSX_UNROLL _Pragma("unroll")
 #else
 #define DSX_HD inline  // the same thread bodies run on the host in the CPU emulation test
+#define DSX_UNROLL
 #endif
 
 DSX_HD int64_t out_pos(const int64_t* __restrict__ perm, int64_t j) { return perm != nullptr ? perm[j] : j; }
@@ -90,14 +92,14 @@ DSX_HD void gather_thread(const GatherArgs& a, int64_t block, int64_t grid, int 
     if (kStep >= 128 && a.row_bytes >= 128) head = static_cast<int64_t>(reinterpret_cast<uintptr_t>(src) & 127);
     for (int64_t k0 = lane * W - head; k0 < a.row_bytes; k0 += kStep * kUnroll) {
       VecT v[kUnroll] = {};
-#pragma unroll
+DSX_UNROLL
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t k = k0 + u * kStep;
         if (k >= 0 && k < a.row_bytes) v[u] = *reinterpret_cast<const VecT*>(src + k);
       }
       for (int64_t j = i; j < end; ++j) {
         uint8_t* __restrict__ dst = a.out + out_pos(a.perm, j) * a.row_bytes;
-#pragma unroll
+DSX_UNROLL
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t k = k0 + u * kStep;
           if (k >= 0 && k < a.row_bytes) *reinterpret_cast<VecT*>(dst + k) = v[u];
