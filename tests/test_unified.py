@@ -158,6 +158,14 @@ def test_shared_single_process_unlinks_and_maps(tmp_path) -> None:
     ut.close()  # a second close is a no-op
 
 
+def test_leader_without_data_fails_everywhere(tmp_path) -> None:
+    with pytest.raises(SharedMemoryError, match="must pass the tensor"):
+        unified(None, shared="on", config=_cfg(tmp_path))
+    with pytest.raises(ValueError, match="every rank must pass its tensor"):
+        unified(None, shared="off", config=_cfg(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
 def test_sweep_removes_only_dead_leaders_files(tmp_path) -> None:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
