@@ -156,6 +156,9 @@ def test_shared_single_process_unlinks_and_maps(tmp_path) -> None:
         idx = torch.randint(0, 300, (64,))
         assert torch.equal(ut[idx], t[idx])
     ut.close()  # a second close is a no-op
+    empty = unified(torch.empty(0, 4), shared="on", config=_cfg(tmp_path))
+    assert empty.shape == (0, 4) and empty[torch.empty(0, dtype=torch.int64)].shape == (0, 4)
+    assert os.listdir(tmp_path) == []
 
 
 def test_leader_without_data_fails_everywhere(tmp_path) -> None:

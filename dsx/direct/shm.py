@@ -201,20 +201,14 @@ def share_tensor(
             path = os.path.join(shared_memory_dir, f"{PREFIX}{job}-p{os.getpid()}-r{group.rank}-{tag}")
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                if nbytes:
-                    try:
-                        os.posix_fallocate(fd, 0, nbytes)  # reserve tmpfs pages now, not at first touch
-                    except OSError as exc:
-                        st = os.statvfs(shared_memory_dir)
-                        raise SharedMemoryError(
-                            shm_space_message(
-                                shared_memory_dir,
-                                nbytes,
-                                st.f_bavail * st.f_frsize,
-                                st.f_blocks * st.f_frsize,
-                            )
-                            + f" ({exc})"
-                        ) from None
+                try:
+                    # Reserve tmpfs pages now, not at first touch (at least one byte, so that it maps).
+                    os.posix_fallocate(fd, 0, max(nbytes, 1))
+                except OSError as exc:
+                    st = os.statvfs(shared_memory_dir)
+                    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+                    msg = shm_space_message(shared_memory_dir, nbytes, free, total)
+                    raise SharedMemoryError(f"{msg} ({exc})") from None
             finally:
                 os.close(fd)
             base = _map(path, max(nbytes, 1))[:nbytes]
