@@ -102,6 +102,8 @@ class UnifiedConfig(_Section):
     prefetch_batches: int = Field(default=1, ge=0, le=16)
     shared_memory_dir: str = "/dev/shm"
     backend: Literal["auto", "cuda", "torch"] = "auto"
+    # "sync": a GPU gather waits for its out-of-range flag; "deferred": checked at the next gather/check().
+    check_indices: Literal["sync", "deferred"] = "sync"
 
     @field_validator("shared_memory_dir")
     @classmethod

@@ -1,0 +1,27 @@
+"""Unified tensors, GPU neighbor sampling and the distributed GNN loader (PyTorch-Direct in dsx).
+
+This file is owned by the sampler side; the unified-tensor exports and the ``attach`` hook for the
+``"dsx"."unified"`` section are listed here so that they merge.
+"""
+
+from typing import Any
+
+from dsx.direct.gather import IndexOutOfRangeError
+from dsx.direct.pinning import PinningError
+from dsx.direct.shm import SharedMemoryError
+from dsx.direct.unified import UnifiedTensor, attach_unified, configure, unified
+
+__all__ = [
+    "IndexOutOfRangeError",
+    "PinningError",
+    "SharedMemoryError",
+    "UnifiedTensor",
+    "attach",
+    "configure",
+    "unified",
+]
+
+
+def attach(engine: Any, section: Any, runtime: Any) -> Any:
+    """Feature hook called by ``dsx.initialize`` when ``"dsx"."unified"."enabled"`` is true."""
+    return attach_unified(engine, section, runtime)

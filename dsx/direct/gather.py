@@ -1,0 +1,184 @@
+"""Row gathers from a host table: the CUDA zero-copy kernel and its pure-PyTorch twin.
+
+Both paths share one contract: ``gather_rows(table, index)`` equals ``table[index]`` placed on the index's
+device; indices are int32 or int64 of any shape; an index outside ``[0, rows)`` raises
+:class:`IndexOutOfRangeError` naming it (never garbage). Both sort the indices first (``sort=True``): the
+kernel so that consecutive warps read neighbouring host addresses (whole 128-byte PCIe requests; 2.5x on
+an H100 for 512-byte rows), the twin so that each distinct row is read and transferred once.
+
+Performance facts (H100, PCIe Gen5, pinned copy 55 GB/s): the kernel reaches the copy ceiling for rows of
+256 bytes and more when it may use every SM; the twin is bound by host memory bandwidth of the CPU threads
+(about 21 GB/s with 16 cores into pinned staging memory, 3.6 GB/s from pageable memory).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "IndexOutOfRangeError",
+    "PendingCheck",
+    "bad_index_message",
+    "check_index",
+    "cuda_gather",
+    "torch_gather",
+]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class IndexOutOfRangeError(IndexError):
+    """A gather index outside ``[0, rows)``."""
+
+
+def bad_index_message(value: int, count: int, rows: int) -> str:
+    return (
+        f"unified gather: index {value} is out of range for a table of {rows} rows (valid: 0..{rows - 1}); "
+        f"{count} of the requested indices are out of range. The output of this gather is invalid."
+    )
+
+
+def check_index(index: torch.Tensor) -> None:
+    """Raise TypeError for an index that is not an int32/int64 tensor."""
+    if not isinstance(index, torch.Tensor):
+        raise TypeError(f"unified gather: index must be a torch.Tensor, got {type(index).__name__}")
+    if index.dtype not in _INDEX_DTYPES:
+        raise TypeError(
+            f"unified gather: index dtype {index.dtype} is not supported; use torch.int32 or torch.int64 "
+            "(e.g. index.long())"
+        )
+
+
+def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
+        raise ValueError(
+            f"unified gather: out has shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}; "
+            f"expected shape {shape}, dtype {dtype} on {device}"
+        )
+    if not out.is_contiguous():
+        raise ValueError("unified gather: out must be contiguous")
+
+
+# ------------------------------------------------------------------------------------- PyTorch twin
+
+
+def torch_gather(
+    table: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None, *, sort: bool = True
+) -> torch.Tensor:
+    """``table[index]`` on ``index.device`` through CPU ``index_select`` (the fallback and the reference).
+
+    With ``sort``: indices are sorted and deduplicated on the CPU, each distinct row is gathered once into
+    (pinned, when the destination is a GPU) staging memory, copied with ``non_blocking``, and un-permuted on
+    the destination device. Synchronises with the index's stream when the index is on a GPU (the indices
+    must be read on the host).
+    """
+    check_index(index)
+    dev = index.device
+    shape = (*index.shape, *table.shape[1:])
+    if out is not None:
+        _check_out(out, shape, table.dtype, dev)
+    idx = index.reshape(-1).to("cpu")
+    rows = table.shape[0]
+    res = out if out is not None else torch.empty(shape, dtype=table.dtype, device=dev)
+    if idx.numel() == 0:
+        return res
+    if sort:
+        sidx, perm = torch.sort(idx)
+        lo, hi = int(sidx[0]), int(sidx[-1])
+    else:
+        lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= rows:
+        count = int(((idx < 0) | (idx >= rows)).sum())
+        raise IndexOutOfRangeError(bad_index_message(lo if lo < 0 else hi, count, rows))
+    flat = res.view(idx.numel(), *table.shape[1:])
+    pinned = dev.type == "cuda"
+    if not sort:
+        if dev.type == "cpu":
+            torch.index_select(table, 0, idx, out=flat)
+            return res
+        staged = torch.empty((idx.numel(), *table.shape[1:]), dtype=table.dtype, pin_memory=pinned)
+        torch.index_select(table, 0, idx, out=staged)
+        flat.copy_(staged, non_blocking=True)
+        return res
+    uniq, inv = torch.unique_consecutive(sidx, return_inverse=True)
+    staged = torch.empty((uniq.numel(), *table.shape[1:]), dtype=table.dtype, pin_memory=pinned)
+    torch.index_select(table, 0, uniq, out=staged)
+    if dev.type != "cpu":
+        # Only distinct rows cross PCIe; the caching host allocator keeps ``staged`` alive until the copy ends.
+        staged = staged.to(dev, non_blocking=True)
+        perm, inv = perm.to(dev, non_blocking=True), inv.to(dev, non_blocking=True)
+    flat.index_copy_(0, perm, staged.index_select(0, inv))
+    return res
+
+
+# --------------------------------------------------------------------------------------- CUDA kernel
+
+
+@dataclass
+class PendingCheck:
+    """The error flag of a launched gather: ``[count, index]`` copied to pinned host memory after an event."""
+
+    event: torch.cuda.Event
+    host_flag: torch.Tensor
+    rows: int
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+    def ready(self) -> bool:
+        return bool(self.event.query())
+
+    def raise_if_bad(self) -> None:
+        self.event.synchronize()
+        count, value = (int(v) for v in self.host_flag.tolist())
+        if count:
+            raise IndexOutOfRangeError(bad_index_message(value, count, self.rows))
+
+
+def cuda_gather(
+    ext: object,
+    table: torch.Tensor,
+    index: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    sort: bool = True,
+    max_sms: int = 0,
+) -> tuple[torch.Tensor, PendingCheck]:
+    """Launch the zero-copy kernel on the current stream of ``index.device``; return ``(out, check)``.
+
+    ``table`` must be a contiguous CPU tensor registered with ``cudaHostRegister`` (see
+    :func:`dsx.direct.unified`). The indices are sorted on the GPU (``torch.sort``, part of the op); the
+    kernel reads each distinct row once and writes it to every output position that asked for it. An
+    out-of-range index makes the kernel zero that output row and set a device flag; ``check`` holds the flag
+    (copied to pinned host memory behind an event) — call ``check.raise_if_bad()`` at a sync point.
+    """
+    check_index(index)
+    if index.device.type != "cuda":
+        raise ValueError(f"unified gather: the CUDA backend needs the index on a GPU, got {index.device}")
+    if not table.is_contiguous() or table.device.type != "cpu":
+        raise ValueError("unified gather: the table must be a contiguous, registered CPU tensor")
+    dev = index.device
+    shape = (*index.shape, *table.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=table.dtype, device=dev)
+    else:
+        _check_out(out, shape, table.dtype, dev)
+    idx = index.reshape(-1)
+    if not idx.is_contiguous():
+        idx = idx.contiguous()
+    row_bytes = math.prod(table.shape[1:]) * table.element_size()
+    flag = torch.zeros(2, dtype=torch.int64, device=dev)
+    keep = [table]
+    if idx.numel() and row_bytes:
+        if sort:
+            sidx, perm = torch.sort(idx)
+            ext.gather(table, sidx, perm, out, flag, row_bytes, table.shape[0], max_sms, True)  # type: ignore[attr-defined]
+            keep += [sidx, perm]
+        else:
+            ext.gather(table, idx, None, out, flag, row_bytes, table.shape[0], max_sms, False)  # type: ignore[attr-defined]
+    host_flag = torch.empty(2, dtype=torch.int64, pin_memory=True)
+    host_flag.copy_(flag, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(dev))
+    return out, PendingCheck(event=event, host_flag=host_flag, rows=table.shape[0], keep=keep)

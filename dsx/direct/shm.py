@@ -1,0 +1,245 @@
+"""One copy per node: a host tensor placed in shared memory and mapped by every local rank.
+
+The node's leader (its lowest global rank) creates a file in ``shared_memory_dir`` (``/dev/shm`` by
+default), reserves its pages with ``posix_fallocate`` (so that a full tmpfs fails here with a clear message
+rather than with SIGBUS on first touch), copies the data in and publishes the path; the other local ranks map
+the same file. As soon as every local rank holds its mapping the leader unlinks the file: the pages then
+live exactly as long as some process maps them, so a rank killed by SIGKILL leaves nothing behind. A
+leader killed before the unlink leaves a file whose name carries its pid; :func:`sweep_stale` removes such
+files at the next start.
+
+Collective: every rank of the default process group must call :func:`share_tensor` in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "NodeGroup",
+    "SharedMemoryError",
+    "check_space",
+    "local_group",
+    "share_tensor",
+    "shm_space_message",
+    "sweep_stale",
+]
+
+PREFIX = "dsx-ut-"
+_NAME_RE = re.compile(rf"^{PREFIX}(?P<job>[0-9a-f]+)-p(?P<pid>\d+)-")
+
+
+class SharedMemoryError(RuntimeError):
+    """The shared segment cannot be created (directory too small, not writable) or a peer failed."""
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """The ranks of the default process group that share this node's memory."""
+
+    ranks: tuple[int, ...]  # global ranks on this node, ascending
+    rank: int  # this process's global rank
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+
+def _node_key() -> str:
+    # Two launcher "nodes" may run on one machine (``--no_ssh --node_rank``): the node rank the launcher
+    # exports is part of the key, so they do not share a segment they did not agree on.
+    node = os.environ.get("CROSS_RANK", os.environ.get("GROUP_RANK", ""))
+    return f"{socket.gethostname()}/{node}"
+
+
+def local_group() -> NodeGroup:
+    """The ranks on this node (collective over the default process group; one object all-gather)."""
+    if not _distributed():
+        return NodeGroup(ranks=(0,), rank=0)
+    keys = _all_gather(_node_key())
+    mine = _node_key()
+    ranks = tuple(r for r, k in enumerate(keys) if k == mine)
+    return NodeGroup(ranks=ranks, rank=dist.get_rank())
+
+
+def shm_space_message(directory: str, needed: int, free: int, total: int) -> str:
+    """The error text for a shared-memory directory that cannot hold ``needed`` bytes."""
+    gib = 1 << 30
+    return (
+        f"shared memory directory {directory} has {free / gib:.2f} GiB free of {total / gib:.2f} GiB, "
+        f"but the unified tensor needs {needed / gib:.2f} GiB ({needed} bytes). Fix: give the container more "
+        f"shared memory (docker run --shm-size={max(1, math.ceil(2 * needed / gib))}g, or mount a larger tmpfs), "
+        "or point dsx.unified.shared_memory_dir at a tmpfs/hugetlbfs with room, or use shared='off' "
+        "(one copy per rank)."
+    )
+
+
+def check_space(directory: str, needed: int) -> None:
+    """Raise :class:`SharedMemoryError` if ``directory``'s file system has fewer than ``needed`` free bytes."""
+    st = os.statvfs(directory)
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if needed > free:
+        raise SharedMemoryError(shm_space_message(directory, needed, free, total))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(directory: str) -> list[str]:
+    """Remove segments left by leaders that died before unlinking (their pid no longer runs)."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _NAME_RE.match(name)
+        if m is None or _pid_alive(int(m.group("pid"))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass  # another rank or node swept it first
+    return removed
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _all_gather(obj: object) -> list[object]:
+    if not _distributed():
+        return [obj]
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _job_id() -> str:
+    """A per-job id agreed through the process group (rank 0 draws it)."""
+    obj = [uuid.uuid4().hex[:16]]
+    if _distributed():
+        dist.broadcast_object_list(obj, src=0)
+    return str(obj[0])
+
+
+def _all_ok(local_error: str | None) -> None:
+    """Exchange errors: if any rank failed, every rank raises (nobody waits forever at a later barrier)."""
+    bad = [(r, e) for r, e in enumerate(_all_gather(local_error)) if e is not None]
+    if bad:
+        r, e = bad[0]
+        raise SharedMemoryError(f"rank {r}: {e}")
+
+
+def _map(path: str, nbytes: int) -> torch.Tensor:
+    # MAP_SHARED mapping owned by the tensor's storage: it outlives the file's name and is unmapped when the
+    # last tensor referring to it is freed.
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def share_tensor(
+    tensor: torch.Tensor | None, shared_memory_dir: str = "/dev/shm", name: str | None = None
+) -> tuple[torch.Tensor, NodeGroup]:
+    """Return a tensor equal to ``tensor`` whose pages are shared by all ranks of this node.
+
+    Parameters
+    ----------
+    tensor
+        The data on the leader; other ranks may pass the same data or ``None`` (only the leader's copy is
+        read; shape and dtype come from the leader).
+    shared_memory_dir
+        Where the segment file lives while ranks map it (a tmpfs: ``/dev/shm``).
+    name
+        Readable tag in the file name (for ``ls /dev/shm`` while the segment is being set up).
+
+    Returns
+    -------
+    (shared, group)
+        ``shared`` is a CPU tensor backed by the node's single copy (about ``tensor.nbytes`` of host memory
+        per node, not per rank). Collective over the default process group.
+    """
+    group = local_group()
+    job = _job_id()
+    sweep_stale(shared_memory_dir)
+    meta: list[object] = [None]
+    error: str | None = None
+    path = None
+    base = None
+    if group.is_leader:
+        try:
+            if tensor is None:
+                raise SharedMemoryError("the node leader must pass the tensor to share")
+            if not tensor.is_contiguous():
+                raise SharedMemoryError("the tensor to share must be contiguous (call .contiguous() first)")
+            nbytes = tensor.numel() * tensor.element_size()
+            check_space(shared_memory_dir, nbytes)
+            tag = re.sub(r"[^A-Za-z0-9_.]", "_", name or "tensor")[:40]
+            path = os.path.join(shared_memory_dir, f"{PREFIX}{job}-p{os.getpid()}-r{group.rank}-{tag}")
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                try:
+                    # Reserve tmpfs pages now, not at first touch (at least one byte, so that it maps).
+                    os.posix_fallocate(fd, 0, max(nbytes, 1))
+                except OSError as exc:
+                    st = os.statvfs(shared_memory_dir)
+                    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+                    msg = shm_space_message(shared_memory_dir, nbytes, free, total)
+                    raise SharedMemoryError(f"{msg} ({exc})") from None
+            finally:
+                os.close(fd)
+            base = _map(path, max(nbytes, 1))[:nbytes]
+            if nbytes:
+                base.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            meta = [(path, nbytes, tensor.dtype, tuple(tensor.shape))]
+        except Exception as exc:  # published to the other ranks, raised everywhere below
+            error = f"{type(exc).__name__}: {exc}"
+            if path is not None and os.path.exists(path):
+                os.unlink(path)
+    # Every rank learns every leader's error or path.
+    metas = _all_gather((error, meta[0]))
+    _, leader_meta = metas[group.leader]  # type: ignore[misc]
+    bad = [(r, m[0]) for r, m in enumerate(metas) if m[0] is not None]  # type: ignore[index]
+    if bad:
+        r, e = bad[0]
+        raise SharedMemoryError(f"rank {r} could not create the shared segment: {e}")
+    path, nbytes, dtype, shape = leader_meta  # type: ignore[misc]
+    try:
+        if not group.is_leader:
+            base = _map(path, max(nbytes, 1))[:nbytes]
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: could not map {path}: {exc}"
+    try:
+        _all_ok(error)  # all local ranks have mapped (or failed)
+    finally:
+        if group.is_leader and os.path.exists(path):
+            os.unlink(path)  # from here on the pages live only as long as the mappings
+    # One more exchange so that, on every rank, unified() returns only once the name is gone.
+    _all_ok(None)
+    assert base is not None
+    shared = base.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+    return shared, group

@@ -1,0 +1,5 @@
+import sys
+
+from dsx.ops.unified_gather import main
+
+sys.exit(main())

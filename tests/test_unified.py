@@ -1,0 +1,375 @@
+"""dsx.unified: gathers equal index_select, errors say what to do, one shared copy per node, no leftovers."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsx.config import UnifiedConfig
+from dsx.direct import IndexOutOfRangeError, SharedMemoryError, UnifiedTensor, unified
+from dsx.direct import shm as shm_mod
+from dsx.direct.gather import torch_gather
+from dsx.direct.pinning import memlock_message
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int64]
+ROW_SHAPES = [(), (1,), (3,), (7,), (16,), (3, 5), (33,), (128,)]
+
+
+def _table(rows: int, row_shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn((rows, *row_shape), generator=g).to(dtype)
+    return torch.randint(-100 if dtype.is_signed else 0, 100, (rows, *row_shape), generator=g).to(dtype)
+
+
+def _cfg(tmp_path: Path, **kw: object) -> UnifiedConfig:
+    return UnifiedConfig(shared_memory_dir=str(tmp_path), **kw)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------ CPU gather
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("row_shape", ROW_SHAPES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_cpu_gather_equals_index_select(tmp_path, dtype, row_shape, index_dtype) -> None:
+    seed = hash((str(dtype), row_shape, str(index_dtype))) % 10_000
+    t = _table(257, row_shape, dtype, seed)
+    ut = unified(t, shared="off", config=_cfg(tmp_path))
+    g = torch.Generator().manual_seed(seed + 1)
+    idx = torch.randint(0, 257, (300,), generator=g, dtype=torch.int64)
+    idx[::7] = idx[0]  # duplicates, scattered
+    ref = t.index_select(0, idx)
+    got = ut.gather(idx.to(index_dtype))
+    assert got.dtype == t.dtype and got.shape == ref.shape
+    assert torch.equal(got, ref)
+    assert torch.equal(ut[idx.to(index_dtype)], ref)
+
+
+@pytest.mark.parametrize("sort", [True, False])
+def test_cpu_gather_shapes_out_and_empty(tmp_path, sort) -> None:
+    t = _table(50, (9,), torch.float32, 3)
+    ut = unified(t, shared="off", config=_cfg(tmp_path, sort_indices=sort))
+    idx2d = torch.randint(0, 50, (4, 6), dtype=torch.int32)
+    assert torch.equal(ut.gather(idx2d), t[idx2d.long()])
+    out = torch.full((4, 6, 9), float("nan"))
+    assert ut.gather(idx2d, out=out) is out and torch.equal(out, t[idx2d.long()])
+    empty = ut.gather(torch.empty(0, dtype=torch.int64))
+    assert empty.shape == (0, 9)
+    # A table that holds every index once, reversed: un-permuting must restore the requested order.
+    rev = torch.arange(49, -1, -1)
+    assert torch.equal(torch_gather(t, rev, sort=sort), t.flip(0))
+
+
+def test_host_indexing_passes_through(tmp_path) -> None:
+    t = _table(20, (4,), torch.float32, 5)
+    ut = unified(t, shared="off", config=_cfg(tmp_path))
+    assert torch.equal(ut[3], t[3]) and torch.equal(ut[2:5], t[2:5])
+    assert len(ut) == 20 and ut.shape == t.shape and ut.dtype == t.dtype and ut.nbytes == t.nbytes
+    assert ut.tensor.data_ptr() == t.data_ptr()  # pinned in place: no copy
+
+
+# -------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("sort", [True, False])
+def test_out_of_range_names_the_index(tmp_path, sort) -> None:
+    t = _table(100, (8,), torch.float32, 7)
+    ut = unified(t, shared="off", config=_cfg(tmp_path, sort_indices=sort))
+    with pytest.raises(
+        IndexOutOfRangeError, match=r"index 100 is out of range for a table of 100 rows.*1 of"
+    ):
+        ut.gather(torch.tensor([5, 100, 7]))
+    with pytest.raises(IndexOutOfRangeError, match=r"index -3 is out of range.*2 of"):
+        ut.gather(torch.tensor([-3, 4, 1000], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("bad", [torch.float32, torch.int16, torch.uint8, torch.bool])
+def test_wrong_index_dtype(tmp_path, bad) -> None:
+    ut = unified(_table(10, (2,), torch.float32, 1), shared="off", config=_cfg(tmp_path))
+    with pytest.raises(TypeError, match=r"int32 or torch.int64"):
+        ut.gather(torch.zeros(3, dtype=bad))
+
+
+def test_bad_inputs(tmp_path) -> None:
+    t = _table(10, (6,), torch.float32, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        unified(t.t(), shared="off")
+    with pytest.raises(ValueError, match="shared="):
+        unified(t, shared="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
+        unified(t.numpy(), shared="off")  # type: ignore[arg-type]
+    ut = unified(t, shared="off", config=_cfg(tmp_path))
+    with pytest.raises(ValueError, match="expected shape"):
+        ut.gather(torch.tensor([1, 2]), out=torch.empty(3, 6))
+
+
+def test_memlock_message_uses_real_limits() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    msg = memlock_message(64 << 30, "out of memory (cudaError 2)")
+
+    def shown(v: int) -> str:
+        return "unlimited" if v == resource.RLIM_INFINITY else f"{v} bytes"
+
+    assert f"soft {shown(soft)}" in msg and f"hard {shown(hard)}" in msg and "RLIMIT_MEMLOCK" in msg
+    assert "ulimit -l unlimited" in msg and "--ulimit memlock=-1" in msg
+    if soft != resource.RLIM_INFINITY:
+        assert "larger than the limit" in msg  # 64 GiB is above any limited soft value seen in practice
+    small = memlock_message(1, "x", limits=(1 << 20, 1 << 20))
+    assert "larger than the limit" not in small and "1.0 MiB" in small
+
+
+def test_shm_too_small_names_sizes_and_fix(tmp_path) -> None:
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    needed = free + (5 << 30)
+    with pytest.raises(SharedMemoryError) as err:
+        shm_mod.check_space(str(tmp_path), needed)
+    msg = str(err.value)
+    assert str(tmp_path) in msg and f"({needed} bytes)" in msg and "--shm-size" in msg
+    assert "shared_memory_dir" in msg
+    shm_mod.check_space(str(tmp_path), 1)  # a byte fits
+
+
+# ---------------------------------------------------------------------------------- shared segments
+
+
+def test_shared_single_process_unlinks_and_maps(tmp_path) -> None:
+    t = _table(300, (17,), torch.float32, 11)
+    with unified(t, shared="on", name="one proc", config=_cfg(tmp_path)) as ut:
+        assert isinstance(ut, UnifiedTensor) and ut.shared
+        assert os.listdir(tmp_path) == []  # unlinked as soon as every local rank mapped it
+        assert ut.tensor.data_ptr() != t.data_ptr() and torch.equal(ut.tensor, t)
+        with open("/proc/self/maps") as f:
+            maps = [ln for ln in f if str(tmp_path) in ln]
+        assert maps and all(ln.rstrip().endswith("(deleted)") for ln in maps)
+        idx = torch.randint(0, 300, (64,))
+        assert torch.equal(ut[idx], t[idx])
+    ut.close()  # a second close is a no-op
+    empty = unified(torch.empty(0, 4), shared="on", config=_cfg(tmp_path))
+    assert empty.shape == (0, 4) and empty[torch.empty(0, dtype=torch.int64)].shape == (0, 4)
+    assert os.listdir(tmp_path) == []
+
+
+def test_leader_without_data_fails_everywhere(tmp_path) -> None:
+    with pytest.raises(SharedMemoryError, match="must pass the tensor"):
+        unified(None, shared="on", config=_cfg(tmp_path))
+    with pytest.raises(ValueError, match="every rank must pass its tensor"):
+        unified(None, shared="off", config=_cfg(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_sweep_removes_only_dead_leaders_files(tmp_path) -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f"{shm_mod.PREFIX}0123abcd-p{dead_pid}-r0-feat"
+    live = tmp_path / f"{shm_mod.PREFIX}0123abcd-p{os.getpid()}-r0-feat"
+    other = tmp_path / "unrelated"
+    for p in (stale, live, other):
+        p.write_bytes(b"x")
+    assert shm_mod.sweep_stale(str(tmp_path)) == [stale.name]
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
+
+
+def _two_rank_job(tmp_path: Path, accelerator: str) -> None:
+    """2 ranks via the deepspeed launcher (gloo): same pages (Pss = Rss / 2), then one rank is SIGKILLed."""
+    out, shm_dir = tmp_path / "out", tmp_path / "shm"
+    out.mkdir()
+    shm_dir.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "DS_ACCELERATOR": accelerator,
+    }
+    port = 29500 + (os.getpid() % 2000)
+    cmd = [
+        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
+        str(ROOT / "tests" / "unified_worker.py"), str(out), str(shm_dir), "kill",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert proc.returncode != 0, "the killed rank must make the job fail"
+    for rep in reports:
+        assert rep["shared"] and rep["group"] == [0, 1] and rep["equal"] and rep["gather_ok"]
+        assert rep["files_after_unified"] == []
+        assert rep["seen_write"] == 4242.0  # rank 0's write after mapping is visible: the same pages
+        sm = rep["smaps"]
+        assert sm["mappings"] >= 1 and sm["deleted"] == sm["mappings"]
+        # Both ranks touched every page: each is charged half (Pss), so the node holds one copy, not two.
+        assert sm["Rss"] >= rep["nbytes"] // 1024 * 0.95
+        assert sm["Pss"] <= sm["Rss"] * 0.6
+    assert os.listdir(shm_dir) == [], "a killed rank must leave nothing in the shared-memory directory"
+
+
+@pytest.mark.slow
+def test_two_ranks_share_one_copy_and_killed_rank_leaves_nothing(tmp_path) -> None:
+    _two_rank_job(tmp_path, "cpu")
+
+
+@pytest.mark.multigpu
+def test_two_gpu_ranks_register_and_gather_the_shared_copy(tmp_path) -> None:
+    _two_rank_job(tmp_path, "cuda")  # the worker also gathers on its own GPU from the shared pages
+
+
+def test_attach_installs_section_defaults(tmp_path) -> None:
+    from dsx.config import parse_dsx_config
+    from dsx.direct import attach
+
+    unified_mod = importlib.import_module(
+        "dsx.direct.unified"
+    )  # the module (the package exports the function)
+
+    section = parse_dsx_config({"unified": {"enabled": True, "shared": "off", "sort_indices": False,
+                                            "shared_memory_dir": str(tmp_path), "backend": "torch"}}).unified  # fmt: skip
+    handle = attach(None, section, None)
+    try:
+        ut = unified(_table(30, (5,), torch.float32, 8))
+        assert ut.config is section and not ut.shared
+        idx = torch.tensor([4, 4, 29, 0])
+        assert torch.equal(ut[idx], ut.tensor[idx])
+    finally:
+        handle.close()
+    assert unified_mod._config is not section
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU-only torch message")
+def test_op_builder_says_why_it_cannot_build_here() -> None:
+    from dsx.ops import UnifiedGatherBuilder, load_unified_gather
+
+    b = UnifiedGatherBuilder()
+    assert all(Path(p).is_file() for p in b.sources()) and b.absolute_name() == "dsx.ops.dsx_unified_gather"
+    assert not b.is_compatible()
+    with pytest.raises(RuntimeError, match="built without CUDA"):
+        load_unified_gather()
+    with pytest.raises(RuntimeError, match="built without CUDA"):  # remembered, not rebuilt per call
+        load_unified_gather()
+
+
+def test_bench_gather_quick_smoke(tmp_path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_gather
+    finally:
+        sys.path.pop(0)
+    report = bench_gather.main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "bench_gather.json").is_file() and (tmp_path / "bench_gather.png").is_file()
+    saved = json.loads((tmp_path / "bench_gather.json").read_text())
+    assert saved["env"]["torch"] == torch.__version__ and len(saved["results"]) == len(report["results"]) == 2
+    for rec in saved["results"]:
+        assert all(rec["correct"].values()) and rec["gb_per_s"]["dsx"] > 0
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+ROW_BYTES = [4, 5, 12, 16, 31, 64, 100, 128, 130, 256, 512, 1000, 1024, 2052, 4096]
+
+
+def _gpu_table(rows: int, row_bytes: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (rows, row_bytes), generator=g, dtype=torch.uint8)
+
+
+@pytest.mark.gpu
+def test_gpu_jit_build_of_the_op() -> None:
+    from dsx.ops import UnifiedGatherBuilder, load_unified_gather
+
+    assert UnifiedGatherBuilder().is_compatible(verbose=True)
+    ext = load_unified_gather(verbose=True)
+    assert hasattr(ext, "gather") and hasattr(ext, "naive_gather")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row_bytes", ROW_BYTES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("sort", [True, False])
+def test_gpu_kernel_equals_index_select(row_bytes, index_dtype, sort) -> None:
+    t = _gpu_table(5003, row_bytes, row_bytes)
+    ut = unified(t, shared="off", config=UnifiedConfig(backend="cuda", sort_indices=sort))
+    assert ut.is_pinned
+    g = torch.Generator().manual_seed(row_bytes + 1)
+    idx = torch.randint(0, 5003, (20_000,), generator=g)
+    idx[::5] = idx[3]  # a long run of one duplicate plus scattered ones
+    ref = t.index_select(0, idx).cuda()
+    got = ut.gather(idx.to(index_dtype).cuda())
+    assert got.device.type == "cuda" and torch.equal(got, ref)
+    assert ut.gather(torch.empty(0, dtype=index_dtype, device="cuda")).shape == (0, row_bytes)
+    ut.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64])
+def test_gpu_dtypes_and_unaligned_views(dtype) -> None:
+    t = _table(3001, (37,), dtype, 9)
+    with unified(t, shared="off", config=UnifiedConfig(backend="cuda")) as ut:
+        idx = torch.randint(0, 3001, (4000,), device="cuda")
+        assert torch.equal(ut[idx], t[idx.cpu()].cuda())
+        # An out buffer at an odd offset forces the narrow-load path.
+        base = torch.empty(4000 * 37 + 1, dtype=dtype, device="cuda")
+        out = base[1:].view(4000, 37)
+        assert torch.equal(ut.gather(idx, out=out), t[idx.cpu()].cuda())
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_range_raises_sync_and_deferred() -> None:
+    t = _gpu_table(1000, 64, 3)
+    ut = unified(t, shared="off", config=UnifiedConfig(backend="cuda"))
+    with pytest.raises(IndexOutOfRangeError, match="index 1000 is out of range"):
+        ut.gather(torch.tensor([1, 1000, 2], device="cuda"))
+    with pytest.raises(IndexOutOfRangeError, match="index -1 is out of range"):
+        ut.gather(torch.tensor([-1, 5], device="cuda", dtype=torch.int32))
+    out = ut.gather(torch.tensor([4, 5000, 6], device="cuda"), check="deferred")
+    torch.cuda.synchronize()
+    assert torch.equal(out[1].cpu(), torch.zeros(64, dtype=torch.uint8))  # zeroed, never garbage
+    assert torch.equal(out[0].cpu(), t[4])
+    with pytest.raises(IndexOutOfRangeError, match="index 5000"):
+        ut.check()
+    ut.gather(torch.tensor([3, 9999], device="cuda"), check="deferred")
+    with pytest.raises(IndexOutOfRangeError, match="index 9999"):
+        ut.close()
+    # torch's own launch checks still pass (no sticky error left behind).
+    torch.ones(4, device="cuda").sum().item()
+
+
+@pytest.mark.gpu
+def test_gpu_bounded_sms_and_side_stream_give_same_result() -> None:
+    t = _gpu_table(20_000, 512, 4)
+    idx = torch.randint(0, 20_000, (100_000,), device="cuda")
+    ref = t.index_select(0, idx.cpu()).cuda()
+    with unified(t, shared="off", config=UnifiedConfig(backend="cuda", max_gather_sms=2)) as ut:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            got = ut.gather(idx, check="deferred")
+        a = torch.randn(2048, 2048, device="cuda")
+        _ = a @ a  # training-like work on the main stream meanwhile
+        torch.cuda.current_stream().wait_stream(side)
+        ut.check()
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_backend_and_reregistration() -> None:
+    t = _gpu_table(4000, 100, 6)
+    idx = torch.randint(0, 4000, (3000,), device="cuda")
+    ref = t.index_select(0, idx.cpu()).cuda()
+    a = unified(t, shared="off", config=UnifiedConfig(backend="torch"))
+    b = unified(t, shared="off", config=UnifiedConfig(backend="cuda"))  # same address: counted, not an error
+    assert torch.equal(a.gather(idx), ref) and torch.equal(b.gather(idx), ref)
+    a.close()
+    assert b.is_pinned and torch.equal(b.gather(idx), ref)  # still registered for b
+    b.close()
+    c = unified(t, shared="off", config=UnifiedConfig(backend="cuda"))  # registers again after full release
+    assert torch.equal(c.gather(idx), ref)
+    c.close()
