@@ -12,6 +12,7 @@ from dsx.config import (
     SchedulerConfig,
     UnifiedConfig,
 )
+from dsx.direct import UnifiedTensor, unified
 from dsx.engine import DsxRuntime, initialize, runtime_of
 
 __version__ = "0.1.0"
@@ -24,7 +25,9 @@ __all__ = [
     "RGNNConfig",
     "SchedulerConfig",
     "UnifiedConfig",
+    "UnifiedTensor",
     "__version__",
     "initialize",
     "runtime_of",
+    "unified",
 ]

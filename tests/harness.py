@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LaunchResult", "REPO", "free_port", "launch", "launch_local_multinode", "launcher_env"]
+__all__ = ["REPO", "LaunchResult", "free_port", "launch", "launch_local_multinode", "launcher_env"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,9 @@ class LaunchResult:
         """Raise with the command and the tail of every rank's output when the run failed."""
         if self.returncode != 0:
             tail = "\n".join(self.output.splitlines()[-80:])
-            raise AssertionError(f"launch failed (exit {self.returncode}): {' '.join(self.cmd)}\n--- output tail ---\n{tail}")
+            raise AssertionError(
+                f"launch failed (exit {self.returncode}): {' '.join(self.cmd)}\n--- output tail ---\n{tail}"
+            )
         return self
 
 

@@ -18,7 +18,19 @@ from dsx.models.gpt import GPT, GPTConfig
 from tests.harness import REPO, launch, launch_local_multinode
 
 CONFIGS = REPO / "configs"
-SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--seq-len", "64", "--no-progress", "--loader", "torch"]
+SMALL = [
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--heads",
+    "2",
+    "--seq-len",
+    "64",
+    "--no-progress",
+    "--loader",
+    "torch",
+]
 
 
 def _config(name: str, tmp_path: Path, **changes) -> str:
@@ -58,10 +70,14 @@ def test_no_dsx_section_is_exactly_deepspeed(tmp_path) -> None:
     assert ours[-1] < ours[0]
 
 
-@pytest.mark.parametrize("name", ["gpt_zero1.json", "gpt_zero2.json", "gpt_zero3.json", "gpt_offload_cpu.json"])
+@pytest.mark.parametrize(
+    "name", ["gpt_zero1.json", "gpt_zero2.json", "gpt_zero3.json", "gpt_offload_cpu.json"]
+)
 def test_zero_stages_train(name: str, tmp_path) -> None:
     log = tmp_path / "log.json"
-    summary = main(["--deepspeed_config", str(CONFIGS / name), "--steps", "25", "--log-json", str(log), *SMALL])
+    summary = main(
+        ["--deepspeed_config", str(CONFIGS / name), "--steps", "25", "--log-json", str(log), *SMALL]
+    )
     losses = _losses(log)
     assert len(losses) == 25 and all(math.isfinite(x) for x in losses)
     assert np.mean(losses[-5:]) < losses[0] - 0.5, losses  # from ~ln(256)=5.5 towards byte-level entropy
@@ -86,7 +102,15 @@ def test_zero3_optimizer_offload_to_nvme(tmp_path) -> None:
 
 def test_bad_data_paths(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        main(["--deepspeed_config", str(CONFIGS / "gpt_zero2.json"), "--data", str(tmp_path / "missing"), *SMALL])
+        main(
+            [
+                "--deepspeed_config",
+                str(CONFIGS / "gpt_zero2.json"),
+                "--data",
+                str(tmp_path / "missing"),
+                *SMALL,
+            ]
+        )
     short = tmp_path / "short.npy"
     np.save(short, np.arange(40, dtype=np.uint16))
     with pytest.raises(ValueError, match="fewer than seq_len"):
@@ -101,7 +125,9 @@ def two_rank_losses(tmp_path_factory) -> list[float]:
     tmp = tmp_path_factory.mktemp("two_rank")
     cfg = _config("gpt_zero2.json", tmp, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
     log = tmp / "log.json"
-    launch(REPO / "examples/gpt/train.py", ["--deepspeed_config", cfg, "--log-json", str(log), *RUN], 2).check()
+    launch(
+        REPO / "examples/gpt/train.py", ["--deepspeed_config", cfg, "--log-json", str(log), *RUN], 2
+    ).check()
     return _losses(log)
 
 
@@ -113,7 +139,9 @@ def test_two_ranks_match_one_rank_same_global_batch(two_rank_losses, tmp_path) -
     # that from growing much over 10 steps, so the losses agree to 1e-4 relative.
     cfg = _config("gpt_zero2.json", tmp_path, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
     log = tmp_path / "log.json"
-    launch(REPO / "examples/gpt/train.py", ["--deepspeed_config", cfg, "--log-json", str(log), *RUN], 1).check()
+    launch(
+        REPO / "examples/gpt/train.py", ["--deepspeed_config", cfg, "--log-json", str(log), *RUN], 1
+    ).check()
     one = _losses(log)
     assert len(one) == len(two_rank_losses) == 10
     np.testing.assert_allclose(two_rank_losses, one, rtol=1e-4)
@@ -124,7 +152,9 @@ def test_two_ranks_match_one_rank_same_global_batch(two_rank_losses, tmp_path) -
 def test_two_launcher_nodes_match_two_ranks(two_rank_losses, tmp_path) -> None:
     cfg = _config("gpt_zero2.json", tmp_path, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
     log = tmp_path / "log.json"
-    res = launch_local_multinode(2, REPO / "examples/gpt/train.py", ["--deepspeed_config", cfg, "--log-json", str(log), *RUN])
+    res = launch_local_multinode(
+        2, REPO / "examples/gpt/train.py", ["--deepspeed_config", cfg, "--log-json", str(log), *RUN]
+    )
     res.check()
     assert "node_rank=1" in res.output or "node1" in res.output
     # Same ranks, same data, same gloo all-reduce: only process placement differs.

@@ -24,7 +24,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-__all__ = ["TokenData", "WITH_DALI", "load_shards", "make_loader", "stdlib_corpus", "window_offsets"]
+__all__ = ["WITH_DALI", "TokenData", "load_shards", "make_loader", "stdlib_corpus", "window_offsets"]
 
 WITH_DALI = importlib.util.find_spec("nvidia.dali") is not None
 
@@ -69,11 +69,16 @@ def load_shards(path: str | Path, dtype: str = "uint16", val_fraction: float = 0
     """
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"--data {str(p)!r} does not exist (give a .npy/.bin file or a directory of them)")
+        raise FileNotFoundError(
+            f"--data {str(p)!r} does not exist (give a .npy/.bin file or a directory of them)"
+        )
     files = sorted(f for f in (p.iterdir() if p.is_dir() else [p]) if f.suffix in (".npy", ".bin"))
     if not files:
         raise ValueError(f"--data {str(p)!r} holds no .npy or .bin token shards")
-    arrays = [np.load(f, mmap_mode="r") if f.suffix == ".npy" else np.memmap(f, dtype=dtype, mode="r") for f in files]
+    arrays = [
+        np.load(f, mmap_mode="r") if f.suffix == ".npy" else np.memmap(f, dtype=dtype, mode="r")
+        for f in files
+    ]
     tokens = np.concatenate([np.asarray(a).reshape(-1) for a in arrays]).astype(np.int64)
     if tokens.size and tokens.min() < 0:
         raise ValueError(f"--data {str(p)!r} holds negative token ids")
@@ -112,10 +117,14 @@ class _Shard:
         m = self.micro_batch
         offs = window_offsets(len(tokens), self.seq_len, m * self.world * self.accum, step, self.seed)
         part = k * self.world + self.rank
-        return [np.ascontiguousarray(tokens[o : o + self.seq_len + 1]) for o in offs[part * m : (part + 1) * m]]
+        return [
+            np.ascontiguousarray(tokens[o : o + self.seq_len + 1]) for o in offs[part * m : (part + 1) * m]
+        ]
 
 
-def _torch_loader(tokens: np.ndarray, shard: _Shard, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _torch_loader(
+    tokens: np.ndarray, shard: _Shard, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     it = 0
     while True:
         w = torch.from_numpy(np.stack(shard.windows(tokens, it)))
@@ -124,7 +133,9 @@ def _torch_loader(tokens: np.ndarray, shard: _Shard, device: torch.device) -> It
         it += 1
 
 
-def _dali_loader(tokens: np.ndarray, shard: _Shard, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _dali_loader(
+    tokens: np.ndarray, shard: _Shard, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
@@ -175,7 +186,9 @@ def make_loader(
     torch loader otherwise; both give equal batches.
     """
     if backend == "dali" and not WITH_DALI:
-        raise RuntimeError("loader backend 'dali' asked for, but nvidia-dali is not installed (pip install dsx[dali])")
+        raise RuntimeError(
+            "loader backend 'dali' asked for, but nvidia-dali is not installed (pip install dsx[dali])"
+        )
     window_offsets(len(tokens), seq_len, 1, 0, seed)  # fail early on data shorter than one window
     device = torch.device(device)
     use_dali = backend == "dali" or (backend == "auto" and WITH_DALI)

@@ -41,7 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--model", choices=["auto", "torch", "megatron"], default="auto",
                    help="auto: megatron-core GPTModel when it and CUDA are there, else the small torch GPT")  # fmt: skip
-    p.add_argument("--data", default=None, help="token shards (.npy / .bin file or directory); default: stdlib text")
+    p.add_argument(
+        "--data", default=None, help="token shards (.npy / .bin file or directory); default: stdlib text"
+    )
     p.add_argument("--data-dtype", default="uint16", help="dtype of raw .bin shards")
     p.add_argument("--loader", choices=["auto", "dali", "torch"], default="auto")
     p.add_argument("--seed", type=int, default=1234)
@@ -64,7 +66,9 @@ def _pick_model(args: argparse.Namespace, vocab: int, bf16: bool) -> tuple[torch
             raise SystemExit(f"--model megatron: {why}")
         model = build_megatron_gpt(args.layers, args.hidden, args.heads, args.seq_len, vocab, args.seed, bf16)
         return model, "megatron-core GPTModel"
-    cfg = GPTConfig(vocab_size=vocab, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden, heads=args.heads)
+    cfg = GPTConfig(
+        vocab_size=vocab, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden, heads=args.heads
+    )
     return GPT(cfg, seed=args.seed), "dsx torch GPT"
 
 
@@ -77,7 +81,9 @@ def _single_process_env() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
 
 
 def _peak_memory_gb(device: torch.device) -> float:
@@ -95,7 +101,9 @@ def _mean_over_ranks(x: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def _evaluate(engine: Any, data: TokenData, args: argparse.Namespace, micro: int, rank: int, world: int) -> float:
+def _evaluate(
+    engine: Any, data: TokenData, args: argparse.Namespace, micro: int, rank: int, world: int
+) -> float:
     engine.eval()
     loader = make_loader(data.val, args.seq_len, micro, args.seed + 1, rank, world, "torch", engine.device)
     total = torch.zeros((), device=engine.device)
@@ -120,16 +128,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bf16 = bool(ds_config.get("bf16", {}).get("enabled", False))
     model, model_name = _pick_model(args, data.vocab_size, bf16)
 
-    engine, _, _, _ = dsx.initialize(args=args, model=model, model_parameters=model.parameters(), config=ds_config)
+    engine, _, _, _ = dsx.initialize(
+        args=args, model=model, model_parameters=model.parameters(), config=ds_config
+    )
     micro = engine.train_micro_batch_size_per_gpu()
     accum = engine.gradient_accumulation_steps()
-    loader = make_loader(data.train, args.seq_len, micro, args.seed, rank, world, args.loader, engine.device, accum)
+    loader = make_loader(
+        data.train, args.seq_len, micro, args.seed, rank, world, args.loader, engine.device, accum
+    )
     tokens_per_step = micro * accum * world * args.seq_len
 
     if rank == 0:
         print(f"dsx: {model_name}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
               f"{world} rank(s), micro-batch {micro} x accum {accum}, seq {args.seq_len}, data {data.source}")  # fmt: skip
-    bar = tqdm(total=args.steps, desc="train", unit="step", disable=rank != 0 or args.no_progress, file=sys.stdout)
+    bar = tqdm(
+        total=args.steps, desc="train", unit="step", disable=rank != 0 or args.no_progress, file=sys.stdout
+    )
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
     t0 = time.perf_counter()
@@ -144,7 +158,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             acc += loss.detach().float()
         losses.append(_mean_over_ranks(acc / accum))
         if step == 0:
-            t_warm = time.perf_counter()  # start-up, first-step compilation and profiling excluded from tokens/s
+            t_warm = (
+                time.perf_counter()
+            )  # start-up, first-step compilation and profiling excluded from tokens/s
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"loss became {losses[-1]} at step {step}")
         if args.eval_every and (step + 1) % args.eval_every == 0:

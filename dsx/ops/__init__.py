@@ -2,4 +2,10 @@
 
 from dsx.ops.unified_gather import UnifiedGatherBuilder, build_ops, load_unified_gather
 
-__all__ = ["UnifiedGatherBuilder", "build_ops", "load_unified_gather"]
+__all__ = ["UnifiedGatherBuilder", "build_ops", "cli_build", "load_unified_gather"]
+
+
+def cli_build(args: object) -> int:
+    """``dsx build-ops``: build every dsx op now instead of on first use."""
+    build_ops(verbose=not getattr(args, "quiet", False))
+    return 0
