@@ -159,3 +159,22 @@ def test_two_launcher_nodes_match_two_ranks(two_rank_losses, tmp_path) -> None:
     assert "node_rank=1" in res.output or "node1" in res.output
     # Same ranks, same data, same gloo all-reduce: only process placement differs.
     np.testing.assert_allclose(_losses(log), two_rank_losses, rtol=1e-6)
+
+
+@pytest.mark.gpu
+def test_megatron_gpt_trains_in_bf16(tmp_path) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install dsx[llm])")
+    log = tmp_path / "log.json"
+    args = [
+        "--deepspeed_config",
+        str(CONFIGS / "gpt_megatron_bf16.json"),
+        "--model",
+        "megatron",
+        "--steps",
+        "30",
+    ]
+    summary = main([*args, "--layers", "2", "--hidden", "256", "--heads", "4", "--seq-len", "128", "--no-progress",
+                    "--log-json", str(log)])  # fmt: skip
+    losses = _losses(log)
+    assert summary["model"] == "megatron-core GPTModel"
+    assert np.mean(losses[-5:]) < losses[0] - 0.5, losses

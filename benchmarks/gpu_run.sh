@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU machine's check, one stage per call (device time is short; each stage fits one 10-minute command):
+#   bash .whl/gpu.sh bash benchmarks/gpu_run.sh STAGE
+# Logs and results go to $OUT (default ./out): logs as *.log, benchmark JSON/PNG packed into results.tgz.
+set -uo pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT" benchmarks/results
+export PYTHONUNBUFFERED=1
+stage=${1:?stage: one1 | one2 | two}
+log() { echo "=== $(date -u +%T) $*" | tee -a "$OUT/stages.log"; }
+case $stage in
+  one1)  # 1 GPU: report, op build, GPU tests of the kernels, gather + kernel benchmarks, main job with megatron-core
+    nvidia-smi -L | tee "$OUT/nvidia-smi.log"
+    log report; python -m dsx.cli report --io /tmp --io-mb 1024 > "$OUT/report-gpu.txt" 2>&1
+    log build-ops; timeout 240 python -m dsx.cli build-ops > "$OUT/build-ops.log" 2>&1
+    log gpu-tests; timeout 240 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_unified.py \
+      tests/test_rgnn_kernels.py tests/test_gpt_job.py > "$OUT/gpu-tests.log" 2>&1
+    log bench-gather; timeout 180 python benchmarks/bench_gather.py --out benchmarks/results > "$OUT/bench-gather.log" 2>&1
+    log bench-rgnn-kernels; timeout 150 python benchmarks/bench_rgnn_kernels.py --out benchmarks/results > "$OUT/bench-rgnn-kernels.log" 2>&1
+    log main-job; timeout 150 deepspeed --num_gpus 1 examples/gpt/train.py --deepspeed_config configs/gpt_megatron_bf16.json \
+      --model megatron --layers 8 --hidden 1024 --heads 16 --seq-len 1024 --steps 100 --no-progress \
+      --log-json benchmarks/results/main_job_megatron_1gpu.json > "$OUT/main-job-1gpu.log" 2>&1
+    ;;
+  two)  # 2 GPUs: ZeRO-3 + optimizer offload to NVMe, multi-GPU tests
+    nvidia-smi -L | tee "$OUT/nvidia-smi.log"
+    mkdir -p /tmp/nvme
+    log main-job-2gpu; timeout 300 deepspeed --num_gpus 2 examples/gpt/train.py \
+      --deepspeed_config configs/gpt_megatron_zero3_nvme.json --model megatron --layers 8 --hidden 1024 --heads 16 \
+      --seq-len 1024 --steps 40 --no-progress --log-json benchmarks/results/main_job_megatron_zero3_nvme_2gpu.json \
+      > "$OUT/main-job-2gpu.log" 2>&1
+    log multigpu-tests; timeout 200 python -m pytest -q -rs -m multigpu -p no:cacheprovider tests/ > "$OUT/multigpu-tests.log" 2>&1
+    ;;
+  *) echo "unknown stage $stage" >&2; exit 2;;
+esac
+log done
+tar czf "$OUT/results.tgz" benchmarks/results
