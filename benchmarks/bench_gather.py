@@ -9,6 +9,7 @@ One process, one pinned table (default ~4 GB), 1M random row ids (with repeats, 
 * ``dsx``            ``UnifiedTensor.gather``: GPU sort + dedup + tuned zero-copy kernel (sort included)
 * ``dsx_unsorted``   the tuned kernel without the sort
 * ``dsx_bounded``    ``dsx`` limited to ``--bounded-sms`` SMs (what it may take beside training)
+* ``dsx_all_sms``    ``dsx`` with no bound (one wave over every SM)
 
 CPU baselines get their ids already on the host; GPU methods get them on the GPU. Every output is checked
 against ``index_select``. ``--quick`` runs tiny sizes on the CPU (the CPU paths only) as a smoke test.
@@ -150,6 +151,7 @@ def _measure(
             ("dsx", UnifiedConfig(backend="cuda")),
             ("dsx_unsorted", UnifiedConfig(backend="cuda", sort_indices=False)),
             ("dsx_bounded", UnifiedConfig(backend="cuda", max_gather_sms=args.bounded_sms)),
+            ("dsx_all_sms", UnifiedConfig(backend="cuda", max_gather_sms=None)),
         ):
             ut_view.config = cfg
             record(key, lambda: ut_view.gather(didx, out=dst2), lambda: dst2)
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--num-indices", type=int, default=1 << 20)
     p.add_argument("--row-bytes", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--bounded-sms", type=int, default=16)
+    p.add_argument("--bounded-sms", type=int, default=8)
     args = p.parse_args(argv)
     if args.quick:
         args.table_mb, args.num_indices, args.row_bytes, args.repeats = 8, 4096, [64, 516], 2

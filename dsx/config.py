@@ -97,7 +97,10 @@ class UnifiedConfig(_Section):
 
     enabled: bool = False
     shared: Literal["auto", "on", "off"] = "auto"
-    max_gather_sms: int | None = Field(default=None, ge=1)
+    # 16 measured best on an H100 (PCIe Gen5): a full wave over all 132 SMs oversubscribes the PCIe request
+    # queue and gathers 512-byte rows at 38 GB/s, 16 SMs' worth at 51 GB/s (benchmarks/results/bench_gather.json).
+    # null = every SM.
+    max_gather_sms: int | None = Field(default=16, ge=1)
     sort_indices: bool = True
     prefetch_batches: int = Field(default=1, ge=0, le=16)
     shared_memory_dir: str = "/dev/shm"

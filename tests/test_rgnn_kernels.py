@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _rgnn_graphs import LOGIT_SPECS, SPECS, edge_graph, segments, to_device
 
 from dsx.rgnn.codegen import generate_edge_kernel_source, generate_gather_gemm_source, load_source
 from dsx.rgnn.kernels import EdgeSpec, fused_edge, fused_edge_ref, gather_gemm, gather_gemm_ref
 from dsx.rgnn.kernels.gather_gemm import build_tile_map
+from tests._rgnn_graphs import LOGIT_SPECS, SPECS, edge_graph, segments, to_device
 
 GRAD_KEYS = ("src_term", "dst_term", "rel_scale", "edge_weight")
 
