@@ -34,7 +34,7 @@ __all__ = ["main", "parse_args"]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train a GPT through dsx.initialize (the dsx main job).")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=120, help="optimizer steps")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
