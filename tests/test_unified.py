@@ -18,6 +18,7 @@ from dsx.direct import IndexOutOfRangeError, SharedMemoryError, UnifiedTensor, u
 from dsx.direct import shm as shm_mod
 from dsx.direct.gather import torch_gather
 from dsx.direct.pinning import memlock_message
+from tests.harness import free_port, launcher_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,17 +189,19 @@ def _two_rank_job(tmp_path: Path, accelerator: str) -> None:
     out, shm_dir = tmp_path / "out", tmp_path / "shm"
     out.mkdir()
     shm_dir.mkdir()
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "DS_ACCELERATOR": accelerator,
-    }
-    port = 29500 + (os.getpid() % 2000)
+    env = launcher_env({"DS_ACCELERATOR": accelerator})
+    if accelerator == "cuda":
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    port = free_port()
     cmd = [
         sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
         str(ROOT / "tests" / "unified_worker.py"), str(out), str(shm_dir), "kill",
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    missing = [r for r in range(2) if not (out / f"rank{r}.json").is_file()]
+    assert not missing, (
+        f"ranks {missing} wrote no report; launcher output:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    )
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert proc.returncode != 0, "the killed rank must make the job fail"
     for rep in reports:

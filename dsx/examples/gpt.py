@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokens_per_step = micro * accum * world * args.seq_len
 
     if rank == 0:
-        print(f"dsx: {model_name}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 partitions
+        print(f"dsx: {model_name}, {n_params / 1e6:.2f}M parameters, "
               f"{world} rank(s), micro-batch {micro} x accum {accum}, seq {args.seq_len}, data {data.source}")  # fmt: skip
     bar = tqdm(
         total=args.steps, desc="train", unit="step", disable=rank != 0 or args.no_progress, file=sys.stdout
