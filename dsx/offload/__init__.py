@@ -22,7 +22,7 @@ from dsx.offload.store import HostPool, RunDir, SsdFile
 from dsx.offload.transfer import Mover, OffloadIntegrityError
 from dsx.runtime.scheduler import Scheduler
 
-__all__ = ["ActivationOffload", "attach", "describe_backends", "select_backend", "OffloadIntegrityError"]
+__all__ = ["ActivationOffload", "OffloadIntegrityError", "attach", "describe_backends", "select_backend"]
 
 logger = logging.getLogger("dsx.offload")
 GB = 1 << 30

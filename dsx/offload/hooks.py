@@ -23,7 +23,7 @@ from torch import nn
 
 from dsx.offload.transfer import Entry, Mover
 
-__all__ = ["find_layers", "LayerHooks"]
+__all__ = ["LayerHooks", "find_layers"]
 
 
 def find_layers(model: nn.Module, layer_classes: list[str] | None) -> list[nn.Module]:
@@ -49,7 +49,7 @@ def find_layers(model: nn.Module, layer_classes: list[str] | None) -> list[nn.Mo
 class _Handle:
     """What autograd keeps instead of the tensor: the moved storage plus how to view it."""
 
-    __slots__ = ("entry", "layer", "offset", "size", "stride", "dtype", "probe", "version", "__weakref__")
+    __slots__ = ("__weakref__", "dtype", "entry", "layer", "offset", "probe", "size", "stride", "version")
 
     def __init__(self, entry: Entry, layer: int, t: torch.Tensor) -> None:
         self.entry, self.layer = entry, layer

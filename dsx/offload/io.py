@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["IOBackend", "PosixBackend", "AioBackend", "KvikioBackend", "select_backend", "describe_backends"]
+__all__ = ["AioBackend", "IOBackend", "KvikioBackend", "PosixBackend", "describe_backends", "select_backend"]
 
 ALIGN = 4096
 
@@ -168,7 +168,7 @@ def describe_backends() -> dict[str, dict[str, Any]]:
             if ok
             else "kvikio imports but CUDA is unavailable",
         }
-    except Exception as exc:  # noqa: BLE001 - any import failure means unavailable; say why
+    except Exception as exc:
         out["kvikio"] = {"available": False, "reason": f"import kvikio failed: {exc}"}
     try:
         from deepspeed.ops.op_builder import AsyncIOBuilder
@@ -182,7 +182,7 @@ def describe_backends() -> dict[str, dict[str, Any]]:
         else:
             b.load(verbose=False)
             out["aio"] = {"available": True, "reason": "DeepSpeed aio_handle (libaio)"}
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         out["aio"] = {"available": False, "reason": f"DeepSpeed async_io op failed to load: {exc}"}
     return out
 
@@ -195,6 +195,6 @@ def select_backend(name: str, path: str, fd: int, threads: int = 4) -> IOBackend
     for cand in order:
         try:
             return _BACKENDS[cand](path, fd, threads)
-        except Exception:  # noqa: BLE001 - fall through to the next backend; posix always works
+        except Exception:
             continue
     raise AssertionError("unreachable: posix backend always opens")

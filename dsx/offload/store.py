@@ -20,7 +20,7 @@ import torch
 
 from dsx.offload.io import ALIGN, IOBackend, select_backend
 
-__all__ = ["Arena", "HostPool", "SsdFile", "SsdFull", "RunDir", "clean_stale_runs", "align_up"]
+__all__ = ["Arena", "HostPool", "RunDir", "SsdFile", "SsdFull", "align_up", "clean_stale_runs"]
 
 logger = logging.getLogger("dsx.offload")
 
@@ -183,16 +183,22 @@ class SsdFile:
         with self._lock:
             if end <= self._allocated:
                 return
-            new = min(max(end, self._allocated + self.GROW), self.arena.capacity)
-            try:
-                os.posix_fallocate(self.fd, self._allocated, new - self._allocated)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise SsdFull(exc.errno, f"dsx SSD tier: {self.path}: {os.strerror(exc.errno)}") from exc
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                os.ftruncate(self.fd, new)  # filesystem without fallocate: sparse file
-            self._allocated = new
+            # grow in chunks (fewer fallocate calls); near a full disk, retry with exactly what is needed
+            for new in dict.fromkeys((min(max(end, self._allocated + self.GROW), self.arena.capacity), end)):
+                try:
+                    os.posix_fallocate(self.fd, self._allocated, new - self._allocated)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                        if new != end:
+                            continue
+                        raise SsdFull(exc.errno, f"dsx SSD tier: {self.path}: {os.strerror(exc.errno)} "
+                                      f"(needed {end} bytes); free space on the drive or lower "
+                                      "ssd_capacity_gb") from exc
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    os.ftruncate(self.fd, new)  # filesystem without fallocate: sparse file
+                self._allocated = new
+                return
 
     def alloc(self, nbytes: int) -> int:
         off = self.arena.alloc(nbytes)
