@@ -34,6 +34,14 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _st_dev(path: str) -> int:
+    """st_dev of ``path`` or of its nearest existing parent (DeepSpeed creates nvme_path lazily)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.stat(path).st_dev
+
+
 def _device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -88,8 +96,11 @@ class ActivationOffload:
                 self.ssd.io.name,
                 self.ssd.direct_reason,
             )
-            if shared_ssd_with and os.path.exists(shared_ssd_with):
-                self.shared_ssd = os.stat(shared_ssd_with).st_dev == os.stat(cfg.ssd_path).st_dev
+            if shared_ssd_with:
+                self.shared_ssd = _st_dev(shared_ssd_with) == _st_dev(cfg.ssd_path)
+                if self.shared_ssd:
+                    logger.info("dsx activation offload: %s shares a device with ZeRO's nvme_path %s: activation "
+                                "writes pause during engine.step()", cfg.ssd_path, shared_ssd_with)
         self.host = HostPool(int(cfg.host_pool_gb * GB), pin=self.device.type == "cuda")
         self.mover = Mover(self.device, scheduler, self.host, self.ssd, cfg.verify)
         self.hooks = LayerHooks(model, self.layers, self.mover, cfg.min_tensor_bytes)
