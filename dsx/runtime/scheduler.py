@@ -7,9 +7,11 @@ overlap failed to hide.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -43,6 +45,8 @@ class Scheduler:
         self._streams: dict[str, Any] = {}
         self._pending: dict[str, list[Future[Any]]] = {}
         self._closed = False
+        self._gates: dict[str, threading.Event] = {}
+        self.gate_pauses: dict[str, int] = {}  # how often each gate was closed (shown in logs/tests)
 
     # ------------------------------------------------------------------------------------------ streams
     def stream(self, name: str) -> torch.cuda.Stream | None:
@@ -52,6 +56,28 @@ class Scheduler:
         if name not in self._streams:
             self._streams[name] = torch.cuda.Stream(device=self.device)
         return self._streams[name]
+
+    # -------------------------------------------------------------------------------------------- gates
+    def gate(self, name: str) -> threading.Event:
+        """A named gate (open by default); I/O workers ``gate(name).wait()`` before using that device."""
+        return self._gates.setdefault(name, _open_event())
+
+    @contextmanager
+    def paused(self, name: str) -> Iterator[None]:
+        """Close gate ``name`` for the duration (e.g. DeepSpeed's optimizer swap on the shared SSD).
+
+        Items already past the gate finish; new ones wait. The paused interval is recorded as a
+        ``gate:<name>`` event in the telemetry.
+        """
+        g = self.gate(name)
+        g.clear()
+        self.gate_pauses[name] = self.gate_pauses.get(name, 0) + 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            g.set()
+            self.telemetry.add_event(f"gate:{name}", "paused", t0, time.perf_counter())
 
     # --------------------------------------------------------------------------------------------- work
     def submit(
@@ -91,3 +117,9 @@ class Scheduler:
             self.wait_all()
         finally:
             self._pool.shutdown(wait=True)
+
+
+def _open_event() -> threading.Event:
+    ev = threading.Event()
+    ev.set()
+    return ev

@@ -1,0 +1,211 @@
+"""Activation offload (SSDTrain in dsx): saved activations leave the device in forward, return in backward.
+
+``attach(engine, section, runtime)`` is what ``dsx.initialize`` calls; :class:`ActivationOffload` also works
+on a bare ``nn.Module`` (call :meth:`ActivationOffload.end_step` after each optimizer step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dsx.config import ActivationOffloadConfig
+from dsx.offload.hooks import LayerHooks, find_layers
+from dsx.offload.io import describe_backends, select_backend
+from dsx.offload.profile import Profiler
+from dsx.offload.store import HostPool, RunDir, SsdFile
+from dsx.offload.transfer import Mover, OffloadIntegrityError
+from dsx.runtime.scheduler import Scheduler
+
+__all__ = ["ActivationOffload", "OffloadIntegrityError", "attach", "describe_backends", "select_backend"]
+
+logger = logging.getLogger("dsx.offload")
+GB = 1 << 30
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _st_dev(path: str) -> int:
+    """st_dev of ``path`` or of its nearest existing parent (DeepSpeed creates nvme_path lazily)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.stat(path).st_dev
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class ActivationOffload:
+    """Hooks, tiers and the per-layer plan for one model.
+
+    Parameters
+    ----------
+    model
+        The module whose layers offload (``engine.module`` under DeepSpeed).
+    cfg
+        The ``"dsx"."activation_offload"`` section.
+    scheduler
+        The rank's :class:`~dsx.runtime.scheduler.Scheduler` (side streams, I/O threads, telemetry).
+    device
+        The compute device; defaults to the device of the model's first parameter. On a CPU run the whole
+        mechanism runs with CPU tensors (the CI path).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: ActivationOffloadConfig,
+        scheduler: Scheduler,
+        device: torch.device | None = None,
+        shared_ssd_with: str | None = None,
+    ) -> None:
+        self.cfg, self.sched = cfg, scheduler
+        self.device = device or _device_of(model)
+        self.layers = find_layers(model, cfg.layer_classes)
+        self.run_dir: RunDir | None = None
+        self.ssd: SsdFile | None = None
+        self.shared_ssd = False
+        if cfg.policy == "auto":
+            try:
+                from dsx.offload import plan as _plan  # offload-plan's module
+            except ImportError as exc:
+                raise RuntimeError(
+                    "dsx activation offload: policy 'auto' needs the planner (dsx/offload/plan.py), which is "
+                    f"unavailable in this install ({exc}); use policy 'offload_all', 'recompute_all' or 'none'"
+                ) from exc
+            self._plan_mod = _plan
+        if "ssd" in cfg.tiers and cfg.policy != "none":
+            self.run_dir = RunDir(cfg.ssd_path, _rank())
+            self.ssd = SsdFile(self.run_dir, int(cfg.ssd_capacity_gb * GB), cfg.io_backend, cfg.io_threads)
+            logger.info(
+                "dsx activation offload: SSD file %s, backend %s, %s",
+                self.ssd.path,
+                self.ssd.io.name,
+                self.ssd.direct_reason,
+            )
+            if shared_ssd_with:
+                self.shared_ssd = _st_dev(shared_ssd_with) == _st_dev(cfg.ssd_path)
+                if self.shared_ssd:
+                    logger.info("dsx activation offload: %s shares a device with ZeRO's nvme_path %s: activation "
+                                "writes pause during engine.step()", cfg.ssd_path, shared_ssd_with)
+        self.host = HostPool(int(cfg.host_pool_gb * GB), pin=self.device.type == "cuda")
+        self.mover = Mover(self.device, scheduler, self.host, self.ssd, cfg.verify)
+        self.hooks = LayerHooks(model, self.layers, self.mover, cfg.min_tensor_bytes)
+        self._orig_forward: dict[int, Any] = {}
+        self.plan: Any = None
+        self.step = 0
+        self.profiler: Profiler | None = None
+        offload_tier = "ssd" if "ssd" in cfg.tiers else "host"
+        if cfg.policy == "offload_all":
+            self._apply([offload_tier] * len(self.layers), cfg.prefetch_depth or 1)
+        elif cfg.policy == "recompute_all":
+            self._apply(["recompute"] * len(self.layers), 1)
+        elif cfg.policy == "auto":
+            self.profiler = Profiler(self.layers, self.hooks, self.device)
+            self.hooks.actions = ["profile"] * len(self.layers)
+
+    # ------------------------------------------------------------------------------------ actions
+    def _apply(self, actions: list[str], depth: int) -> None:
+        for i, a in enumerate(actions):
+            layer = self.layers[i]
+            if a == "recompute" and i not in self._orig_forward:
+                orig = layer.forward
+                self._orig_forward[i] = orig
+
+                def fwd(*args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+                    if not torch.is_grad_enabled():
+                        return _orig(*args, **kwargs)
+                    return checkpoint(_orig, *args, use_reentrant=False, **kwargs)
+
+                layer.forward = fwd
+            elif a != "recompute" and i in self._orig_forward:
+                layer.forward = self._orig_forward.pop(i)
+        self.hooks.actions = ["keep" if a == "recompute" else a for a in actions]
+        self.hooks.prefetch_depth = depth
+
+    def end_step(self) -> None:
+        """Mark an optimizer-step boundary: after the profiling step of policy 'auto', plan and apply."""
+        if self.profiler is not None and self.step == 0:
+            profiles = self.profiler.finish()
+            self.profiler = None
+            from dsx.runtime.bandwidth import measure_tier_bandwidth
+
+            bws = measure_tier_bandwidth(self.cfg.tiers, self.run_dir.path if self.run_dir else None)
+            self.plan = self._plan_mod.make_plan(profiles, bws, self.cfg)
+            if _rank() == 0:
+                logger.warning("dsx activation offload plan:\n%s", self.plan.describe())
+            self._apply(
+                [a.value if hasattr(a, "value") else str(a) for a in self.plan.actions],
+                self.cfg.prefetch_depth or self.plan.prefetch_depth,
+            )
+        self.step += 1
+        self.sched.end_step()
+
+    def close(self) -> None:
+        try:
+            self.mover.drain()
+        finally:
+            self.hooks.remove()
+            for i in list(self._orig_forward):
+                self.layers[i].forward = self._orig_forward.pop(i)
+            if self.ssd is not None:
+                self.ssd.close()
+            if self.run_dir is not None:
+                self.run_dir.remove()
+
+
+class _EngineHandle:
+    def __init__(self, engine: Any, offload: ActivationOffload) -> None:
+        self.engine, self.offload = engine, offload
+        self._step = engine.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            boundary = getattr(engine, "is_gradient_accumulation_boundary", lambda: True)()
+            if offload.shared_ssd:
+                # DeepSpeed swaps optimizer state on the same drive in step(): activation writes wait
+                with offload.sched.paused("ssd"):
+                    out = self._step(*args, **kwargs)
+            else:
+                out = self._step(*args, **kwargs)
+            if boundary:
+                offload.end_step()
+            return out
+
+        engine.step = step
+
+    def close(self) -> None:
+        self.engine.step = self._step
+        self.offload.close()
+
+
+def _nvme_path(engine: Any) -> str | None:
+    cfg = getattr(engine, "_config", None)
+    zc = getattr(cfg, "zero_config", None)
+    for key in ("offload_optimizer", "offload_param"):
+        sub = getattr(zc, key, None)
+        path = getattr(sub, "nvme_path", None) if sub is not None else None
+        if path:
+            return str(path)
+    return None
+
+
+def attach(engine: Any, section: ActivationOffloadConfig, runtime: Any) -> _EngineHandle:
+    """Install activation offload on ``engine.module``; the handle's ``close()`` removes hooks and files."""
+    sched = runtime.scheduler
+    offload = ActivationOffload(
+        engine.module, section, sched, device=torch.device(engine.device), shared_ssd_with=_nvme_path(engine)
+    )
+    return _EngineHandle(engine, offload)

@@ -1,0 +1,186 @@
+"""Per-layer saved-tensor hooks: what autograd saves inside a layer leaves the device and comes back.
+
+Each layer's forward runs inside its own ``torch.autograd.graph.saved_tensors_hooks`` context (entered by
+a forward pre-hook, left by the forward hook), so the action can differ per layer. A saved tensor stays
+where it is if it lives on another device than the model, shares storage with a parameter (this covers
+``weight.t()`` and ZeRO-3's gathered buffers, collected at every layer entry) or is smaller than
+``min_tensor_bytes``. Otherwise its whole storage is moved once, however many views of it are saved, and
+each view is rebuilt on unpack with its own offset, shape, stride and dtype.
+
+Autograd no longer sees the saved tensor once a pack hook replaces it, so its in-place check would be lost;
+each handle keeps a storage-less alias of the saved tensor (``detach()`` shares the version counter, then
+its data is dropped) and unpack raises autograd's own error when the version moved.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsx.offload.transfer import Entry, Mover
+
+__all__ = ["LayerHooks", "find_layers"]
+
+
+def find_layers(model: nn.Module, layer_classes: list[str] | None) -> list[nn.Module]:
+    """Modules whose class name is in ``layer_classes``; by default the items of the largest
+    ``nn.ModuleList`` whose items all share one class (the repeated transformer blocks)."""
+    if layer_classes:
+        names = set(layer_classes)
+        layers = [m for m in model.modules() if type(m).__name__ in names]
+    else:
+        best: list[nn.Module] = []
+        for m in model.modules():
+            if isinstance(m, nn.ModuleList) and len(m) > len(best) and len({type(c) for c in m}) == 1:
+                best = list(m)
+        layers = best
+    if not layers:
+        raise ValueError(
+            f"dsx activation offload found no layers in {type(model).__name__} (layer_classes={layer_classes}); "
+            "set activation_offload.layer_classes to the class names of its repeated blocks"
+        )
+    return layers
+
+
+class _Handle:
+    """What autograd keeps instead of the tensor: the moved storage plus how to view it."""
+
+    __slots__ = ("__weakref__", "dtype", "entry", "layer", "offset", "probe", "size", "stride", "version")
+
+    def __init__(self, entry: Entry, layer: int, t: torch.Tensor) -> None:
+        self.entry, self.layer = entry, layer
+        self.offset, self.size, self.stride, self.dtype = t.storage_offset(), t.size(), t.stride(), t.dtype
+        probe = t.detach()  # shares t's version counter ...
+        probe.data = torch.empty(0, dtype=t.dtype)  # ... but not its memory
+        self.probe, self.version = probe, t._version
+
+
+class LayerHooks:
+    """Installs the per-layer hooks; ``actions[i]`` is ``"keep"``, ``"host"``, ``"ssd"`` or ``"profile"``."""
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module], mover: Mover, min_bytes: int) -> None:
+        self.model, self.layers, self.mover, self.min_bytes = model, layers, mover, min_bytes
+        self.actions: list[str] = ["keep"] * len(layers)
+        self.prefetch_depth = 1
+        self._ctx: list[Any] = []
+        self._cur: int | None = None
+        self._params: set[int] = set()
+        self._dedup: dict[tuple[int, int], tuple[Entry, weakref.ref]] = {}
+        self._lock = threading.Lock()
+        self._fetched_layers: set[int] = set()
+        self.profile_bytes = [0] * len(layers)
+        self._profile_seen: set[tuple[int, int]] = set()
+        self._handles: list[Any] = [model.register_forward_pre_hook(self._root_pre)]
+        self._handles.append(model.register_forward_hook(self._root_post))
+        for i, layer in enumerate(layers):
+            self._handles.append(layer.register_forward_pre_hook(self._make_pre(i)))
+            self._handles.append(layer.register_forward_hook(self._make_post(i)))
+
+    # -------------------------------------------------------------------------------- layer scoping
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        while self._ctx:  # a forward that raised left a layer context open: close it now
+            self._ctx.pop().__exit__(None, None, None)
+        self._cur = None
+        self._fetched_layers.clear()
+
+    def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
+        # backward starts with the last layers: start bringing them back as soon as forward is over
+        offloaded = [i for i, a in enumerate(self.actions) if a in ("host", "ssd")]
+        for i in offloaded[-self.prefetch_depth :]:
+            self._prefetch_layer(i)
+
+    def _make_pre(self, i: int) -> Any:
+        def pre(module: nn.Module, args: Any) -> None:
+            if self.actions[i] == "keep" or not torch.is_grad_enabled():
+                return
+            self._cur = i
+            # ZeRO-3 gathers parameters in its own pre-hooks (registered earlier, so they ran already)
+            self._params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            ctx.__enter__()
+            self._ctx.append(ctx)
+
+        return pre
+
+    def _make_post(self, i: int) -> Any:
+        def post(module: nn.Module, args: Any, out: Any) -> None:
+            if self._cur == i and self._ctx:
+                self._ctx.pop().__exit__(None, None, None)
+                self._cur = None
+
+        return post
+
+    # -------------------------------------------------------------------------------------- pack
+    def _keep(self, t: torch.Tensor) -> bool:
+        if t.device != self.mover.device or isinstance(t, nn.Parameter) or t.layout != torch.strided:
+            return True
+        st = t.untyped_storage()
+        return st.nbytes() < self.min_bytes or st.data_ptr() in self._params
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        i = self._cur
+        if i is None or self._keep(t):
+            return t
+        st = t.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        if self.actions[i] == "profile":
+            if key not in self._profile_seen:
+                self._profile_seen.add(key)
+                self.profile_bytes[i] += key[1]
+            return t
+        base = t._base if t._base is not None else t
+        with self._lock:
+            hit = self._dedup.get(key)
+            # the weak reference proves the storage is still the same one: a freed address may be reused
+            entry = hit[0] if hit is not None and hit[1]() is not None and not hit[0].released else None
+            if entry is None:
+                entry = self.mover.offload(st, i, self.actions[i], name=f"{tuple(t.shape)}:{t.dtype}")
+                if entry is None:  # no room in any tier: stays on the device (the mover warned once)
+                    return t
+                self._dedup[key] = (entry, weakref.ref(base))
+            entry.refs += 1
+        h = _Handle(entry, i, t)
+        weakref.finalize(h, self._release, entry)
+        return h
+
+    def _release(self, entry: Entry) -> None:
+        with self._lock:
+            entry.refs -= 1
+            if entry.refs == 0:
+                self.mover.release(entry)
+
+    # ------------------------------------------------------------------------------------ unpack
+    def _prefetch_layer(self, i: int) -> None:
+        if i in self._fetched_layers:
+            return
+        self._fetched_layers.add(i)
+        for entry in self.mover.entries_of(i):
+            self.mover.fetch(entry)
+
+    def _unpack(self, h: Any) -> torch.Tensor:
+        if not isinstance(h, _Handle):
+            return h
+        if h.probe._version != h.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{h.dtype} {list(h.size)}] is at version {h.probe._version}; expected version "
+                f"{h.version} instead. (dsx activation offload, layer {h.layer})"
+            )
+        # layer h.layer's backward has started: bring back the layers before it while it runs
+        for j in range(h.layer, max(-1, h.layer - 1 - self.prefetch_depth), -1):
+            if self.actions[j] in ("host", "ssd"):
+                self._prefetch_layer(j)
+        data = self.mover.wait(h.entry)
+        out = torch.empty(0, dtype=h.dtype, device=data.device)
+        return out.set_(data.untyped_storage(), h.offset, h.size, h.stride)
+
+    def remove(self) -> None:
+        while self._ctx:
+            self._ctx.pop().__exit__(None, None, None)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,200 @@
+"""I/O backends for the SSD tier: one small interface, three implementations.
+
+Every backend reads and writes a contiguous, 4 KiB-aligned host buffer at a 4 KiB-aligned file offset and
+returns a :class:`concurrent.futures.Future` that resolves to the byte count. ``kvikio`` (CuFile: GPUDirect
+Storage, or its POSIX compat mode) > ``aio`` (DeepSpeed's libaio handle) > ``posix`` (``os.pwrite`` /
+``os.pread`` on threads, always available). Measured on the H100 host's virtio disk: kvikio 2.0 / 1.6 GB/s,
+AIO 1.9 / 0.6 GB/s, dd O_DIRECT 1.7 / 1.4 GB/s (write / read).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+__all__ = ["AioBackend", "IOBackend", "KvikioBackend", "PosixBackend", "describe_backends", "select_backend"]
+
+ALIGN = 4096
+
+
+def _check(buf: torch.Tensor, offset: int) -> None:
+    if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.device.type != "cpu":
+        raise ValueError("dsx I/O buffers must be contiguous uint8 host tensors")
+    if offset % ALIGN or buf.numel() % ALIGN:
+        raise ValueError(
+            f"dsx I/O needs 4 KiB-aligned offset and size, got offset={offset} size={buf.numel()}"
+        )
+
+
+class IOBackend:
+    """Reads and writes aligned host buffers against one file. Subclasses implement ``_pwrite``/``_pread``."""
+
+    name = "base"
+
+    def __init__(self, path: str, fd: int, threads: int = 4) -> None:
+        self.path, self.fd = path, fd
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"dsx-{self.name}")
+
+    def pwrite(self, buf: torch.Tensor, offset: int) -> Future[int]:
+        _check(buf, offset)
+        return self._pool.submit(self._run, "write", self._pwrite, buf, offset)
+
+    def pread(self, buf: torch.Tensor, offset: int) -> Future[int]:
+        _check(buf, offset)
+        return self._pool.submit(self._run, "read", self._pread, buf, offset)
+
+    def _run(self, what: str, fn: Any, buf: torch.Tensor, offset: int) -> int:
+        try:
+            n = fn(buf, offset)
+        except OSError as exc:
+            # Name the file, offset and size so that the user can find the failing device.
+            raise OSError(
+                exc.errno,
+                f"dsx {self.name} {what} failed: {os.strerror(exc.errno or 0)} "
+                f"(path={self.path}, offset={offset}, size={buf.numel()})",
+            ) from exc
+        if n != buf.numel():
+            raise OSError(
+                errno.EIO,
+                f"dsx {self.name} short {what}: {n} of {buf.numel()} bytes "
+                f"(path={self.path}, offset={offset})",
+            )
+        return n
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class PosixBackend(IOBackend):
+    """``os.pwrite``/``os.pread`` on a thread pool (the GIL is released during the system call)."""
+
+    name = "posix"
+
+    def _pwrite(self, buf: torch.Tensor, offset: int) -> int:
+        mv, done = memoryview(buf.numpy()), 0
+        while done < len(mv):
+            done += os.pwrite(self.fd, mv[done:], offset + done)
+        return done
+
+    def _pread(self, buf: torch.Tensor, offset: int) -> int:
+        mv, done = memoryview(buf.numpy()), 0
+        while done < len(mv):
+            n = os.preadv(self.fd, [mv[done:]], offset + done)
+            if n == 0:
+                raise OSError(errno.EIO, "unexpected end of file")
+            done += n
+        return done
+
+
+class AioBackend(IOBackend):
+    """DeepSpeed's ``aio_handle`` (libaio); one handle per thread because a handle's ``wait`` is global."""
+
+    name = "aio"
+
+    def __init__(self, path: str, fd: int, threads: int = 4) -> None:
+        super().__init__(path, fd, threads)
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        self._op = AsyncIOBuilder().load(verbose=False)
+        self._local = threading.local()
+
+    def _handle(self) -> Any:
+        h = getattr(self._local, "h", None)
+        if h is None:
+            # block 1 MiB, queue depth 32, single_submit off, overlap_events on, 1 intra-op thread
+            h = self._local.h = self._op.aio_handle(1 << 20, 32, False, True, 1)
+        return h
+
+    def _pwrite(self, buf: torch.Tensor, offset: int) -> int:
+        h = self._handle()
+        rc = h.sync_pwrite(buf, self.path, offset)  # this thread is the asynchrony; the call is synchronous
+        if rc < 0:
+            raise OSError(errno.EIO, "aio write failed")
+        return buf.numel()
+
+    def _pread(self, buf: torch.Tensor, offset: int) -> int:
+        h = self._handle()
+        rc = h.sync_pread(buf, self.path, offset)
+        if rc < 0:
+            raise OSError(errno.EIO, "aio read failed")
+        return buf.numel()
+
+
+class KvikioBackend(IOBackend):
+    """kvikio ``CuFile``: GDS when the driver supports it, else its POSIX compat mode.
+
+    ``raw_*_async`` blocks the calling thread in compat mode, so this uses ``pread``/``pwrite`` futures
+    and waits on them from our I/O threads.
+    """
+
+    name = "kvikio"
+
+    def __init__(self, path: str, fd: int, threads: int = 4) -> None:
+        super().__init__(path, fd, threads)
+        import kvikio
+
+        self._f = kvikio.CuFile(path, "r+")
+
+    def _pwrite(self, buf: torch.Tensor, offset: int) -> int:
+        return int(self._f.pwrite(buf.numpy(), buf.numel(), offset).get())
+
+    def _pread(self, buf: torch.Tensor, offset: int) -> int:
+        return int(self._f.pread(buf.numpy(), buf.numel(), offset).get())
+
+    def close(self) -> None:
+        super().close()
+        self._f.close()
+
+
+_BACKENDS = {"posix": PosixBackend, "aio": AioBackend, "kvikio": KvikioBackend}
+
+
+def describe_backends() -> dict[str, dict[str, Any]]:
+    """``{name: {"available": bool, "reason": str}}`` for ``dsx report``; loading aio may JIT-build it."""
+    out: dict[str, dict[str, Any]] = {"posix": {"available": True, "reason": "os.pwrite/os.pread threads"}}
+    try:
+        import kvikio
+
+        ok = torch.cuda.is_available()
+        mode = "compat" if getattr(kvikio.defaults, "compat_mode", lambda: True)() else "GDS"
+        out["kvikio"] = {
+            "available": ok,
+            "reason": f"kvikio {kvikio.__version__}, {mode} mode"
+            if ok
+            else "kvikio imports but CUDA is unavailable",
+        }
+    except Exception as exc:
+        out["kvikio"] = {"available": False, "reason": f"import kvikio failed: {exc}"}
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        b = AsyncIOBuilder()
+        if not b.is_compatible(verbose=False):
+            out["aio"] = {
+                "available": False,
+                "reason": "DeepSpeed AsyncIOBuilder incompatible (install libaio-dev)",
+            }
+        else:
+            b.load(verbose=False)
+            out["aio"] = {"available": True, "reason": "DeepSpeed aio_handle (libaio)"}
+    except Exception as exc:
+        out["aio"] = {"available": False, "reason": f"DeepSpeed async_io op failed to load: {exc}"}
+    return out
+
+
+def select_backend(name: str, path: str, fd: int, threads: int = 4) -> IOBackend:
+    """Open ``name`` (or the best available for ``"auto"``) on an open file; explicit names fail loudly."""
+    if name != "auto":
+        return _BACKENDS[name](path, fd, threads)
+    order = (["kvikio"] if torch.cuda.is_available() else []) + ["aio", "posix"]
+    for cand in order:
+        try:
+            return _BACKENDS[cand](path, fd, threads)
+        except Exception:
+            continue
+    raise AssertionError("unreachable: posix backend always opens")

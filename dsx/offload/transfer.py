@@ -1,0 +1,256 @@
+"""Moves one storage device → host (→ SSD) during forward and back during backward, asynchronously.
+
+On CUDA, pack records an event on the compute stream; the device→host copy waits on it on the scheduler's
+``"offload"`` side stream; an I/O thread waits for the copy's own event, then drops the device reference
+(the memory goes back to the caching allocator) and, for the SSD tier, writes the host slot to the file
+and frees the slot. Reads go the other way on I/O threads; the consumer waits on a CUDA event, and on the
+host only when the data are not yet on their way back (that wait is recorded as stall). On CPU the same
+code runs with the compute device being the CPU and plain (unpinned) host buffers.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+import zlib
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dsx.offload.store import HostPool, SsdFile, SsdFull, align_up
+from dsx.runtime.scheduler import Scheduler
+
+__all__ = ["Entry", "Mover", "OffloadIntegrityError"]
+
+logger = logging.getLogger("dsx.offload")
+
+
+class OffloadIntegrityError(RuntimeError):
+    """Data read back from a tier differs from what was written (``verify: true``)."""
+
+
+@dataclass(eq=False)
+class Entry:
+    """One moved storage."""
+
+    layer: int
+    nbytes: int
+    tier: str  # where it will live once written: "host" or "ssd"
+    name: str
+    refs: int = 0
+    src: torch.Tensor | None = None  # the device bytes, alive until the device→host copy is done
+    host: tuple[int, torch.Tensor] | None = None  # (arena offset, aligned slot)
+    ssd_off: int | None = None
+    crc: int | None = None
+    written: Future[Any] | None = None
+    fetched: Future[Any] | None = None
+    released: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Mover:
+    """Owns the tiers and the copies; ``tiers`` is the config's ordered list (``"host"``, ``"ssd"``)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        scheduler: Scheduler,
+        host: HostPool,
+        ssd: SsdFile | None,
+        verify: bool,
+        ssd_gate: str = "ssd",
+    ) -> None:
+        self.device, self.sched, self.host, self.ssd, self.verify = device, scheduler, host, ssd, verify
+        self.ssd_gate = ssd_gate
+        self._cuda = device.type == "cuda"
+        self._entries: dict[int, list[Entry]] = {}
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+        self.demoted: set[int] = set()  # layers whose SSD writes failed: host from now on
+
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(msg)
+
+    def entries_of(self, layer: int) -> list[Entry]:
+        with self._lock:
+            return list(self._entries.get(layer, ()))
+
+    # --------------------------------------------------------------------------------------- write
+    def offload(self, storage: torch.UntypedStorage, layer: int, tier: str, name: str) -> Entry | None:
+        nbytes = storage.nbytes()
+        if tier == "ssd" and (self.ssd is None or layer in self.demoted):
+            tier = "host"
+        slot = self.host.alloc(nbytes)  # the host slot is the tier (host) or the aligned staging (ssd)
+        if slot is None:
+            self._warn_once(
+                "host-full",
+                f"dsx activation offload: host pool full ({self.host.arena.capacity} "
+                f"bytes, {self.host.arena.used} in use); layer {layer} keeps its activations on the "
+                "device. Raise host_pool_gb to offload more.",
+            )
+            return None
+        e = Entry(layer=layer, nbytes=nbytes, tier=tier, name=name, host=slot)
+        if tier == "ssd":
+            try:
+                e.ssd_off = self.ssd.alloc(nbytes)  # reserve now: ENOSPC / quota surface here, synchronously
+            except SsdFull as exc:
+                self.demoted.add(layer)
+                self._warn_once(
+                    "ssd-full",
+                    f"dsx activation offload: SSD tier full ({exc}); layer {layer} and "
+                    "any other layer that hits this fall back to the host tier; training continues.",
+                )
+                e.tier = "host"
+        src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+        if self._cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            side = self.sched.stream("offload")
+            with torch.cuda.stream(side):
+                side.wait_event(ready)
+                slot[1][:nbytes].copy_(src, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(side)
+            e.src = src
+            e.written = self.sched.submit(self._finish_write, e, copied)
+        else:
+            e.src = src
+            e.written = self.sched.submit(self._finish_write, e, None)
+        with self._lock:
+            self._entries.setdefault(layer, []).append(e)
+        return e
+
+    def _finish_write(self, e: Entry, copied: Any) -> None:
+        t0 = time.perf_counter()
+        host = e.host[1]
+        if copied is not None:
+            copied.synchronize()
+        else:
+            host[: e.nbytes].copy_(e.src)
+        e.src = None  # device memory returns to the allocator now
+        if self.verify:
+            e.crc = zlib.crc32(host[: e.nbytes].numpy())
+        self.sched.telemetry.add_transfer("host", e.nbytes, t0, time.perf_counter(), e.name)
+        if e.tier != "ssd":
+            return
+        t1 = time.perf_counter()
+        self.sched.gate(self.ssd_gate).wait()  # DeepSpeed's optimizer swap on the same drive goes first
+        try:
+            self.ssd.io.pwrite(host[: align_up(e.nbytes)], e.ssd_off).result()
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # the bytes are still in the host slot: keep them there, demote the layer
+            self.demoted.add(e.layer)
+            self._warn_once(
+                "ssd-full",
+                f"dsx activation offload: SSD write failed ({exc}); layer {e.layer} "
+                "falls back to the host tier; training continues.",
+            )
+            self.ssd.free(e.ssd_off, e.nbytes)
+            e.ssd_off, e.tier = None, "host"
+            return
+        self.ssd.bytes_written += align_up(e.nbytes)
+        self.sched.telemetry.add_transfer("ssd", e.nbytes, t1, time.perf_counter(), e.name)
+        off, _ = e.host
+        e.host = None
+        self.host.free(off, e.nbytes)
+
+    # ---------------------------------------------------------------------------------------- read
+    def fetch(self, e: Entry) -> Future[Any]:
+        with e.lock:
+            if e.fetched is None:
+                e.fetched = self.sched.submit(self._read, e)
+            return e.fetched
+
+    def _read(self, e: Entry) -> tuple[torch.Tensor, Any]:
+        e.written.result()  # a failed write re-raises here
+        t0 = time.perf_counter()
+        tmp = None
+        if e.tier == "ssd":
+            size = align_up(e.nbytes)
+            tmp = self.host.alloc(size)
+            buf = tmp[1] if tmp is not None else _aligned_host(size, self._cuda)
+            self.ssd.io.pread(buf, e.ssd_off).result()
+            tier = "ssd"
+        else:
+            buf = e.host[1]
+            tier = "host"
+        try:
+            if self.verify and zlib.crc32(buf[: e.nbytes].numpy()) != e.crc:
+                where = f"{self.ssd.path} offset {e.ssd_off}" if tier == "ssd" else "host pool"
+                raise OffloadIntegrityError(
+                    f"dsx activation offload: checksum mismatch reading back layer {e.layer} tensor {e.name} "
+                    f"({e.nbytes} bytes) from the {tier} tier ({where}); the data are corrupt, refusing to "
+                    "compute gradients from them"
+                )
+            if self._cuda:
+                side = self.sched.stream("prefetch")
+                with torch.cuda.stream(side):
+                    out = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
+                    out.copy_(buf[: e.nbytes], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(side)
+                if tmp is not None:
+                    ev.synchronize()  # the staging slot is reused right after
+            else:
+                out, ev = buf[: e.nbytes].clone(), None
+        finally:
+            if tmp is not None:
+                self.host.free(tmp[0], align_up(e.nbytes))
+        self.sched.telemetry.add_transfer(f"{tier}_read", e.nbytes, t0, time.perf_counter(), e.name)
+        return out, ev
+
+    def wait(self, e: Entry) -> torch.Tensor:
+        fut = self.fetch(e)
+        if not fut.done():
+            t0 = time.perf_counter()
+            fut.result()
+            self.sched.telemetry.add_stall(t0, time.perf_counter(), f"unpack:layer{e.layer}")
+        out, ev = fut.result()
+        if ev is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(ev)  # a device-side wait: the host goes on queueing kernels
+            out.record_stream(cur)
+        return out
+
+    # ------------------------------------------------------------------------------------- release
+    def release(self, e: Entry) -> None:
+        """All handles of ``e`` are gone (the graph was freed): give its slots back once writes end."""
+        e.released = True
+        with self._lock:
+            lst = self._entries.get(e.layer)
+            if lst is not None and e in lst:
+                lst.remove(e)
+        e.fetched = None
+
+        def free(_: Any = None) -> None:
+            if e.host is not None:
+                self.host.free(e.host[0], e.nbytes)
+                e.host = None
+            if e.ssd_off is not None:
+                self.ssd.free(e.ssd_off, e.nbytes)
+                e.ssd_off = None
+
+        if e.written is None or e.written.done():
+            free()
+        else:
+            e.written.add_done_callback(free)
+
+    def drain(self) -> None:
+        with self._lock:
+            futs = [e.written for lst in self._entries.values() for e in lst if e.written is not None]
+        for f in futs:
+            f.result()
+
+
+def _aligned_host(size: int, pin: bool) -> torch.Tensor:
+    raw = torch.empty(size + 4096, dtype=torch.uint8, pin_memory=pin)
+    skip = (-raw.data_ptr()) % 4096
+    return raw[skip : skip + size]

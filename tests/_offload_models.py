@@ -1,0 +1,72 @@
+"""Small models for the activation-offload tests (CPU, float32, deterministic kernels)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["OddModel", "TinyGPT"]
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)  # views of one storage
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, s, d)
+        x = x + self.proj(y)
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 3, heads: int = 4, seq: int = 16) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+class OddBlock(nn.Module):
+    """Views of one storage, a tensor saved by two ops, a tied weight used twice in one layer."""
+
+    def __init__(self, d: int, shared: nn.Linear) -> None:
+        super().__init__()
+        self.shared, self.own = shared, nn.Linear(d, 2 * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.own(x)
+        a, b = h.chunk(2, dim=-1)  # two views, both saved below
+        t = a.sigmoid()
+        y = t * b + t * t  # t saved by two ops
+        y = self.shared(y) + torch.nn.functional.linear(y.tanh(), self.shared.weight)  # tied weight twice
+        return x + y.transpose(0, 1).contiguous().transpose(0, 1) * a.cos()
+
+
+class OddModel(nn.Module):
+    def __init__(self, d: int = 48, layers: int = 3) -> None:
+        super().__init__()
+        shared = nn.Linear(d, d)
+        self.layers = nn.ModuleList(OddBlock(d, shared) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.layers:
+            x = m(x)
+        return x

@@ -1,0 +1,156 @@
+"""Failure paths of activation offload: SSD full (real ENOSPC and quota), host pool full, crashed runs."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dsx.config import ActivationOffloadConfig, SchedulerConfig
+from dsx.offload import ActivationOffload
+from dsx.offload.store import RunDir
+from dsx.runtime.scheduler import Scheduler
+from tests._offload_models import OddModel
+
+
+def _run(model, cfg, batches):
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    off = ActivationOffload(model, cfg, sched)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    grads = []
+    try:
+        for x in batches:
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            off.end_step()
+        history = list(sched.telemetry.history)
+        demoted = set(off.mover.demoted)
+    finally:
+        off.close()
+        sched.close()
+    return grads, history, demoted
+
+
+def _reference(model, batches):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    grads = []
+    for x in batches:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return grads
+
+
+def _check_fallback(tmp_path, caplog, ssd_dir, capacity_gb, match):
+    torch.manual_seed(3)
+    ref = OddModel(layers=3)
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randn(16, 32, 48, generator=g) for _ in range(3)]  # ~200 KiB per saved tensor
+    want = _reference(ref, batches)
+    cfg = ActivationOffloadConfig(enabled=True, tiers=["host", "ssd"], ssd_path=str(ssd_dir), policy="offload_all",
+                                  host_pool_gb=0.1, ssd_capacity_gb=capacity_gb, min_tensor_bytes=0,
+                                  io_backend="posix", verify=True)
+    with caplog.at_level(logging.WARNING, logger="dsx.offload"):
+        got, history, demoted = _run(model, cfg, batches)
+    warnings = [r for r in caplog.records if "SSD" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert match in warnings[0].getMessage()
+    assert demoted, "no layer fell back to the host tier"
+    assert history[0].bytes_by_tier.get("ssd", 0) > 0, "the SSD was never written before it filled up"
+    for gw, gg in zip(want, got):
+        for a, b in zip(gw, gg):
+            assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_ssd_quota_falls_back_to_host(tmp_path, caplog):
+    (tmp_path / "ssd").mkdir()
+    _check_fallback(tmp_path, caplog, tmp_path / "ssd", capacity_gb=1.5 / 1024, match="quota")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs to produce a real ENOSPC: {r.stderr.strip() or r.returncode}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_real_enospc_falls_back_to_host(tmp_path, caplog, small_tmpfs):
+    _check_fallback(tmp_path, caplog, small_tmpfs, capacity_gb=1.0, match="No space left on device")
+
+
+def test_host_pool_full_keeps_on_device(tmp_path, caplog):
+    torch.manual_seed(5)
+    ref = OddModel(layers=3)
+    model = copy.deepcopy(ref)
+    batches = [torch.randn(16, 32, 48) for _ in range(2)]
+    want = _reference(ref, batches)
+    cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=1 / 1024,
+                                  min_tensor_bytes=0, io_backend="posix")
+    with caplog.at_level(logging.WARNING, logger="dsx.offload"):
+        got, history, _ = _run(model, cfg, batches)
+    assert len([r for r in caplog.records if "host pool full" in r.getMessage()]) == 1
+    assert history[0].bytes_by_tier.get("host", 0) > 0
+    for gw, gg in zip(want, got):
+        for a, b in zip(gw, gg):
+            assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_run_dir_is_private_and_removed(tmp_path):
+    d = RunDir(str(tmp_path), rank=3)
+    assert os.stat(d.path).st_mode & 0o777 == 0o700
+    d.remove()
+    assert not os.path.exists(d.path)
+
+
+@pytest.mark.slow
+def test_sigkilled_rank_leftovers_removed_at_next_start(tmp_path):
+    root = tmp_path / "ssd"
+    root.mkdir()
+    script = textwrap.dedent(f"""
+        import sys, time, torch
+        from dsx.config import ActivationOffloadConfig
+        from dsx.offload import ActivationOffload
+        from dsx.runtime.scheduler import Scheduler
+        from tests._offload_models import OddModel
+        m = OddModel(layers=2)
+        cfg = ActivationOffloadConfig(enabled=True, tiers=["ssd"], ssd_path={str(root)!r}, policy="offload_all",
+                                      host_pool_gb=0.05, ssd_capacity_gb=0.05, min_tensor_bytes=0,
+                                      io_backend="posix")
+        off = ActivationOffload(m, cfg, Scheduler())
+        y = m(torch.randn(4, 6, 48))   # mid-step: activations written, backward not run
+        off.mover.drain()
+        print(off.run_dir.path, flush=True)
+        time.sleep(120)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        run_dir = p.stdout.readline().strip()
+        assert run_dir and os.path.getsize(os.path.join(run_dir, "activations.bin")) > 0
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert os.path.isdir(run_dir), "SIGKILL ran no cleanup, the leftover must still be there"
+    fresh = RunDir(str(root), rank=0)
+    try:
+        assert not os.path.exists(run_dir)
+        assert os.listdir(root) == [os.path.basename(fresh.path)]
+    finally:
+        fresh.remove()
