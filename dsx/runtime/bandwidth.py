@@ -1,0 +1,145 @@
+"""Tier bandwidth as one rank really gets it: measured with every rank of the node transferring at once.
+
+The ranks of a node (same hostname and launcher node) are found through ``all_gather_object``; they start
+the probe together after a barrier, so each measures its share of the shared PCIe link or drive. The shares
+are logged on each node's first rank and handed to the planner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsx.offload.plan import TierBandwidth
+
+__all__ = ["measure_file_bandwidth", "measure_host_bandwidth", "measure_tier_bandwidth"]
+
+logger = logging.getLogger("dsx")
+
+
+def measure_file_bandwidth(
+    directory: str | os.PathLike[str], mb: int = 64, block_mb: int = 4
+) -> dict[str, Any]:
+    """Sequential write then read of a temporary file in ``directory`` (O_DIRECT where the filesystem allows).
+
+    Blocks are page-aligned ``block_mb`` MiB buffers; the buffered fallback fsyncs and drops the file's
+    pages before reading so that the read comes from the device. The file is removed afterwards.
+    """
+    d = Path(directory)
+    if not d.is_dir() or not os.access(d, os.W_OK):
+        raise OSError(f"{str(d)!r} is not a writable directory")
+    block = block_mb << 20
+    n = max(1, (mb << 20) // block)
+    buf = mmap.mmap(-1, block)
+    buf.write(os.urandom(1 << 16) * (block >> 16))
+    fd, name = tempfile.mkstemp(prefix=".dsx-bw-", dir=d)
+    os.close(fd)
+    mode = "O_DIRECT"
+    try:
+        try:
+            fd = os.open(name, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+            os.pwrite(fd, buf, 0)  # some filesystems refuse O_DIRECT only at the first write
+        except OSError:
+            mode = "buffered+fsync"
+            fd = os.open(name, os.O_WRONLY)
+        t0 = time.perf_counter()
+        for k in range(n):
+            os.pwrite(fd, buf, k * block)
+        os.fsync(fd)
+        write_s = time.perf_counter() - t0
+        os.close(fd)
+        fd = os.open(name, os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if mode == "O_DIRECT" else 0))
+        if mode != "O_DIRECT":
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        for k in range(n):
+            os.preadv(fd, [buf], k * block)
+        read_s = time.perf_counter() - t0
+        os.close(fd)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+        buf.close()
+    size = n * block
+    return {"path": str(d), "mode": mode, "bytes": size, "write_GBps": size / write_s / 1e9,
+            "read_GBps": size / read_s / 1e9}  # fmt: skip
+
+
+def measure_host_bandwidth(mb: int = 256, device: torch.device | None = None) -> tuple[float, float]:
+    """(device->host, host->device) bytes/s through pinned memory; on CPU, memcpy bandwidth both ways."""
+    device = device or (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
+    n = mb << 20
+    if device is None or device.type != "cuda":
+        a, b = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+        a.fill_(1)
+        b.copy_(a)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            b.copy_(a)
+        bps = 3 * n / (time.perf_counter() - t0)
+        return bps, bps
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    out = []
+    for dst, src in ((host, dev), (dev, host)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        out.append(3 * n / (time.perf_counter() - t0))
+    return out[0], out[1]
+
+
+def _node_peers() -> list[int]:
+    """Global ranks on this node (same host and launcher node rank)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [0]
+    me = (socket.gethostname(), os.environ.get("CROSS_RANK", os.environ.get("GROUP_RANK", "")))
+    allk: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(allk, me)
+    return [r for r, k in enumerate(allk) if tuple(k) == me]
+
+
+def measure_tier_bandwidth(
+    tiers: list[str], ssd_dir: str | os.PathLike[str] | None, *, mb: int = 64
+) -> list[TierBandwidth]:
+    """Per-rank bandwidth of each tier with all ranks of the node measuring at once (a collective call)."""
+    peers = _node_peers()
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    out: list[TierBandwidth] = []
+    for tier in tiers:
+        if distributed:
+            dist.barrier()
+        if tier == "host":
+            w, r = measure_host_bandwidth(max(mb, 64))
+        elif tier == "ssd":
+            if ssd_dir is None:
+                continue
+            res = measure_file_bandwidth(ssd_dir, mb)
+            w, r = res["write_GBps"] * 1e9, res["read_GBps"] * 1e9
+        else:
+            raise ValueError(f"unknown tier {tier!r}; expected 'host' or 'ssd'")
+        out.append(TierBandwidth(tier, w, r))
+    rank = dist.get_rank() if distributed else 0
+    if rank == min(peers):
+        for b in out:
+            logger.warning(
+                "dsx: node %s: %d rank(s) share %s: this rank measured write %.2f GB/s, read %.2f GB/s "
+                "(its share while all write at once)", socket.gethostname(), len(peers), b.tier,
+                b.write_Bps / 1e9, b.read_Bps / 1e9,
+            )  # fmt: skip
+    return out
