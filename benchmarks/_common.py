@@ -1,0 +1,160 @@
+"""Shared plumbing for ``benchmarks/bench_*.py``: the run's environment, the CLI flags, JSON and PNG output.
+
+Every benchmark writes ``<out>/<name>.json`` (environment + config + every figure) and ``<out>/<name>.png``.
+Usage::
+
+    from benchmarks._common import add_common_args, environment, save_png, write_json
+
+    p = argparse.ArgumentParser(); add_common_args(p); args = p.parse_args()
+    result = {"config": vars(args), "env": environment(), "figures": {...}}
+    write_json(result, args.out, "bench_x"); save_png(fig, args.out, "bench_x")
+
+Nothing here imports matplotlib, DeepSpeed or optional packages at module import time, so a benchmark's
+``--help`` stays fast and a missing optional package shows as ``None`` in the environment, not an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.metadata as md
+import json
+import math
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEFAULT_OUT",
+    "add_common_args",
+    "device_name",
+    "environment",
+    "save_png",
+    "utc_now",
+    "versions",
+    "write_json",
+]
+
+DEFAULT_OUT = "benchmarks/results"
+
+# Distributions whose versions a result should carry; absent ones are recorded as None (not installed).
+_DISTS = (
+    "torch",
+    "deepspeed",
+    "triton",
+    "numpy",
+    "torch-geometric",
+    "megatron-core",
+    "kvikio-cu13",
+    "nvidia-dali-cuda130",
+    "dsx",
+)
+
+
+def add_common_args(
+    parser: argparse.ArgumentParser, default_out: str = DEFAULT_OUT
+) -> argparse.ArgumentParser:
+    """Add ``--out DIR`` and ``--quick`` (tiny sizes on the CPU, for the smoke test) to ``parser``."""
+    parser.add_argument(
+        "--out", default=default_out, help=f"directory for <name>.json/.png (default {default_out})"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes that run on a CPU in seconds (smoke test)"
+    )
+    return parser
+
+
+def utc_now() -> str:
+    """ISO-8601 UTC timestamp to the second, e.g. ``2026-11-22T10:45:00+00:00``."""
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions of the packages a result depends on (``None`` = not installed)."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in _DISTS:
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def device_name() -> str:
+    """Name of CUDA device 0 (e.g. ``NVIDIA H100 80GB HBM3``), else ``cpu (<processor>)``."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def environment() -> dict[str, Any]:
+    """Everything a figure needs to be read correctly: device, versions, date, host, threads."""
+    env: dict[str, Any] = {
+        "date_utc": utc_now(),
+        "host": platform.node(),
+        "device": device_name(),
+        "cpu_count": os.cpu_count(),
+        "versions": versions(),
+    }
+    try:
+        import torch
+
+        env["torch_cuda"] = torch.version.cuda
+        env["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            env["gpu"] = {
+                "count": torch.cuda.device_count(),
+                "memory_gib": round(p.total_memory / 2**30, 1),
+                "capability": f"{p.major}.{p.minor}",
+                "sms": p.multi_processor_count,
+            }
+    except ImportError:
+        env["torch_cuda"] = None
+    return env
+
+
+def _jsonable(x: Any) -> Any:
+    # Tensors/NumPy scalars become Python numbers; NaN/inf become None so that the file is strict JSON.
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def write_json(result: dict[str, Any], out: str | os.PathLike[str], name: str) -> Path:
+    """Write ``result`` to ``<out>/<name>.json`` (strict JSON; adds ``env`` if missing); return the path."""
+    path = Path(out) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = dict(result)
+    data.setdefault("env", environment())
+    path.write_text(json.dumps(_jsonable(data), indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def save_png(fig: Any, out: str | os.PathLike[str], name: str, dpi: int = 120) -> Path:
+    """Save a matplotlib figure to ``<out>/<name>.png`` with the Agg backend (no display) and close it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(out) / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
