@@ -12,8 +12,28 @@ from dsx.config import (
     SchedulerConfig,
     UnifiedConfig,
 )
-from dsx.direct import UnifiedTensor, unified
-from dsx.engine import DsxRuntime, initialize, runtime_of
+
+# DeepSpeed and torch are imported on first use of these names, not by ``import dsx``: ``dsx report`` must be
+# able to set DS_ACCELERATOR before DeepSpeed's import-time accelerator probe (which otherwise prints its
+# "Setting accelerator to CPU" warning to stdout, breaking ``dsx report --json`` on CPU machines).
+_LAZY = {
+    "DsxRuntime": "dsx.engine",
+    "initialize": "dsx.engine",
+    "runtime_of": "dsx.engine",
+    "UnifiedTensor": "dsx.direct",
+    "unified": "dsx.direct",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dsx' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

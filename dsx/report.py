@@ -157,7 +157,7 @@ def _dsx_rows(rows: list[Row]) -> None:
             return "not available in this build of dsx"
         io_mod = importlib.import_module("dsx.offload.io")
         desc = io_mod.describe_backends()
-        chosen = io_mod.select_backend("auto")
+        chosen = io_mod.auto_choice(desc)
         avail = ", ".join(f"{k}:{'yes' if v['available'] else 'no'}" for k, v in desc.items())
         return f"auto -> {chosen} ({avail})"
 

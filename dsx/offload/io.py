@@ -17,7 +17,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["AioBackend", "IOBackend", "KvikioBackend", "PosixBackend", "describe_backends", "select_backend"]
+__all__ = [
+    "AioBackend",
+    "IOBackend",
+    "KvikioBackend",
+    "PosixBackend",
+    "auto_choice",
+    "describe_backends",
+    "select_backend",
+]
 
 ALIGN = 4096
 
@@ -155,7 +163,7 @@ _BACKENDS = {"posix": PosixBackend, "aio": AioBackend, "kvikio": KvikioBackend}
 
 
 def describe_backends() -> dict[str, dict[str, Any]]:
-    """``{name: {"available": bool, "reason": str}}`` for ``dsx report``; loading aio may JIT-build it."""
+    """``{name: {"available": bool, "reason": str}}`` for ``dsx report``; checks only, never builds an op."""
     out: dict[str, dict[str, Any]] = {"posix": {"available": True, "reason": "os.pwrite/os.pread threads"}}
     try:
         import kvikio
@@ -180,11 +188,20 @@ def describe_backends() -> dict[str, dict[str, Any]]:
                 "reason": "DeepSpeed AsyncIOBuilder incompatible (install libaio-dev)",
             }
         else:
-            b.load(verbose=False)
-            out["aio"] = {"available": True, "reason": "DeepSpeed aio_handle (libaio)"}
+            out["aio"] = {
+                "available": True,
+                "reason": "DeepSpeed aio_handle (libaio; JIT-built on first use)",
+            }
     except Exception as exc:
         out["aio"] = {"available": False, "reason": f"DeepSpeed async_io op failed to load: {exc}"}
     return out
+
+
+def auto_choice(backends: dict[str, dict[str, Any]] | None = None) -> str:
+    """The backend ``io_backend: auto`` tries first, from :func:`describe_backends` (no file is opened)."""
+    backends = backends or describe_backends()
+    order = (["kvikio"] if torch.cuda.is_available() else []) + ["aio", "posix"]
+    return next(n for n in order if backends.get(n, {}).get("available"))
 
 
 def select_backend(name: str, path: str, fd: int, threads: int = 4) -> IOBackend:
