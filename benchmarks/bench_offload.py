@@ -1,0 +1,216 @@
+"""Activation offload, side by side: step time and activation memory of one GPT under each strategy.
+
+In one process, on the same model and data: no offload; full recompute (dsx ``recompute_all``: torch
+checkpointing per layer); torch ``save_on_cpu(pin_memory=True)``; dsx host tier; dsx SSD tier; dsx ``auto``
+with a budget equal to full recompute's measured peak; dsx ``auto`` with no budget (hide only). Each config
+is a fresh ``dsx.initialize`` engine; step time is the median over ``--steps`` after ``--warmup``; activation
+peak is ``max_memory_allocated`` during the steps minus the memory held before the first forward.
+
+    python benchmarks/bench_offload.py --hidden 2048 --layers 8 --seq-len 2048 --micro-batch 8
+    python benchmarks/bench_offload.py --quick        # CPU smoke test with the small torch GPT
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_common_args, environment, save_png, write_json
+
+import dsx
+from dsx.examples.gpt import _single_process_env
+from dsx.models.gpt import GPT, GPTConfig
+from dsx.models.megatron_gpt import build_megatron_gpt, megatron_available
+
+CONFIGS = ["none", "recompute", "save_on_cpu", "dsx_host", "dsx_ssd", "dsx_auto_budget", "dsx_auto_hide"]
+
+
+def _ds_config(micro: int, bf16: bool, dsx_section: dict[str, Any] | None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**9,
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if dsx_section:
+        cfg["dsx"] = {"activation_offload": dsx_section}
+    return cfg
+
+
+def _model(args: argparse.Namespace) -> torch.nn.Module:
+    if not args.quick and megatron_available()[0]:
+        return build_megatron_gpt(args.layers, args.hidden, args.heads, args.seq_len, 256, seed=0, bf16=True)
+    cfg = GPTConfig(
+        vocab_size=256, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden, heads=args.heads
+    )
+    return GPT(cfg, seed=0)
+
+
+def _section(name: str, ssd_dir: str, budget_gb: float | None, pool_gb: float) -> dict[str, Any] | None:
+    base = {"enabled": True, "min_tensor_bytes": 1 << 16, "host_pool_gb": pool_gb, "ssd_capacity_gb": pool_gb}
+    return {
+        "recompute": {**base, "policy": "recompute_all"},
+        "dsx_host": {**base, "policy": "offload_all", "tiers": ["host"]},
+        "dsx_ssd": {**base, "policy": "offload_all", "tiers": ["ssd"], "ssd_path": ssd_dir},
+        "dsx_auto_budget": {**base, "policy": "auto", "tiers": ["host", "ssd"], "ssd_path": ssd_dir,
+                            "memory_budget_gb": budget_gb},
+        "dsx_auto_hide": {**base, "policy": "auto", "tiers": ["host", "ssd"], "ssd_path": ssd_dir},
+    }.get(name)  # fmt: skip
+
+
+def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float | None) -> dict[str, Any]:
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model = _model(args)
+    bf16 = dev.type == "cuda"
+    engine, _, _, _ = dsx.initialize(
+        model=model, model_parameters=model.parameters(), config=_ds_config(args.micro_batch, bf16, _section(name, ssd_dir, budget_gb, args.pool_gb))
+    )  # fmt: skip
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=gen).to(engine.device)
+    inp, tgt = x[:, :-1], x[:, 1:]
+    ctx = (
+        (lambda: torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda"))
+        if name == "save_on_cpu"
+        else contextlib.nullcontext
+    )
+    times: list[float] = []
+    losses: list[float] = []
+    base = peak = 0
+    for step in range(args.warmup + args.steps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            if step == args.warmup:
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        with ctx():
+            loss = engine(inp, tgt)
+        engine.backward(loss)
+        engine.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss))
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() - base
+    rt = dsx.runtime_of(engine)
+    telemetry = rt.scheduler.telemetry.summary() if rt and rt.scheduler else {}
+    plan = None
+    if rt and "activation_offload" in rt.features:
+        off = rt.features["activation_offload"].offload
+        if getattr(off, "plan", None) is not None:
+            plan = {"actions": [a.value for a in off.plan.actions], "bound": off.plan.bound,
+                    "predicted_step_s": off.plan.predicted_step_s}  # fmt: skip
+    if rt:
+        rt.close()
+    del engine, model
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    step_s = statistics.median(times)
+    return {"config": name, "step_s": step_s, "tokens_per_s": args.micro_batch * args.seq_len / step_s,
+            "activation_peak_gb": peak / 1e9, "losses": losses, "telemetry": telemetry, "plan": plan}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--pool-gb", type=float, default=40.0, help="host pool and SSD file size per config")
+    p.add_argument("--ssd-dir", default=None, help="directory on the SSD (default: a temporary directory)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.hidden, args.layers, args.heads, args.seq_len, args.micro_batch = 64, 2, 2, 32, 2
+        args.warmup, args.steps, args.pool_gb = 1, 2, 0.25
+    _single_process_env()
+    results: list[dict[str, Any]] = []
+    budget: float | None = None
+    with tempfile.TemporaryDirectory(dir=args.ssd_dir) as ssd:
+        for name in args.configs:
+            if name == "dsx_auto_budget":
+                rec = next((r for r in results if r["config"] == "recompute" and "error" not in r), None)
+                budget = (
+                    rec["activation_peak_gb"] * 1e9 / 2**30 if rec and rec["activation_peak_gb"] > 0 else None
+                )
+                if budget is None:
+                    results.append({"config": name, "error": "needs a measured 'recompute' peak (GPU run)"})
+                    continue
+            try:
+                res = run_one(name, args, ssd, budget)
+            except Exception as exc:  # record and go on: one failing strategy must not hide the others
+                res = {"config": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            results.append(res)
+            print(
+                json.dumps({k: v for k, v in res.items() if k not in ("losses", "telemetry", "plan")}),
+                flush=True,
+            )
+    ok = {r["config"]: r for r in results if "error" not in r}
+    ratios: dict[str, float] = {}
+    if "recompute" in ok and "dsx_auto_budget" in ok:
+        ratios["auto_budget_vs_recompute_throughput"] = (
+            ok["dsx_auto_budget"]["tokens_per_s"] / ok["recompute"]["tokens_per_s"]
+        )
+    if "none" in ok and "dsx_auto_hide" in ok:
+        ratios["auto_hide_vs_none_throughput"] = (
+            ok["dsx_auto_hide"]["tokens_per_s"] / ok["none"]["tokens_per_s"]
+        )
+    if "save_on_cpu" in ok and "dsx_host" in ok:
+        ratios["dsx_host_vs_save_on_cpu_throughput"] = (
+            ok["dsx_host"]["tokens_per_s"] / ok["save_on_cpu"]["tokens_per_s"]
+        )
+    out = {"name": "bench_offload", "env": environment(), "config": vars(args),
+           "model": "megatron-core GPTModel" if (not args.quick and megatron_available()[0]) else "dsx torch GPT",
+           "results": results, "ratios": ratios}  # fmt: skip
+    write_json(out, args.out, "bench_offload")
+    _plot(results, args.out)
+    return out
+
+
+def _plot(results: list[dict[str, Any]], out: str | os.PathLike[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["config"] for r in ok]
+    a.bar(names, [r["step_s"] * 1e3 for r in ok], color="tab:blue")
+    a.set_ylabel("step time (ms)")
+    b.bar(names, [r["activation_peak_gb"] for r in ok], color="tab:orange")
+    b.set_ylabel("activation peak (GB)")
+    for ax in (a, b):
+        ax.tick_params(axis="x", rotation=35)
+    fig.suptitle("Activation offload strategies (same model, same data, one run)")
+    fig.tight_layout()
+    save_png(fig, out, "bench_offload")
+
+
+if __name__ == "__main__":
+    main()
