@@ -25,11 +25,19 @@ def _config(nvme: str, stage: int, with_dsx: bool, ssd: str) -> dict:
         "zero_allow_untested_optimizer": True,
     }
     if with_dsx:
-        cfg["dsx"] = {"activation_offload": {
-            "enabled": True, "tiers": ["host", "ssd"], "ssd_path": ssd, "policy": "offload_all",
-            "host_pool_gb": 0.05, "ssd_capacity_gb": 0.05, "min_tensor_bytes": 0, "io_backend": "posix",
-            "verify": True,
-        }}
+        cfg["dsx"] = {
+            "activation_offload": {
+                "enabled": True,
+                "tiers": ["host", "ssd"],
+                "ssd_path": ssd,
+                "policy": "offload_all",
+                "host_pool_gb": 0.05,
+                "ssd_capacity_gb": 0.05,
+                "min_tensor_bytes": 0,
+                "io_backend": "posix",
+                "verify": True,
+            }
+        }
     return cfg
 
 
@@ -57,12 +65,18 @@ def main() -> None:
     g = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(3)]
     ref_model = copy.deepcopy(base)
-    e0, *_ = deepspeed.initialize(model=ref_model, model_parameters=ref_model.parameters(),
-                                  config=_config(os.path.join(a.nvme, "ref"), a.stage, False, a.ssd))
+    e0, *_ = deepspeed.initialize(
+        model=ref_model,
+        model_parameters=ref_model.parameters(),
+        config=_config(os.path.join(a.nvme, "ref"), a.stage, False, a.ssd),
+    )
     want = _train(e0, batches)
     model = copy.deepcopy(base)
-    e1, *_ = dsx.initialize(model=model, model_parameters=model.parameters(),
-                            config=_config(os.path.join(a.nvme, "dsx"), a.stage, True, a.ssd))
+    e1, *_ = dsx.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=_config(os.path.join(a.nvme, "dsx"), a.stage, True, a.ssd),
+    )
     got = _train(e1, batches)
     sched = e1.dsx.scheduler
     ssd_bytes = sum(r.bytes_by_tier.get("ssd", 0) for r in sched.telemetry.history)

@@ -58,9 +58,17 @@ def _check_fallback(tmp_path, caplog, ssd_dir, capacity_gb, match):
     g = torch.Generator().manual_seed(4)
     batches = [torch.randn(16, 32, 48, generator=g) for _ in range(3)]  # ~200 KiB per saved tensor
     want = _reference(ref, batches)
-    cfg = ActivationOffloadConfig(enabled=True, tiers=["host", "ssd"], ssd_path=str(ssd_dir), policy="offload_all",
-                                  host_pool_gb=0.1, ssd_capacity_gb=capacity_gb, min_tensor_bytes=0,
-                                  io_backend="posix", verify=True)
+    cfg = ActivationOffloadConfig(
+        enabled=True,
+        tiers=["host", "ssd"],
+        ssd_path=str(ssd_dir),
+        policy="offload_all",
+        host_pool_gb=0.1,
+        ssd_capacity_gb=capacity_gb,
+        min_tensor_bytes=0,
+        io_backend="posix",
+        verify=True,
+    )
     with caplog.at_level(logging.WARNING, logger="dsx.offload"):
         got, history, demoted = _run(model, cfg, batches)
     warnings = [r for r in caplog.records if "SSD" in r.getMessage()]
@@ -82,9 +90,13 @@ def test_ssd_quota_falls_back_to_host(tmp_path, caplog):
 def small_tmpfs(tmp_path):
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs to produce a real ENOSPC: {r.stderr.strip() or r.returncode}")
+        pytest.skip(
+            f"cannot mount a 1 MiB tmpfs to produce a real ENOSPC: {r.stderr.strip() or r.returncode}"
+        )
     try:
         yield mnt
     finally:
@@ -101,8 +113,14 @@ def test_host_pool_full_keeps_on_device(tmp_path, caplog):
     model = copy.deepcopy(ref)
     batches = [torch.randn(16, 32, 48) for _ in range(2)]
     want = _reference(ref, batches)
-    cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=1 / 1024,
-                                  min_tensor_bytes=0, io_backend="posix")
+    cfg = ActivationOffloadConfig(
+        enabled=True,
+        tiers=["host"],
+        policy="offload_all",
+        host_pool_gb=1 / 1024,
+        min_tensor_bytes=0,
+        io_backend="posix",
+    )
     with caplog.at_level(logging.WARNING, logger="dsx.offload"):
         got, history, _ = _run(model, cfg, batches)
     assert len([r for r in caplog.records if "host pool full" in r.getMessage()]) == 1

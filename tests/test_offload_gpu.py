@@ -29,8 +29,10 @@ def _train(model, batches, off=None):
     return grads
 
 
-@pytest.mark.parametrize("tiers,backend", [(["host"], "posix"), (["ssd"], "posix"), (["host", "ssd"], "aio"),
-                                           (["host", "ssd"], "kvikio")])
+@pytest.mark.parametrize(
+    "tiers,backend",
+    [(["host"], "posix"), (["ssd"], "posix"), (["host", "ssd"], "aio"), (["host", "ssd"], "kvikio")],
+)
 def test_gpu_bitwise(tmp_path, tiers, backend):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
@@ -43,9 +45,17 @@ def test_gpu_bitwise(tmp_path, tiers, backend):
     batches = [torch.randint(0, 256, (8, 128), device="cuda", generator=g) for _ in range(3)]
     want = _train(ref, batches)
     (tmp_path / "ssd").mkdir()
-    cfg = ActivationOffloadConfig(enabled=True, tiers=tiers, ssd_path=str(tmp_path / "ssd"), policy="offload_all",
-                                  host_pool_gb=1, ssd_capacity_gb=1, min_tensor_bytes=0, io_backend=backend,
-                                  verify=True)
+    cfg = ActivationOffloadConfig(
+        enabled=True,
+        tiers=tiers,
+        ssd_path=str(tmp_path / "ssd"),
+        policy="offload_all",
+        host_pool_gb=1,
+        ssd_capacity_gb=1,
+        min_tensor_bytes=0,
+        io_backend=backend,
+        verify=True,
+    )
     sched = Scheduler(SchedulerConfig(io_workers=4), device=torch.device("cuda"))
     off = ActivationOffload(model, cfg, sched)
     try:
@@ -80,8 +90,9 @@ def test_gpu_memory_released_during_forward(tmp_path):
         return held
 
     plain = peak()
-    cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=4,
-                                  min_tensor_bytes=1 << 16)
+    cfg = ActivationOffloadConfig(
+        enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=4, min_tensor_bytes=1 << 16
+    )
     sched = Scheduler(device=torch.device("cuda"))
     off = ActivationOffload(model, cfg, sched)
     try:

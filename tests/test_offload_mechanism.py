@@ -222,24 +222,38 @@ def test_bitwise_equal_gradients_aio_backend(tmp_path):
             assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
-def test_select_backend_auto_on_cpu_and_describe(tmp_path):
-    from dsx.offload.io import describe_backends, select_backend
+def test_posix_backend_roundtrip_and_alignment(tmp_path):
+    from dsx.offload.io import select_backend
 
-    info = describe_backends()
-    assert set(info) == {"posix", "aio", "kvikio"} and info["posix"]["available"]
     path = tmp_path / "f.bin"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        be = select_backend("auto", str(path), fd, threads=2)
-        # no CUDA here: kvikio is never chosen; aio when its op loads, else posix
-        assert be.name == ("aio" if info["aio"]["available"] else "posix")
+        be = select_backend("posix", str(path), fd, threads=2)
         buf = torch.randint(0, 256, (8192,), dtype=torch.uint8)
         be.pwrite(buf, 4096).result()
         out = torch.zeros_like(buf)
         be.pread(out, 4096).result()
-        be.close()
         assert torch.equal(out, buf)
         with pytest.raises(ValueError, match="4 KiB-aligned"):
             be.pwrite(buf[:100], 0)
+        with pytest.raises(OSError, match=r"path=.*offset=1048576, size=8192"):
+            be.pread(out, 1 << 20).result()  # past the end of the file
+        be.close()
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+def test_select_backend_auto_on_cpu_and_describe(tmp_path):
+    """``auto`` without CUDA: aio when DeepSpeed's op loads (may JIT-build it), else posix; never kvikio."""
+    from dsx.offload.io import describe_backends, select_backend
+
+    info = describe_backends()
+    assert set(info) == {"posix", "aio", "kvikio"} and info["posix"]["available"]
+    fd = os.open(tmp_path / "f.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        be = select_backend("auto", str(tmp_path / "f.bin"), fd, threads=2)
+        assert be.name == ("aio" if info["aio"]["available"] else "posix")
+        be.close()
     finally:
         os.close(fd)

@@ -26,16 +26,25 @@ def _launch(script: Path, args: list[str], nprocs: int = 2, timeout: float = 600
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"
+    )
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     exe = shutil.which("deepspeed", path=os.path.dirname(sys.executable))
     cmd = [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
     cmd += ["--num_accelerators", str(nprocs), "--master_port", str(port), str(script), *args]
-    p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=timeout, start_new_session=True)
+    p = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        start_new_session=True,
+    )
     return p.returncode, p.stdout
 
 

@@ -99,8 +99,12 @@ class ActivationOffload:
             if shared_ssd_with:
                 self.shared_ssd = _st_dev(shared_ssd_with) == _st_dev(cfg.ssd_path)
                 if self.shared_ssd:
-                    logger.info("dsx activation offload: %s shares a device with ZeRO's nvme_path %s: activation "
-                                "writes pause during engine.step()", cfg.ssd_path, shared_ssd_with)
+                    logger.info(
+                        "dsx activation offload: %s shares a device with ZeRO's nvme_path %s: activation "
+                        "writes pause during engine.step()",
+                        cfg.ssd_path,
+                        shared_ssd_with,
+                    )
         self.host = HostPool(int(cfg.host_pool_gb * GB), pin=self.device.type == "cuda")
         self.mover = Mover(self.device, scheduler, self.host, self.ssd, cfg.verify)
         self.hooks = LayerHooks(model, self.layers, self.mover, cfg.min_tensor_bytes)

@@ -191,9 +191,12 @@ class SsdFile:
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                         if new != end:
                             continue
-                        raise SsdFull(exc.errno, f"dsx SSD tier: {self.path}: {os.strerror(exc.errno)} "
-                                      f"(needed {end} bytes); free space on the drive or lower "
-                                      "ssd_capacity_gb") from exc
+                        raise SsdFull(
+                            exc.errno,
+                            f"dsx SSD tier: {self.path}: {os.strerror(exc.errno)} "
+                            f"(needed {end} bytes); free space on the drive or lower "
+                            "ssd_capacity_gb",
+                        ) from exc
                     if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                         raise
                     os.ftruncate(self.fd, new)  # filesystem without fallocate: sparse file
