@@ -59,3 +59,18 @@ def test_zero2_nvme_optimizer_plus_ssd_activations_two_ranks(tmp_path):
     assert rc == 0, tail
     assert out.count("OFFLOAD-OK") == 2, tail
     assert not os.listdir(ssd), f"run dirs left behind: {os.listdir(ssd)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_zero3_nvme_optimizer_plus_ssd_activations_two_ranks(tmp_path):
+    """ZeRO-3 gathers parameters in its own pre-hooks: they must stay, activations must move."""
+    nvme, ssd = tmp_path / "nvme", tmp_path / "ssd"
+    nvme.mkdir()
+    ssd.mkdir()
+    rc, out = _launch(
+        REPO / "tests" / "_offload_zero_worker.py", ["--nvme", str(nvme), "--ssd", str(ssd), "--stage", "3"]
+    )
+    tail = "\n".join(out.splitlines()[-60:])
+    assert rc == 0, tail
+    assert out.count("OFFLOAD-OK") == 2, tail

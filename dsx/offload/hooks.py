@@ -55,7 +55,7 @@ class _Handle:
         self.entry, self.layer = entry, layer
         self.offset, self.size, self.stride, self.dtype = t.storage_offset(), t.size(), t.stride(), t.dtype
         probe = t.detach()  # shares t's version counter ...
-        probe.data = torch.empty(0, dtype=t.dtype)  # ... but not its memory
+        probe.data = torch.empty(0, dtype=t.dtype, device=t.device)  # ... but not its memory
         self.probe, self.version = probe, t._version
 
 
@@ -86,6 +86,8 @@ class LayerHooks:
             self._ctx.pop().__exit__(None, None, None)
         self._cur = None
         self._fetched_layers.clear()
+        with self._lock:  # forget storages that died or were released: the table stays one step long
+            self._dedup = {k: v for k, v in self._dedup.items() if v[1]() is not None and not v[0].released}
 
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
         # backward starts with the last layers: start bringing them back as soon as forward is over

@@ -71,6 +71,9 @@ class Mover:
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self.demoted: set[int] = set()  # layers whose SSD writes failed: host from now on
+        if self._cuda:  # create both side streams here, not lazily from I/O threads
+            scheduler.stream("offload")
+            scheduler.stream("prefetch")
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:
@@ -171,6 +174,8 @@ class Mover:
 
     def _read(self, e: Entry) -> tuple[torch.Tensor, Any]:
         e.written.result()  # a failed write re-raises here
+        if self._cuda:
+            torch.cuda.set_device(self.device)  # I/O threads start on device 0; ranks may own another
         t0 = time.perf_counter()
         tmp = None
         if e.tier == "ssd":
