@@ -202,7 +202,7 @@ def test_attach_sets_layer_defaults():
     finally:
         handle.close()
     torch.testing.assert_close(layer(x, ei, et), exact)
-    handle = rg.attach(None, RGNNConfig(enabled=True, fusion=False), None)
+    handle = rg.attach(None, RGNNConfig(enabled=True, backend="interpreter"), None)
     try:
         assert layer._use_interpreter()
     finally:

@@ -13,12 +13,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsx.rgnn import passes
 from dsx.rgnn._common import DEFAULTS
+from dsx.rgnn.compile import CompiledProgram, compile
 from dsx.rgnn.graph import RelGraph, clear_cache, prepare
 from dsx.rgnn.hgt import HGTConv
+from dsx.rgnn.interpreter import interpret
+from dsx.rgnn.ir import Program, Value
 from dsx.rgnn.layers import RGATConv, RGCNConv
 
-__all__ = ["DEFAULTS", "HGTConv", "RGATConv", "RGCNConv", "RelGraph", "attach", "clear_cache", "prepare"]
+__all__ = [
+    "DEFAULTS", "CompiledProgram", "HGTConv", "Program", "RGATConv", "RGCNConv", "RelGraph", "Value", "attach",
+    "clear_cache", "compile", "interpret", "passes", "prepare",
+]  # fmt: skip
 
 # Config spelling -> layer option values ("triton" in the config means: run the generated kernels).
 _BACKEND = {"auto": "auto", "triton": "kernels", "interpreter": "interpreter"}
@@ -36,18 +43,16 @@ class _Handle:
 
 def attach(engine: Any, section: Any, runtime: Any) -> _Handle:
     """Apply the "rgnn" config section: every dsx relational layer whose option is left as ``None`` then
-    uses the section's ``precision``, ``backend``, ``compact_materialization`` and ``linear_reorder``.
+    uses the section's ``precision``, ``backend``, ``compact_materialization``, ``linear_reorder``, ``fusion``.
 
-    ``fusion=False`` selects the per-edge interpreter (no fused kernels). Returns a handle whose
+    ``fusion=False`` leaves the edge ops unfused (gather-GEMMs plus PyTorch edge ops). Returns a handle whose
     ``close()`` restores the previous defaults.
     """
     previous = dict(DEFAULTS)
-    backend = _BACKEND[section.backend]
-    if not section.fusion:
-        backend = "interpreter"
     DEFAULTS.update(
         precision=section.precision,
-        backend=backend,
+        backend=_BACKEND[section.backend],
+        fusion=section.fusion,
         compact_materialization=section.compact_materialization,
         linear_reorder=section.linear_reorder,
     )

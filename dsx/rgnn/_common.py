@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dsx.rgnn.graph import RelGraph
-from dsx.rgnn.kernels import gather_gemm
 
-__all__ = ["DEFAULTS", "LayerOptions", "edge_softmax", "typed_linear"]
+__all__ = ["DEFAULTS", "LayerOptions", "edge_softmax", "run_program"]
 
 # Process-wide defaults for every layer option left as None; ``dsx.rgnn.attach`` writes the "rgnn" config
 # section here (precision, backend, pass flags).
@@ -17,6 +18,7 @@ DEFAULTS: dict[str, object] = {
     "kernel_backend": None,
     "compact_materialization": True,
     "linear_reorder": True,
+    "fusion": True,
 }
 
 _LAYER_BACKENDS = ("auto", "kernels", "interpreter")
@@ -25,7 +27,8 @@ _LAYER_BACKENDS = ("auto", "kernels", "interpreter")
 class LayerOptions:
     """Mixin: the options every dsx relational layer takes (None = use :data:`DEFAULTS` at call time)."""
 
-    def _init_options(self, backend, precision, kernel_backend, compact_materialization, linear_reorder):
+    def _init_options(self, backend, precision, kernel_backend, compact_materialization, linear_reorder,
+                      fusion=None):  # fmt: skip
         if backend is not None and backend not in _LAYER_BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {_LAYER_BACKENDS}")
         self.backend = backend
@@ -33,6 +36,7 @@ class LayerOptions:
         self.kernel_backend = kernel_backend
         self.compact_materialization = compact_materialization
         self.linear_reorder = linear_reorder
+        self.fusion = fusion
 
     def _opt(self, name: str):
         value = getattr(self, name)
@@ -44,19 +48,6 @@ class LayerOptions:
         return backend == "interpreter"
 
 
-def typed_linear(layer: LayerOptions, x: torch.Tensor, weight: torch.Tensor, graph: RelGraph, side: str):
-    """``x W_r`` for each unique (node, relation) pair of ``side`` ("src"/"dst"), or per edge when compact
-    materialization is off. Returns ``(rows [M, out], edge_row [E])``: edge ``e`` reads ``rows[edge_row[e]]``.
-    """
-    kw = {"precision": layer._opt("precision"), "backend": layer._opt("kernel_backend")}
-    if layer._opt("compact_materialization"):
-        if side == "src":
-            return gather_gemm(x, weight, graph.src_row_idx, graph.src_rel_ptr, **kw), graph.edge_src_row
-        return gather_gemm(x, weight, graph.dst_row_idx, graph.dst_rel_ptr, **kw), graph.edge_dst_row
-    node = graph.src if side == "src" else graph.dst
-    return gather_gemm(x, weight, node[graph.rel_perm], graph.rel_ptr, **kw), graph.edge_rel_row
-
-
 def edge_softmax(logit: torch.Tensor, dst: torch.Tensor, num_dst: int) -> torch.Tensor:
     """Max-stabilised softmax of ``logit [E, H]`` over the edges sharing a destination (plain PyTorch)."""
     heads = logit.shape[1]
@@ -66,3 +57,23 @@ def edge_softmax(logit: torch.Tensor, dst: torch.Tensor, num_dst: int) -> torch.
     ex = torch.exp(logit - mx[dst])
     den = torch.zeros((num_dst, heads), dtype=logit.dtype, device=logit.device).index_add_(0, dst, ex)
     return ex / den[dst]
+
+
+@functools.cache
+def _compiled(program, compact: bool, reorder: bool, fusion: bool, precision: str, kernel_backend):
+    from dsx.rgnn.compile import compile as compile_program
+
+    return compile_program(program, compact_materialization=compact, linear_reorder=reorder, fusion=fusion,
+                           precision=precision, kernel_backend=kernel_backend)  # fmt: skip
+
+
+def run_program(layer: LayerOptions, program, graph: RelGraph, inputs: dict, params: dict) -> torch.Tensor:
+    """Run a layer's IR program: the per-edge interpreter, or compiled with the layer's pass flags."""
+    if layer._use_interpreter():
+        from dsx.rgnn.interpreter import interpret
+
+        return interpret(program, graph, inputs, params)
+    o = layer._opt
+    fn = _compiled(program, bool(o("compact_materialization")), bool(o("linear_reorder")), bool(o("fusion")),
+                   o("precision"), o("kernel_backend"))  # fmt: skip
+    return fn(graph, inputs, params)

@@ -132,7 +132,7 @@ class CompiledProgram:
         )
 
 
-def compile(  # noqa: A001 - the issue's interface name
+def compile(
     program: Program,
     *,
     compact_materialization: bool = True,

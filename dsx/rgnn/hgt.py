@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsx.rgnn._common import LayerOptions, edge_softmax, typed_linear
+from dsx.rgnn._common import LayerOptions, run_program
 from dsx.rgnn.graph import prepare
-from dsx.rgnn.kernels import EdgeSpec, fused_edge
+from dsx.rgnn.programs import hgt_program
 
 __all__ = ["HGTConv"]
 
@@ -57,7 +57,7 @@ class HGTConv(LayerOptions, nn.Module):
 
     def __init__(self, in_channels, out_channels: int, metadata, heads: int = 1, *, semantics: str = "pyg",
                  backend: str | None = None, precision: str | None = None, kernel_backend: str | None = None,
-                 compact_materialization: bool | None = None, **kwargs):  # fmt: skip
+                 compact_materialization: bool | None = None, fusion: bool | None = None, **kwargs):  # fmt: skip
         super().__init__()
         if kwargs:
             raise ValueError(f"dsx.rgnn.HGTConv does not support {kwargs}; use torch_geometric.nn.HGTConv")
@@ -65,7 +65,7 @@ class HGTConv(LayerOptions, nn.Module):
             raise ValueError(f"out_channels={out_channels} must be divisible by heads={heads}")
         if semantics not in ("pyg", "hector"):
             raise ValueError(f"semantics={semantics!r} is not 'pyg' or 'hector'")
-        self._init_options(backend, precision, kernel_backend, compact_materialization, None)
+        self._init_options(backend, precision, kernel_backend, compact_materialization, None, fusion)
         self.node_types, self.edge_types = list(metadata[0]), [tuple(e) for e in metadata[1]]
         if not isinstance(in_channels, dict):
             in_channels = {t: in_channels for t in self.node_types}
@@ -140,21 +140,8 @@ class HGTConv(LayerOptions, nn.Module):
         k, q, v = (torch.cat([kqv[t].tensor_split(3, dim=1)[i] for t in x_dict], 0) for i in range(3))
         scale = torch.cat([self.p_rel["__".join(e)] for e in self.edge_types], 0) / math.sqrt(d)  # [R, H]
         wk, wv = self._block_weight(self.k_rel), self._block_weight(self.v_rel)
-        if self._use_interpreter():
-            kr = torch.bmm(k[g.src].unsqueeze(1), wk[g.rel]).squeeze(1).view(-1, h, d)  # per edge
-            vr = torch.bmm(v[g.src].unsqueeze(1), wv[g.rel]).squeeze(1).view(-1, h, d)
-            logit = (q.view(n, h, d)[g.dst] * kr).sum(-1) * scale[g.rel]
-            alpha = edge_softmax(logit, g.dst, n)
-            out = torch.zeros(n, h, d, dtype=v.dtype, device=v.device).index_add(
-                0, g.dst, alpha.unsqueeze(-1) * vr
-            )
-        else:
-            kr, row = typed_linear(self, k, wk, g, "src")
-            vr, _ = typed_linear(self, v, wv, g, "src")
-            spec = EdgeSpec(score="dot", rel_scale=True, softmax=True)
-            out = fused_edge(spec, g.dst_ptr, vr.view(-1, h, d), row, edge_src_row=row, src_term=kr.view(-1, h, d),
-                             dst_term=q.reshape(n, h, d), edge_rel=g.rel, rel_scale=scale.contiguous(),
-                             backend=self._opt("kernel_backend"))  # fmt: skip
+        params = {"Wk": wk, "Wv": wv, "scale": scale.contiguous()}
+        out = run_program(self, hgt_program(f, h), g, {"k": k, "q": q, "v": v}, params)
         out = out.reshape(n, f)
         result = {}
         for t, x in x_dict.items():

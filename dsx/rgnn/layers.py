@@ -12,12 +12,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dsx.rgnn._common import LayerOptions, edge_softmax, typed_linear
+from dsx.rgnn._common import LayerOptions, run_program
 from dsx.rgnn.graph import prepare
-from dsx.rgnn.kernels import EdgeSpec, fused_edge
+from dsx.rgnn.programs import rgat_program, rgcn_program
 
 __all__ = ["RGATConv", "RGCNConv"]
 
@@ -49,12 +48,15 @@ class RGCNConv(LayerOptions, nn.Module):
                  num_blocks: int | None = None, aggr: str = "mean", root_weight: bool = True,
                  is_sorted: bool = False, bias: bool = True, *, backend: str | None = None,
                  precision: str | None = None, kernel_backend: str | None = None,
-                 compact_materialization: bool | None = None, **kwargs):  # fmt: skip
+                 compact_materialization: bool | None = None, linear_reorder: bool | None = None,
+                 fusion: bool | None = None, **kwargs):  # fmt: skip
         super().__init__()
         _unsupported("RGCNConv", num_blocks=num_blocks, **kwargs)
         if aggr not in ("mean", "sum", "add"):
             raise ValueError(f"aggr={aggr!r}: dsx.rgnn.RGCNConv supports 'mean', 'sum' and 'add'")
-        self._init_options(backend, precision, kernel_backend, compact_materialization, None)
+        self._init_options(
+            backend, precision, kernel_backend, compact_materialization, linear_reorder, fusion
+        )
         self.in_channels, self.out_channels = in_channels, out_channels
         self.num_relations, self.num_bases, self.num_blocks, self.aggr = num_relations, num_bases, None, aggr
         in_l, in_r = (in_channels, in_channels) if isinstance(in_channels, int) else in_channels
@@ -93,21 +95,8 @@ class RGCNConv(LayerOptions, nn.Module):
         g = prepare(edge_index, edge_type, (x_l.size(0), x_r.size(0)), self.num_relations)
         w = self.relation_weight()
         mean = self.aggr == "mean"
-        if self._use_interpreter():
-            msg = torch.zeros(g.num_edges, self.out_channels, dtype=x_l.dtype, device=x_l.device)
-            for r in range(self.num_relations):  # the per-edge spec: message x_u W_r, weight 1/deg_r(v)
-                m = g.rel == r
-                msg[m] = x_l[g.src[m]] @ w[r]
-            if mean:
-                msg = msg * g.inv_deg_rel.to(msg.dtype).unsqueeze(1)
-            out = torch.zeros(g.num_dst, self.out_channels, dtype=x_l.dtype, device=x_l.device)
-            out = out.index_add(0, g.dst, msg)
-        else:
-            rows, edge_row = typed_linear(self, x_l, w, g, "src")
-            out = fused_edge(
-                EdgeSpec(edge_weight=mean), g.dst_ptr, rows.view(-1, 1, self.out_channels), edge_row,
-                edge_weight=g.inv_deg_rel.to(rows.dtype) if mean else None, backend=self._opt("kernel_backend"),
-            ).view(g.num_dst, self.out_channels)  # fmt: skip
+        prog = rgcn_program(self.in_channels_l, self.out_channels, mean)
+        out = run_program(self, prog, g, {"x": x_l}, {"W": w}).view(g.num_dst, self.out_channels)
         if self.root is not None:
             out = out + x_r @ self.root
         if self.bias is not None:
@@ -135,14 +124,16 @@ class RGATConv(LayerOptions, nn.Module):
                  dropout: float = 0.0, edge_dim: int | None = None, bias: bool = True, *,
                  semantics: str = "pyg", backend: str | None = None, precision: str | None = None,
                  kernel_backend: str | None = None, compact_materialization: bool | None = None,
-                 linear_reorder: bool | None = None, **kwargs):  # fmt: skip
+                 linear_reorder: bool | None = None, fusion: bool | None = None, **kwargs):  # fmt: skip
         super().__init__()
         _unsupported("RGATConv", num_blocks=num_blocks, mod=mod, dropout=dropout, edge_dim=edge_dim,
                      within_relation=attention_mechanism != "across-relation",
                      multiplicative=attention_mode != "additive-self-attention", dim_gt_1=dim != 1, **kwargs)  # fmt: skip
         if semantics not in ("pyg", "hector"):
             raise ValueError(f"semantics={semantics!r} is not 'pyg' or 'hector'")
-        self._init_options(backend, precision, kernel_backend, compact_materialization, linear_reorder)
+        self._init_options(
+            backend, precision, kernel_backend, compact_materialization, linear_reorder, fusion
+        )
         self.in_channels, self.out_channels, self.num_relations = in_channels, out_channels, num_relations
         self.num_bases, self.heads, self.dim, self.concat = num_bases, heads, dim, concat
         self.negative_slope, self.semantics = negative_slope, semantics
@@ -202,48 +193,12 @@ class RGATConv(LayerOptions, nn.Module):
         g = prepare(edge_index, edge_type, n, self.num_relations)
         w = self.relation_weight()
         a_src, a_dst = self._att_weights(w)  # [R or 1, HC, H]
-        if self._use_interpreter():
-            out = self._interpret(x, g, w, a_src, a_dst)
-        else:
-            h, msg_row = typed_linear(self, x, w, g, "src")
-            if self._opt("linear_reorder"):
-                # (x W_r) a = x (W_r a): the attention terms need an [in, H] GEMM instead of [in, HC] + [HC, H].
-                src_t, src_row = typed_linear(self, x, w @ a_src, g, "src")
-                dst_t, dst_row = typed_linear(self, x, w @ a_dst, g, "dst")
-            else:
-                hd, dst_row = typed_linear(self, x, w, g, "dst")
-                src_row = msg_row
-                src_t, dst_t = self._apply_att(h, a_src, g, "src"), self._apply_att(hd, a_dst, g, "dst")
-            spec = EdgeSpec(score="add", leaky_relu_slope=self.negative_slope, softmax=True)
-            out = fused_edge(spec, g.dst_ptr, h.view(-1, heads, c), msg_row, edge_src_row=src_row,
-                             edge_dst_row=dst_row, src_term=src_t, dst_term=dst_t,
-                             backend=self._opt("kernel_backend"))  # fmt: skip
+        prog = rgat_program(self.in_channels, c, heads, self.negative_slope, self.semantics == "hector")
+        att = {"att_src": a_src, "att_dst": a_dst} if self.semantics == "hector" else {"att_src": a_src[0],
+                                                                                        "att_dst": a_dst[0]}  # fmt: skip
+        out = run_program(self, prog, g, {"x": x}, {"W": w, **att})
         out = out.reshape(n, heads * c) if self.concat else out.mean(dim=1)
         return out if self.bias is None else out + self.bias
-
-    def _apply_att(self, h: torch.Tensor, a: torch.Tensor, g, side: str) -> torch.Tensor:
-        if a.shape[0] == 1:  # PyG: one q / k for all relations
-            return h @ a[0]
-        return torch.einsum("mk,mkh->mh", h, a[self._rel_of_rows(g, side)])
-
-    def _rel_of_rows(self, g, side: str) -> torch.Tensor:
-        """Relation of each materialised row (compact or per-edge), for the non-reordered attention terms."""
-        if self._opt("compact_materialization"):
-            ptr = g.src_rel_ptr if side == "src" else g.dst_rel_ptr
-            return torch.repeat_interleave(torch.arange(self.num_relations, device=ptr.device), ptr.diff())
-        return g.rel[g.rel_perm]
-
-    def _interpret(self, x, g, w, a_src, a_dst):
-        """Per-edge spec: materialise ``x_u W_r`` and ``x_v W_r`` for every edge, softmax, weighted sum."""
-        w_e = w[g.rel]  # [E, in, HC]: one weight copy per edge, the simple (memory-hungry) form
-        h_src = torch.bmm(x[g.src].unsqueeze(1), w_e).squeeze(1)
-        h_dst = torch.bmm(x[g.dst].unsqueeze(1), w_e).squeeze(1)
-        rel = g.rel if a_src.shape[0] > 1 else torch.zeros_like(g.rel)
-        logit = torch.einsum("ek,ekh->eh", h_dst, a_dst[rel]) + torch.einsum("ek,ekh->eh", h_src, a_src[rel])
-        alpha = edge_softmax(F.leaky_relu(logit, self.negative_slope), g.dst, g.num_dst)
-        msg = alpha.unsqueeze(-1) * h_src.view(-1, self.heads, self.out_channels)
-        out = torch.zeros(g.num_dst, self.heads, self.out_channels, dtype=x.dtype, device=x.device)
-        return out.index_add(0, g.dst, msg)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.in_channels}, {self.out_channels}, heads={self.heads})"
