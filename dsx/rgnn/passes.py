@@ -17,7 +17,7 @@ from __future__ import annotations
 from dsx.rgnn.ir import Program, Value
 from dsx.rgnn.kernels import EdgeSpec
 
-__all__ = ["compact_materialization", "fuse", "linear_reorder", "rewrite"]
+__all__ = ["compact_materialization", "fuse", "linear_reorder", "rewrite", "topological"]
 
 
 def rewrite(program: Program, fn) -> Program:
@@ -33,12 +33,28 @@ def rewrite(program: Program, fn) -> Program:
         out = fn(v, ins)
         if out is None:
             out = Value(v.op, ins, v.kind, v.shape, dict(v.attrs))
-        new.values.append(out)
         memo[id(v)] = out
         return out
 
     new.out = go(program.out)
+    new.values = topological(new.out)
     return new
+
+
+def topological(out: Value) -> list[Value]:
+    """Every value ``out`` depends on (including values a pass created), inputs before users."""
+    seen, order = set(), []
+
+    def visit(v: Value) -> None:
+        if id(v) in seen:
+            return
+        seen.add(id(v))
+        for i in v.inputs:
+            visit(i)
+        order.append(v)
+
+    visit(out)
+    return order
 
 
 def linear_reorder(program: Program) -> Program:
