@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import dsx.rgnn as rg  # noqa: E402
-from dsx.data.hetero import PRESETS, synthetic_hetero  # noqa: E402
+import dsx.rgnn as rg
+from dsx.data.hetero import PRESETS, synthetic_hetero
 
 MODELS = {"rgcn": ["RGCNConv", "FastRGCNConv"], "rgat": ["RGATConv"], "hgt": ["HGTConv"]}
 ABLATIONS = {"no_compact": {"compact_materialization": False}, "no_reorder": {"linear_reorder": False},
@@ -158,7 +158,7 @@ def summarise(cases: list[dict]) -> dict:
         keys = {(c["dataset"], c["dim"]) for c in cases if c["model"] == model}
         for key in sorted(keys):
             rows = [c for c in cases if c["model"] == model and (c["dataset"], c["dim"]) == key]
-            ours = [c for c in rows if c["impl"].startswith("dsx")][0]
+            ours = next(c for c in rows if c["impl"].startswith("dsx"))
             pyg = [c for c in rows if c["impl"].startswith("pyg") and not c.get("oom")]
             oom_dsx += bool(ours.get("oom"))
             oom_pyg += sum(bool(c.get("oom")) for c in rows if c["impl"].startswith("pyg"))
