@@ -207,7 +207,7 @@ def main(argv=None) -> None:
     ap.add_argument("--datasets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
     ap.add_argument("--heads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every preset's nodes and edges")
     ap.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: 1 tiny graph, dim 8, 1 repeat")
