@@ -64,3 +64,21 @@ def test_bench_quick_smoke(tmp_path):
     impls = {c["impl"] for c in res["cases"]}
     assert {"dsx:rgcn", "pyg:RGCNConv", "pyg:FastRGCNConv", "dsx:rgat", "pyg:RGATConv", "dsx:hgt"} <= impls
     assert res["ablation"] and res["prep"] and (tmp_path / "bench_rgnn.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_example_reads_pyg_heterodata(tmp_path):
+    from torch_geometric.data import HeteroData
+
+    g = synthetic_hetero("biokg", scale=0.01, num_features=8)
+    x_dict, ei_dict = g.to_hetero()
+    data, ptr = HeteroData(), g.type_ptr.tolist()
+    for i, (t, x) in enumerate(x_dict.items()):
+        data[t].x, data[t].y = x, g.y[ptr[i] : ptr[i + 1]]
+    for key, ei in ei_dict.items():
+        data[key].edge_index = ei
+    torch.save(data, tmp_path / "graph.pt")
+    res = _example().main(["--dataset", str(tmp_path / "graph.pt"), "--model", "rgat", "--epochs", "6",
+                           "--no-progress", "--backend", "kernels"])  # fmt: skip
+    assert res["nodes"] == g.num_nodes and res["relations"] == g.num_relations
+    assert res["losses"][-1] < res["losses"][0]
