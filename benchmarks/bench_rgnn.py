@@ -146,6 +146,8 @@ def bench(args) -> dict:
                     )
                     print(f"  dim={dim} {model:4s} {kind}:{name:13s} {ablation or '':10s} {res}", flush=True)
             del x, hetero
+        rg.clear_cache()  # the prepare cache holds the graph's index tensors; free them before the next preset
+        del g
     results["summary"] = summarise(results["cases"])
     return results
 
