@@ -1,0 +1,210 @@
+"""PyG parity of dsx.rgnn's RGCNConv / RGATConv / HGTConv: outputs and gradients, every backend; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch_geometric.nn as pygnn
+
+import dsx.rgnn as rg
+from dsx.config import RGNNConfig
+
+# (layer backend, kernel backend): the fused path on the PyTorch twins, the same path with the generated
+# Triton kernels under Triton's interpreter, and the per-edge interpreter spec.
+BACKENDS = [("kernels", "reference"), ("kernels", "interpret"), ("interpreter", None)]
+
+
+def rel_graph(n=23, e=90, r=5, seed=0):
+    """Random multigraph: the last relation is empty, the last 3 nodes receive no edges, node 0 sends none."""
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(1, n, (e,), generator=gen)
+    dst = torch.randint(0, n - 3, (e,), generator=gen)
+    et = torch.randint(0, r - 1, (e,), generator=gen)
+    return torch.stack([src, dst]), et
+
+
+def check_parity(ours, theirs, run, inputs, atol=2e-5, rtol=1e-4):
+    """Same outputs and same gradients w.r.t. inputs and every parameter (by name)."""
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    outs, grads = [], []
+    for mod in (theirs, ours):
+        mod.zero_grad(set_to_none=True)
+        xs = [t.detach().clone().requires_grad_(True) for t in inputs]
+        out = run(mod, xs)
+        outs.append(out)
+        cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        (out * cot).sum().backward()
+        grads.append([t.grad for t in xs] + [p.grad for _, p in sorted(mod.named_parameters())])
+    torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=rtol)
+    names = [f"input{i}" for i in range(len(inputs))] + [n for n, _ in sorted(ours.named_parameters())]
+    for name, g_ours, g_pyg in zip(names, grads[1], grads[0]):
+        if g_pyg is None:  # PyG parameters unused by the chosen options (RGAT's "mod" params) get no grad
+            assert g_ours is None or torch.count_nonzero(g_ours) == 0, name
+            continue
+        torch.testing.assert_close(g_ours, g_pyg, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("backend,kb", BACKENDS)
+@pytest.mark.parametrize(
+    "opts", [{}, {"aggr": "sum"}, {"num_bases": 3}, {"root_weight": False, "bias": False}]
+)
+def test_rgcn_parity(backend, kb, opts):
+    torch.manual_seed(0)
+    ei, et = rel_graph()
+    theirs = rg_pyg = pygnn.RGCNConv(7, 6, 5, **opts)
+    ours = rg.RGCNConv(7, 6, 5, backend=backend, kernel_backend=kb, **opts)
+    check_parity(ours, rg_pyg, lambda m, xs: m(xs[0], ei, et), [torch.randn(23, 7)])
+    assert theirs is rg_pyg
+
+
+@pytest.mark.parametrize("backend,kb", BACKENDS)
+def test_rgcn_bipartite_and_no_compaction(backend, kb):
+    ei, et = rel_graph(seed=3)
+    ei[1] = ei[1] % 11  # 11 destination nodes
+    theirs = pygnn.RGCNConv((7, 4), 6, 5)
+    ours = rg.RGCNConv((7, 4), 6, 5, backend=backend, kernel_backend=kb, compact_materialization=False)
+    check_parity(
+        ours, theirs, lambda m, xs: m((xs[0], xs[1]), ei, et), [torch.randn(23, 7), torch.randn(11, 4)]
+    )
+
+
+@pytest.mark.parametrize("backend,kb", BACKENDS)
+@pytest.mark.parametrize(
+    "opts,flags",
+    [
+        ({}, {}),
+        ({"heads": 3}, {"linear_reorder": False}),
+        ({"heads": 2, "concat": False}, {"compact_materialization": False}),
+        ({"heads": 2, "num_bases": 2}, {}),
+    ],
+)
+def test_rgat_parity(backend, kb, opts, flags):
+    torch.manual_seed(0)
+    ei, et = rel_graph(seed=1)
+    theirs = pygnn.RGATConv(7, 5, 5, **opts)
+    ours = rg.RGATConv(7, 5, 5, backend=backend, kernel_backend=kb, **opts, **flags)
+    check_parity(ours, theirs, lambda m, xs: m(xs[0], ei, et), [torch.randn(23, 7)])
+
+
+def hetero(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = {"paper": 13, "author": 9, "venue": 4}
+    etypes = [("author", "writes", "paper"), ("paper", "rev_writes", "author"), ("paper", "cites", "paper"),
+              ("paper", "in", "venue"), ("venue", "has", "author")]  # fmt: skip
+    x = {t: torch.randn(n, 6, generator=gen) for t, n in sizes.items()}
+    eid = {}
+    for e in etypes[:4]:  # ("venue", "has", "author") is in metadata but absent: an empty relation
+        n_e = 20
+        s = torch.randint(0, sizes[e[0]], (n_e,), generator=gen)
+        d = torch.randint(
+            0, max(1, sizes[e[2]] - 1), (n_e,), generator=gen
+        )  # last node of each type isolated
+        eid[e] = torch.stack([s, d])
+    return x, eid, (list(sizes), etypes)
+
+
+@pytest.mark.parametrize("backend,kb", BACKENDS)
+@pytest.mark.parametrize("out,heads", [(6, 2), (8, 4)])
+def test_hgt_parity(backend, kb, out, heads):
+    torch.manual_seed(0)
+    x, eid, meta = hetero()
+    theirs = pygnn.HGTConv(6, out, meta, heads=heads)
+    with torch.no_grad():  # PyG initialises skip / p_rel to ones: perturb so every parameter matters
+        for p in theirs.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    ours = rg.HGTConv(6, out, meta, heads=heads, backend=backend, kernel_backend=kb)
+    names = list(x)
+
+    def run(m, xs):
+        res = m(dict(zip(names, xs)), eid)
+        assert sorted(res) == ["author", "paper", "venue"]
+        return torch.cat([res[t] for t in names], 0)
+
+    check_parity(ours, theirs, run, [x[t] for t in names])
+
+
+def test_hgt_hector_residual():
+    x, eid, meta = hetero()
+    pyg_sem = rg.HGTConv(6, 6, meta, heads=2, kernel_backend="reference")
+    hector = rg.HGTConv(6, 6, meta, heads=2, semantics="hector", kernel_backend="reference")
+    hector.load_state_dict(pyg_sem.state_dict())
+    with torch.no_grad():
+        pyg_sem.skip["paper"].fill_(50.0)  # sigmoid -> 1: the gated skip becomes out_lin(...) only
+    a, b = pyg_sem(x, eid)["paper"], hector(x, eid)["paper"]
+    torch.testing.assert_close(b - x["paper"], a, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kb", ["reference", "interpret"])
+def test_rgat_hector_matches_interpreter(kb):
+    ei, et = rel_graph(seed=2)
+    x = torch.randn(23, 7)
+    ref = rg.RGATConv(7, 4, 5, heads=2, semantics="hector", backend="interpreter")
+    for flags in ({}, {"linear_reorder": False}, {"compact_materialization": False}):
+        ours = rg.RGATConv(7, 4, 5, heads=2, semantics="hector", kernel_backend=kb, **flags)
+        check_parity(ours, ref, lambda m, xs: m(xs[0], ei, et), [x])
+
+
+def test_rgat_hector_uses_per_relation_vectors():
+    ei, et = rel_graph(seed=2)
+    x = torch.randn(23, 7)
+    m = rg.RGATConv(7, 4, 5, heads=2, semantics="hector", kernel_backend="reference")
+    base = m(x, ei, et)
+    with torch.no_grad():
+        m.att_src[0].mul_(-3.0)  # changes the scores of relation 0 only
+    changed = (m(x, ei, et) - base).abs().sum(-1) > 1e-6
+    dst0 = ei[1][et == 0].unique()
+    assert changed[dst0].all() and changed.sum() == dst0.numel()
+
+
+def test_prepare_cache_and_bad_input():
+    ei, et = rel_graph()
+    g = rg.prepare(ei, et, 23, 5)
+    assert rg.prepare(ei, et, 23, 5) is g
+    assert g.dst_ptr[-1] == ei.shape[1] and torch.all(g.dst.diff() >= 0)
+    assert torch.equal(g.src_row_idx[g.edge_src_row], g.src) and g.src_rel_ptr[-1] == g.src_row_idx.numel()
+    assert g.src_rel_ptr[-1] == g.src_rel_ptr[-2]  # relation 4 is empty
+    et2 = et.clone()
+    et2[0] = 5
+    with pytest.raises(ValueError, match=r"edge_type values span \[0, 5\] but num_relations=5"):
+        rg.prepare(ei, et2, 23, 5)
+    with pytest.raises(ValueError, match="source node indices"):
+        rg.prepare(ei, et, 10, 5)
+    with pytest.raises(ValueError, match="one relation id per edge"):
+        rg.prepare(ei, et[:-1], 23, 5)
+    with pytest.raises(ValueError, match="exceeds 2147483647"):
+        rg.prepare(ei, et, (2**31 + 5, 23), 5, index_dtype=torch.int32)
+    et.add_(0)  # an in-place edit invalidates the cached entry
+    assert rg.prepare(ei, et, 23, 5) is not g
+    with pytest.raises(ValueError, match="num_blocks"):
+        rg.RGCNConv(4, 4, 2, num_blocks=2)
+    with pytest.raises(ValueError, match="mod"):
+        rg.RGATConv(4, 4, 2, mod="additive")
+    with pytest.raises(ValueError, match="in_channels=7"):
+        rg.RGCNConv(7, 6, 5)(torch.randn(23, 3), ei, et)
+    x, eid, meta = hetero()
+    bad = dict(eid)
+    bad[("paper", "cites", "paper")] = torch.tensor([[0], [13]])
+    with pytest.raises(ValueError, match="out of range"):
+        rg.HGTConv(6, 6, meta)(x, bad)
+
+
+def test_attach_sets_layer_defaults():
+    """The config section's precision reaches the kernels: bf16 inputs change the result, close() undoes it."""
+    ei, et = rel_graph()
+    x = torch.randn(23, 7)
+    layer = rg.RGCNConv(7, 6, 5, kernel_backend="interpret")
+    exact = layer(x, ei, et)
+    handle = rg.attach(None, RGNNConfig(enabled=True, precision="bf16", compact_materialization=False), None)
+    try:
+        assert rg.DEFAULTS["compact_materialization"] is False
+        err = (layer(x, ei, et) - exact).abs().max()
+        assert 1e-5 < err < 5e-2
+    finally:
+        handle.close()
+    torch.testing.assert_close(layer(x, ei, et), exact)
+    handle = rg.attach(None, RGNNConfig(enabled=True, backend="interpreter"), None)
+    try:
+        assert layer._use_interpreter()
+    finally:
+        handle.close()
+    assert not layer._use_interpreter()
