@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from dsx.direct.sampler import NeighborSampler, csr_from_edge_index
 
-__all__ = ["NeighborLoader", "DistributedNeighborLoader", "attach"]
+__all__ = ["DistributedNeighborLoader", "NeighborLoader", "attach"]
 
 _SECTION: dict[str, Any] = {}  # "unified" config section stored by attach(); loaders with engine= read it
 
@@ -103,7 +104,9 @@ class NeighborLoader:
         self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
         num_nodes = int(data.num_nodes)
         rowptr, col, perm = csr_from_edge_index(data.edge_index, num_nodes, device=self.device)
-        self.sampler = NeighborSampler(rowptr, col, list(num_neighbors), perm=perm, device=self.device, seed=seed)
+        self.sampler = NeighborSampler(
+            rowptr, col, list(num_neighbors), perm=perm, device=self.device, seed=seed
+        )
         if input_nodes is None:
             input_nodes = torch.arange(num_nodes)
         elif input_nodes.dtype == torch.bool:

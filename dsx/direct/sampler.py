@@ -95,7 +95,9 @@ class NeighborSampler:
         self._assoc = torch.full((self.num_nodes,), -1, dtype=torch.long, device=self.device)
 
     # -- per-hop sampling -------------------------------------------------------------------------
-    def _sample_offsets(self, start: torch.Tensor, deg: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample_offsets(
+        self, start: torch.Tensor, deg: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(n, k) matrix of picked CSR offsets and its validity mask; Floyd's algorithm where deg > k."""
         n = deg.numel()
         if k == -1:
