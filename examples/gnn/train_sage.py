@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--lr", type=float, default=0.003)
     p.add_argument("--feature-placement", choices=["host", "gpu"], default="host")
     p.add_argument(
         "--deepspeed_config", default=os.path.join(os.path.dirname(__file__), "../../configs/gnn_sage.json")
@@ -78,9 +79,9 @@ def main() -> None:
         torch.device("cuda", max(args.local_rank, 0)) if torch.cuda.is_available() else torch.device("cpu")
     )
     model = SAGE(data.num_features, args.hidden, num_classes)
-    engine, _, _, _ = dsx.initialize(
-        model=model, model_parameters=model.parameters(), config=args.deepspeed_config
-    )
+    # a torch optimizer: DeepSpeed's FusedAdam would JIT-build a C++/CUDA op that CPU ranks may lack
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    engine, _, _, _ = dsx.initialize(model=model, optimizer=opt, config=args.deepspeed_config)
     if device.type == "cuda":
         if args.feature_placement == "gpu":
             data.x = data.x.to(device)
