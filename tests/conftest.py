@@ -16,7 +16,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     n = _gpus()
     for item in items:
         if "multigpu" in item.keywords and n < 2:
-            item.add_marker(pytest.mark.skip(reason=f"needs >= 2 CUDA GPUs, found {n} (run on the GPU machine)"))
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs >= 2 CUDA GPUs, found {n} (run on the GPU machine)")
+            )
         elif "gpu" in item.keywords and n < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)"))
 

@@ -35,3 +35,16 @@ def test_train_sage_two_ranks_gloo(tmp_path: Path) -> None:
     epochs = json.loads(log.read_text())["epochs"]
     assert epochs[-1]["acc"] > epochs[0]["acc"] or epochs[-1]["acc"] > 0.6, epochs
     assert epochs[-1]["loss"] < epochs[0]["loss"], epochs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_sage_quick(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/bench_sage.py"), "--quick", "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "bench_sage.json").read_text())
+    assert res["runs"]["dsx_host_features"]["per_batch_s"] > 0 and (tmp_path / "bench_sage.png").exists()
