@@ -61,7 +61,7 @@ class NeighborSampler:
     ----------
     rowptr, col : torch.Tensor
         CSR over incoming edges (see :func:`csr_from_edge_index`); on the GPU, on the CPU, or pinned host
-        memory (CUDA kernels then read it zero-copy when ``device`` is CUDA and the tensors are pinned).
+        memory (pinned host CSR is indexed on the host and the picks copied over; correct, not zero-copy).
     num_neighbors : list[int]
         Fanout per hop; ``-1`` takes all neighbors.
     perm : torch.Tensor, optional
@@ -133,12 +133,13 @@ class NeighborSampler:
         try:
             for k in self.num_neighbors:
                 rp = self.rowptr
-                start = rp[frontier].to(self.device)
-                deg = rp[frontier + 1].to(self.device) - start
+                fr = frontier.to(rp.device)  # pinned host CSR: index on the host (no UVA kernel yet)
+                start = rp[fr].to(self.device)
+                deg = rp[fr + 1].to(self.device) - start
                 pos, valid = self._sample_offsets(start, deg, k)
                 pos = pos[valid]  # host sync: number of edges this hop
                 tgt = frontier_local.unsqueeze(1).expand_as(valid)[valid]
-                nbr = self.col[pos].to(self.device).long()
+                nbr = self.col[pos.to(self.col.device)].to(self.device).long()
                 new = torch.unique(nbr[assoc[nbr] < 0])  # host sync: number of new nodes
                 assoc[new] = torch.arange(num_nodes_total, num_nodes_total + new.numel(), device=self.device)
                 num_nodes_total += new.numel()
