@@ -1,12 +1,22 @@
-"""End-to-end 3-layer GraphSAGE epoch time: PyG NeighborLoader (CPU sampling) vs dsx.direct loaders.
+"""End-to-end GraphSAGE mini-batch training: PyG NeighborLoader (CPU sampling) vs dsx.direct (GPU sampling).
 
-(a) PyG NeighborLoader, CPU sampling (torch-sparse / pyg-lib), features in host memory, num_workers 0/4/8;
-(b) dsx loader, GPU sampling, features in host memory (unified tensor when dsx.direct.unified exists);
-(c) dsx loader, graph and features in GPU memory. Each times a fixed number of batches after warm-up and
-extrapolates epoch time = per-batch time x batches per epoch (stated in the JSON as "extrapolated").
+One process, one graph, one model: 3-layer GraphSAGE, fanouts [15, 10, 5], batch 1024, a synthetic R-MAT
+graph of ogbn-products' size (2.4M nodes, 62M edges, 128-dim fp32 features in host memory), seeds = the
+``--train-nodes`` training nodes (ogbn-products has 196,615). Configurations:
 
-    python benchmarks/bench_sage.py                 # 2.4M nodes / 62M edges / 128 features (ogbn-products size)
-    python benchmarks/bench_sage.py --quick         # tiny CPU smoke run
+(a) ``pyg_cpu_w{N}``: ``torch_geometric.loader.NeighborLoader`` (torch-sparse / pyg-lib CPU sampling, CPU
+    features, ``num_workers`` N), batches copied to the GPU;
+(b) ``dsx_unified``: ``dsx.direct.NeighborLoader`` with the CSR on the GPU and features in host memory
+    (zero-copy gathers, pipelined);
+(c) ``dsx_gpu``: the same loader with the features in GPU memory.
+
+Every configuration trains (forward, backward, Adam step) for ``--batches`` batches after ``--warmup``;
+the epoch time is extrapolated from the measured batch time (stated as such in the JSON).
+``--feature-table-gb N`` adds a run whose fp16 feature table (N GB, host memory) is larger than the GPU.
+
+    python benchmarks/bench_sage.py                       # H100: about 4 minutes incl. graph generation
+    python benchmarks/bench_sage.py --feature-table-gb 90 # adds the beyond-GPU-memory run
+    python benchmarks/bench_sage.py --quick               # CPU smoke test
 """
 
 from __future__ import annotations
@@ -14,124 +24,230 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
+import math
 import platform
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "gnn"))
-from train_sage import SAGE
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsx.data.rmat import rmat_graph
 from dsx.direct import NeighborLoader
 
+try:
+    from benchmarks._common import write_results as _write_common  # type: ignore
+except Exception:  # the shared helper may not exist in this tree
+    _write_common = None
 
-def _train(model, opt, loader, device, batches: int, warmup: int = 3) -> float:
-    it = iter(loader)
-    t0 = None
-    for i in range(warmup + batches):
-        if i == warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-        b = next(it)
-        x, y, ei = b.x.to(device, non_blocking=True).float(), b.y.to(device), b.edge_index.to(device)
-        out = model(x, ei, b.num_sampled_nodes, b.num_sampled_edges)
-        loss = F.cross_entropy(out[: b.batch_size], y[: b.batch_size])
-        opt.zero_grad()
+
+def _env() -> dict[str, Any]:
+    info: dict[str, Any] = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                            "python": platform.python_version(), "torch": torch.__version__}  # fmt: skip
+    for mod in ("deepspeed", "torch_geometric", "torch_sparse", "pyg_lib"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:
+            info[mod] = None
+    info["device"] = (
+        torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    )
+    return info
+
+
+def _train_loop(
+    batches: Any, model: torch.nn.Module, opt: Any, dev: torch.device, warmup: int, n: int
+) -> dict:
+    it = iter(batches)
+    times = []
+    seeds = 0
+    for i in range(warmup + n):
+        t0 = time.perf_counter()
+        try:
+            b = next(it)
+        except StopIteration:
+            break
+        x, ei, y = b.x.to(dev, non_blocking=True), b.edge_index.to(dev, non_blocking=True), b.y.to(dev)
+        out = model(x.float(), ei)[: b.batch_size]
+        loss = F.cross_entropy(out, y[: b.batch_size])
+        opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / batches
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            seeds += b.batch_size
+    del it
+    if not times:
+        raise RuntimeError("no batches were timed: raise --train-nodes or lower --warmup/--batches")
+    ms = 1e3 * sum(times) / len(times)
+    return {"batch_ms": ms, "batches_timed": len(times), "final_loss": float(loss)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--nodes", type=int, default=2_400_000)
-    p.add_argument("--edges", type=int, default=62_000_000)
-    p.add_argument("--features", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=1024)
-    p.add_argument("--batches", type=int, default=50)
-    p.add_argument("--workers", default="0,4,8")
-    a = p.parse_args()
-    if a.quick:
-        a.nodes, a.edges, a.features, a.batch_size, a.batches, a.workers = 5000, 50000, 16, 128, 3, "0"
-    device = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
-    t = time.perf_counter()
-    data = rmat_graph(a.nodes, a.edges, a.features, 47, seed=0)
-    gen_s = time.perf_counter() - t
+def _model(f: int, classes: int, dev: torch.device) -> tuple[torch.nn.Module, Any]:
+    from torch_geometric.nn import GraphSAGE
+
+    torch.manual_seed(0)
+    m = GraphSAGE(f, 256, 3, classes).to(dev)
+    return m, torch.optim.Adam(m.parameters(), lr=3e-3)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen_dev = dev if dev.type == "cuda" else torch.device("cpu")
+    t0 = time.perf_counter()
+    data = rmat_graph(args.nodes, args.edges, args.features, args.classes, seed=0, device=gen_dev)
+    gen_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(0)
+    train_idx = torch.randperm(args.nodes, generator=g)[: args.train_nodes]
+    n_batches_epoch = math.ceil(train_idx.numel() / args.batch_size)
     fan = [15, 10, 5]
-    n_batches_epoch = -(-a.nodes // a.batch_size)
-    res: dict = {"config": vars(a), "graph_gen_s": gen_s, "batches_per_epoch": n_batches_epoch, "runs": {}}
-    res["note"] = "epoch_s is extrapolated: per-batch time over `batches` timed batches x batches_per_epoch"
+    res: dict[str, Any] = {"config": vars(args), "env": _env(), "graph_generation_s": gen_s,
+                           "batches_per_epoch": n_batches_epoch,
+                           "note": "epoch_s = batch_ms x batches_per_epoch (extrapolated from the timed batches)",
+                           "runs": {}}  # fmt: skip
 
-    def run(name: str, loader) -> None:
-        torch.manual_seed(0)
-        model = SAGE(a.features, 256, 47).to(device)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        per = _train(model, opt, loader, device, a.batches)
-        res["runs"][name] = {"per_batch_s": per, "epoch_s": per * n_batches_epoch}
-        print(f"{name}: {per * 1e3:.1f} ms/batch, epoch ~{per * n_batches_epoch:.1f} s", flush=True)
-
-    try:
-        from torch_geometric.loader import NeighborLoader as PygLoader
-
-        for w in [int(x) for x in a.workers.split(",")]:
-            ld = PygLoader(data, num_neighbors=fan, batch_size=a.batch_size, shuffle=True, num_workers=w)
-            try:
-                run(f"pyg_cpu_w{w}", ld)
-            except ImportError as e:  # no torch-sparse / pyg-lib: PyG cannot sample
-                res["runs"][f"pyg_cpu_w{w}"] = {"error": str(e)[:300]}
-                break
-    except ImportError as e:
-        res["runs"]["pyg_cpu"] = {"error": str(e)[:300]}
-    host = data.clone()
-    if device.type == "cuda":
-        import dsx.direct as dd
-
-        if hasattr(dd, "unified"):
-            host.x = dd.unified(host.x)
-    run(
-        "dsx_host_features",
-        NeighborLoader(host, fan, batch_size=a.batch_size, shuffle=True, device=device, seed=0),
-    )
-    gpu = data.clone()
-    gpu.x, gpu.y = gpu.x.to(device), gpu.y.to(device)
-    run("dsx_gpu_all", NeighborLoader(gpu, fan, batch_size=a.batch_size, shuffle=True, device=device, seed=0))
-    pyg = [r["epoch_s"] for k, r in res["runs"].items() if k.startswith("pyg") and "epoch_s" in r]
-    b, c = res["runs"]["dsx_host_features"]["epoch_s"], res["runs"]["dsx_gpu_all"]["epoch_s"]
-    res["speedup_vs_best_pyg"] = (min(pyg) / b) if pyg else None
-    res["host_over_gpu"] = b / c
-    res["device"] = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
-    res["versions"] = {"torch": torch.__version__, "python": platform.python_version()}
-    for mod in ("torch_geometric", "deepspeed"):
+    # (a) PyG, CPU sampling; run first, before any host memory is registered with CUDA (workers fork).
+    for w in args.pyg_workers:
+        name = f"pyg_cpu_w{w}"
         try:
-            res["versions"][mod] = __import__(mod).__version__
-        except ImportError:
-            pass
-    res["date_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "bench_sage.json"), "w") as f:
-        json.dump(res, f, indent=2)
+            from torch_geometric.loader import NeighborLoader as PygLoader
+
+            loader = PygLoader(data, num_neighbors=fan, batch_size=args.batch_size, shuffle=True,
+                               input_nodes=train_idx, num_workers=w, persistent_workers=w > 0)  # fmt: skip
+            m, opt = _model(args.features, args.classes, dev)
+            r = _train_loop(loader, m, opt, dev, args.warmup, args.pyg_batches)
+        except Exception as exc:  # PyG from PyPI cannot sample without pyg-lib / torch-sparse: record why
+            r = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        res["runs"][name] = r
+        print(name, r, flush=True)
+        loader = None  # stops persistent workers before the next run
+
+    for name, placement in (("dsx_gpu", "gpu"), ("dsx_unified", "host")):
+        t1 = time.perf_counter()
+        loader = NeighborLoader(data, fan, batch_size=args.batch_size, shuffle=True, input_nodes=train_idx,
+                                device=dev, feature_placement=placement, prefetch=2,
+                                csr_placement="gpu" if dev.type == "cuda" else "auto")  # fmt: skip
+        setup = time.perf_counter() - t1
+        m, opt = _model(args.features, args.classes, dev)
+        r = _train_loop(loader, m, opt, dev, args.warmup, args.batches)
+        r["setup_s"] = setup
+        loader.close()
+        loader = None
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        res["runs"][name] = r
+        print(name, r, flush=True)
+
+    for r in res["runs"].values():
+        if "batch_ms" in r:
+            r["epoch_s"] = r["batch_ms"] * n_batches_epoch / 1e3
+    pyg = [r["epoch_s"] for k, r in res["runs"].items() if k.startswith("pyg") and "epoch_s" in r]
+    u, gpu = res["runs"]["dsx_unified"]["epoch_s"], res["runs"]["dsx_gpu"]["epoch_s"]
+    res["speedup_unified_vs_best_pyg"] = min(pyg) / u if pyg else None
+    res["unified_over_gpu"] = u / gpu
+    res["targets"] = {
+        "speedup_vs_pyg >= 3": (min(pyg) / u >= 3) if pyg else None,
+        "unified_over_gpu <= 1.3": u / gpu <= 1.3,
+    }
+
+    if args.feature_table_gb:
+        _write(res, Path(args.out))  # keep the main figures even if the big run dies (host memory, memlock)
+        del data, loader
+        try:
+            res["beyond_gpu_memory"] = _beyond(args, dev)
+        except Exception as exc:
+            res["beyond_gpu_memory"] = {"error": f"{type(exc).__name__}: {exc}"[:800]}
+        print("beyond_gpu_memory", res["beyond_gpu_memory"], flush=True)
+    return res
+
+
+def _beyond(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
+    """A fp16 feature table of ``--feature-table-gb`` GB in host memory (more than the GPU holds) trains."""
+    nodes, f = args.big_nodes, 0
+    f = max(8, int(args.feature_table_gb * 1e9 / (nodes * 2)) // 8 * 8)
+    data = rmat_graph(
+        nodes, args.big_edges, 1, args.classes, seed=1, device=dev if dev.type == "cuda" else "cpu"
+    )
+    t0 = time.perf_counter()
+    x = torch.empty(nodes, f, dtype=torch.float16)  # host memory; filled from the GPU in chunks
+    cent = torch.randn(args.classes, f, device=dev, dtype=torch.float16)
+    chunk = max(1, (1 << 30) // (2 * f))
+    for lo in range(0, nodes, chunk):
+        hi = min(nodes, lo + chunk)
+        yc = data.y[lo:hi].to(dev)
+        x[lo:hi].copy_(cent[yc] + 2 * torch.randn(hi - lo, f, device=dev, dtype=torch.float16))
+    data.x = x
+    fill_s = time.perf_counter() - t0
+    gpu_gb = torch.cuda.get_device_properties(dev).total_memory / 1e9 if dev.type == "cuda" else None
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randperm(nodes, generator=g)[: args.batch_size * (args.warmup + args.big_batches)]
+    loader = NeighborLoader(data, [15, 10, 5], batch_size=args.batch_size, input_nodes=idx, device=dev,
+                            feature_placement="host", prefetch=2)  # fmt: skip
+    m, opt = _model(f, args.classes, dev)
+    r = _train_loop(loader, m, opt, dev, args.warmup, args.big_batches)
+    loader.close()
+    r.update(feature_table_gb=x.numel() * 2 / 1e9, gpu_memory_gb=gpu_gb, nodes=nodes, features=f, fill_s=fill_s,
+             peak_gpu_gb=torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None)  # fmt: skip
+    return r
+
+
+def _write(res: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_sage.json").write_text(json.dumps(res, indent=1, default=str))
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [k for k, r in res["runs"].items() if "epoch_s" in r]
-    plt.figure(figsize=(7, 3.5))
-    plt.barh(names, [res["runs"][k]["epoch_s"] for k in names])
-    plt.xlabel("epoch time, s (extrapolated)")
-    plt.title(f"GraphSAGE [15,10,5], batch {a.batch_size}, {a.nodes} nodes / {a.edges} edges")
-    plt.tight_layout()
-    plt.savefig(os.path.join(a.out, "bench_sage.png"))
+    vals = [res["runs"][k]["epoch_s"] for k in names]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh(names, vals, color=["#999" if k.startswith("pyg") else "#2a7" for k in names])
+    for i, v in enumerate(vals):
+        ax.text(v, i, f" {v:.1f} s", va="center")
+    c = res["config"]
+    ax.set_xlabel("epoch time, s (extrapolated from timed batches)")
+    ax.set_title(f"3-layer SAGE, fanouts [15,10,5], batch {c['batch_size']}: {c['nodes']:,} nodes, "
+                 f"{c['edges']:,} edges\n{res['env']['device']}", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(out / "bench_sage.png", dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--nodes", type=int, default=2_400_000)
+    p.add_argument("--edges", type=int, default=62_000_000)
+    p.add_argument("--features", type=int, default=128)
+    p.add_argument("--classes", type=int, default=47)
+    p.add_argument("--train-nodes", type=int, default=196_615)
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--batches", type=int, default=100, help="timed batches for the dsx loaders")
+    p.add_argument("--pyg-batches", type=int, default=40, help="timed batches for each PyG run")
+    p.add_argument("--pyg-workers", type=lambda s: [int(v) for v in s.split(",")], default=[0, 8])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--feature-table-gb", type=float, default=0.0)
+    p.add_argument("--big-nodes", type=int, default=50_000_000)
+    p.add_argument("--big-edges", type=int, default=200_000_000)
+    p.add_argument("--big-batches", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="tiny sizes on the CPU (smoke test)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.nodes, args.edges, args.features, args.classes = 3000, 30000, 16, 4
+        args.train_nodes, args.batch_size, args.batches, args.pyg_batches, args.warmup = 600, 128, 3, 2, 1
+        args.pyg_workers = [0]
+        if args.feature_table_gb:
+            args.big_nodes, args.big_edges, args.big_batches = 2000, 20000, 2
+    res = run(args)
+    _write(res, Path(args.out))
+    print(json.dumps({k: v for k, v in res.items() if k != "env"}, indent=1, default=str))
+    return res
 
 
 if __name__ == "__main__":

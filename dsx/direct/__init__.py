@@ -1,12 +1,15 @@
-"""PyTorch-Direct in dsx: unified (zero-copy) host tensors, GPU neighbor sampling and the pipelined loader."""
+"""Unified tensors, GPU neighbor sampling and the distributed GNN loader (PyTorch-Direct in dsx).
+
+This file is owned by the sampler side; the unified-tensor exports and the ``attach`` hook for the
+``"dsx"."unified"`` section are listed here so that they merge.
+"""
 
 from typing import Any
 
-from dsx.direct import loader as _loader
 from dsx.direct.gather import IndexOutOfRangeError
 from dsx.direct.loader import DistributedNeighborLoader, NeighborLoader
 from dsx.direct.pinning import PinningError
-from dsx.direct.sampler import NeighborSampler, SampledSubgraph, csr_from_edge_index
+from dsx.direct.sampler import NeighborSampler, SampledSubgraph, to_csr
 from dsx.direct.shm import SharedMemoryError
 from dsx.direct.unified import UnifiedTensor, attach_unified, configure, unified
 
@@ -21,21 +24,11 @@ __all__ = [
     "UnifiedTensor",
     "attach",
     "configure",
-    "csr_from_edge_index",
+    "to_csr",
     "unified",
 ]
 
 
-class _Handles:
-    def __init__(self, *handles: Any) -> None:
-        self.handles = handles
-
-    def close(self) -> None:
-        for h in reversed(self.handles):
-            h.close()
-
-
-def attach(engine: Any, section: Any, runtime: Any) -> _Handles:
-    """Feature hook for ``"dsx"."unified"``: the section becomes the default of ``unified()`` and of loaders
-    built with ``engine=``."""
-    return _Handles(attach_unified(engine, section, runtime), _loader.attach(engine, section, runtime))
+def attach(engine: Any, section: Any, runtime: Any) -> Any:
+    """Feature hook called by ``dsx.initialize`` when ``"dsx"."unified"."enabled"`` is true."""
+    return attach_unified(engine, section, runtime)

@@ -1,9 +1,13 @@
-"""Pipelined mini-batch loader over :class:`~dsx.direct.sampler.NeighborSampler`, PyG ``NeighborLoader`` form.
+"""``dsx.direct.NeighborLoader``: PyG-compatible mini-batches sampled and gathered on the GPU, pipelined.
 
-Batch i+1 is sampled and its features gathered by a background thread — on a side CUDA stream when the
-loader runs on a GPU — while batch i trains. The consumer waits on a CUDA event (never on the host) and
-``record_stream`` marks the batch's tensors as used by the consumer's stream, so the caching allocator
-does not recycle them early.
+Switching from PyG is a one-line change: the constructor takes PyG's names for what it supports
+(``num_neighbors``, ``batch_size``, ``shuffle``, ``input_nodes``, ``drop_last``) and yields
+``torch_geometric.data.Data`` batches with ``n_id``, ``edge_index``, ``batch_size``, ``num_sampled_nodes``,
+``num_sampled_edges``, ``x``, ``y``, ``input_id`` and ``e_id``.
+
+Pipeline: a background thread samples and gathers batch i+1 (on a side CUDA stream on GPUs) while the caller
+trains on batch i; the caller's stream waits on an event and the tensors are ``record_stream``-ed, so the
+caching allocator never recycles them early. ``prefetch`` batches are kept ready.
 """
 
 from __future__ import annotations
@@ -15,59 +19,44 @@ from typing import Any
 
 import torch
 
-from dsx.direct.sampler import NeighborSampler, csr_from_edge_index
+from dsx.direct.sampler import NeighborSampler, to_csr
 
-__all__ = ["DistributedNeighborLoader", "NeighborLoader", "attach"]
+__all__ = ["DistributedNeighborLoader", "NeighborLoader"]
 
-_SECTION: dict[str, Any] = {}  # "unified" config section stored by attach(); loaders with engine= read it
-
-_PYG_UNSUPPORTED = (
-    "replace", "subgraph_type", "disjoint", "temporal_strategy", "time_attr", "weight_attr",
+_UNSUPPORTED = {
+    "input_time", "replace", "subgraph_type", "disjoint", "temporal_strategy", "time_attr", "weight_attr",
     "transform", "transform_sampler_output", "is_sorted", "filter_per_worker", "neighbor_sampler",
-    "directed", "input_time", "num_workers", "persistent_workers", "collate_fn", "pin_memory",
-)  # fmt: skip
-
-
-class _Handle:
-    def __init__(self, key: int) -> None:
-        self.key = key
-
-    def close(self) -> None:
-        _SECTION.pop(self.key, None)
-
-
-def attach(engine: Any, section: Any, runtime: Any) -> _Handle:
-    """Feature hook for the ``"dsx"."unified"`` section: loaders built with ``engine=`` use its settings."""
-    _SECTION[id(engine)] = section
-    return _Handle(id(engine))
-
-
-def _gather(features: Any, index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Rows ``features[index]`` on ``device``: zero-copy ``UnifiedTensor.gather`` when available."""
-    if hasattr(features, "gather") and not isinstance(features, torch.Tensor):
-        return features.gather(index.to(device))
-    if features.device == device:
-        return features.index_select(0, index)
-    return features.index_select(0, index.to(features.device)).to(device, non_blocking=True)
+    "directed", "num_workers", "persistent_workers", "pin_memory", "collate_fn", "sampler", "batch_sampler",
+    "worker_init_fn", "prefetch_factor", "generator",
+}  # fmt: skip
 
 
 class NeighborLoader:
-    """Drop-in for ``torch_geometric.loader.NeighborLoader`` on homogeneous graphs, sampling on the GPU.
+    """Mini-batches of sampled neighborhoods from ``data`` (a PyG ``Data``) or CSR tensors.
 
     Parameters
     ----------
-    data : torch_geometric.data.Data
-        Graph with ``edge_index`` and optional ``x`` (tensor or ``dsx.direct.UnifiedTensor``), ``y``.
-    num_neighbors, batch_size, shuffle, input_nodes, drop_last
-        As in PyG. Any other PyG keyword raises ``TypeError`` naming it.
-    device : torch.device, optional
-        Where sampling and batches live; default CUDA when available, else CPU. The CSR is built once and
-        placed on ``device`` (a GPU graph of 62M edges takes ~1 GB).
-    prefetch : int
-        Batches prepared ahead by the background thread (0 = synchronous). ``engine=`` takes it from the
-        attached ``unified`` section's ``prefetch_batches``.
-    seed : int, optional
-        Seeds the shuffle and the sampler: same seed, same batches.
+    data:
+        ``torch_geometric.data.Data`` with ``edge_index`` (and ``x``, ``y``), or a dict with ``rowptr``,
+        ``col`` (CSR over targets), ``x``, ``y``. ``x`` may already be a :class:`dsx.direct.UnifiedTensor`
+        (share one pinned table between loaders: pages can be registered only once per process).
+    num_neighbors, batch_size, shuffle, input_nodes, drop_last:
+        As in ``torch_geometric.loader.NeighborLoader``; ``input_nodes`` is an index or boolean mask.
+    device:
+        Where sampling runs and batches land; default the current CUDA device, else CPU.
+    feature_placement:
+        ``"host"``: features stay in host memory, pinned in place with :func:`dsx.direct.unified` and
+        gathered zero-copy by the GPU (shared per node across local ranks); ``"gpu"``: copied to ``device``.
+    csr_placement:
+        ``"auto"``: the CSR is built on ``device`` if it fits in half the free GPU memory, else in host memory
+        (sampling then runs on the CPU); ``"gpu"`` / ``"host"`` force it.
+    prefetch:
+        Batches prepared ahead in the background (0: synchronous). ``engine=`` takes it from the engine's
+        ``"dsx"."unified".prefetch_batches``.
+    rank, world_size:
+        Give each rank its own share of seeds per epoch (see :class:`DistributedNeighborLoader`).
+    seed:
+        Seeds the shuffle (identical on all ranks) and the sampler; ``set_epoch`` changes the shuffle.
     """
 
     def __init__(
@@ -80,86 +69,164 @@ class NeighborLoader:
         drop_last: bool = False,
         *,
         device: torch.device | str | None = None,
+        feature_placement: str = "host",
+        csr_placement: str = "auto",
         prefetch: int | None = None,
-        seed: int | None = None,
         engine: Any = None,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
         **kwargs: Any,
     ) -> None:
-        bad = sorted(kwargs)
+        bad = sorted(set(kwargs))
         if bad:
-            known = [k for k in bad if k in _PYG_UNSUPPORTED]
+            known = [k for k in bad if k in _UNSUPPORTED]
             raise TypeError(
-                f"dsx.direct.NeighborLoader does not support {bad} "
-                f"({'PyG options not implemented' if known else 'unknown keywords'}); remove them or use "
-                "torch_geometric.loader.NeighborLoader"
+                f"dsx.direct.NeighborLoader does not support {bad}"
+                + (f" (PyG NeighborLoader options not implemented here: {known})" if known else "")
+                + "; supported: num_neighbors, batch_size, shuffle, input_nodes, drop_last, device, "
+                "feature_placement, csr_placement, prefetch, engine, rank, world_size, seed"
             )
+        if feature_placement not in ("host", "gpu"):
+            raise ValueError(f"feature_placement must be 'host' or 'gpu', got {feature_placement!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} must lie in [0, world_size={world_size})")
         if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         if prefetch is None:
-            sec = _SECTION.get(id(engine)) if engine is not None else None
-            prefetch = getattr(sec, "prefetch_batches", 1) if sec is not None else 1
+            prefetch = 1
+            rt = getattr(engine, "dsx", None)
+            cfg = getattr(getattr(rt, "config", None), "unified", None)
+            if cfg is not None and cfg.enabled:
+                prefetch = cfg.prefetch_batches
         self.prefetch = int(prefetch)
-        self.data = data
         self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
-        num_nodes = int(data.num_nodes)
-        rowptr, col, perm = csr_from_edge_index(data.edge_index, num_nodes, device=self.device)
-        self.sampler = NeighborSampler(
-            rowptr, col, list(num_neighbors), perm=perm, device=self.device, seed=seed
-        )
+        self.rank, self.world_size, self.seed, self.epoch = int(rank), int(world_size), int(seed), 0
+
+        get = data.get if isinstance(data, dict) else (lambda k, d=None: getattr(data, k, d))
+        x, y = get("x"), get("y")
+        if get("rowptr") is not None:
+            rowptr, col, perm = get("rowptr"), get("col"), None
+            num_nodes = rowptr.numel() - 1
+        else:
+            ei = get("edge_index")
+            if ei is None:
+                raise ValueError("data needs edge_index (PyG Data) or rowptr/col (CSR over targets)")
+            num_nodes = int(data.num_nodes) if not isinstance(data, dict) else int(x.shape[0])
+            rowptr, col, perm = None, None, None
+        csr_dev = self._csr_device(csr_placement, num_nodes, rowptr, col, get("edge_index"))
+        if rowptr is None:
+            rowptr, col, perm = to_csr(get("edge_index"), num_nodes, csr_dev)
+        else:
+            rowptr, col = rowptr.to(csr_dev), col.to(csr_dev)
+        self.num_nodes = num_nodes
+        gen = torch.Generator(device=csr_dev)
+        gen.manual_seed(self.seed + 1_000_003 * self.rank)
+        self.sampler = NeighborSampler(rowptr, col, num_neighbors, edge_id=perm, generator=gen)
+
+        from dsx.direct.unified import UnifiedTensor
+
+        self._ut, self._own_ut = None, False
+        if isinstance(
+            x, UnifiedTensor
+        ):  # shared by several loaders (train/val): registered once, not closed here
+            self._ut = self.x = x
+        elif x is None:
+            self.x = None
+        elif feature_placement == "gpu":
+            self.x = x.to(self.device)
+        elif self.device.type == "cuda":
+            from dsx.direct.unified import unified
+
+            self._ut = unified(x, name="neighbor_loader_x")
+            self.x, self._own_ut = self._ut, True
+        else:
+            self.x = x
+        self.y = y.to(self.device) if y is not None else None
+
         if input_nodes is None:
             input_nodes = torch.arange(num_nodes)
         elif input_nodes.dtype == torch.bool:
-            input_nodes = input_nodes.nonzero().squeeze(1)
+            input_nodes = input_nodes.nonzero().flatten()
         self.input_nodes = input_nodes.long().cpu()
-        self.seed = seed if seed is not None else int(torch.randint(2**31, (1,)))
-        self.epoch = 0
+
+    def _csr_device(self, placement: str, n: int, rowptr: Any, col: Any, ei: Any) -> torch.device:
+        if placement == "host" or self.device.type != "cuda":
+            return torch.device("cpu")
+        if placement == "gpu":
+            return self.device
+        if placement != "auto":
+            raise ValueError(f"csr_placement must be 'auto', 'gpu' or 'host', got {placement!r}")
+        e = col.numel() if col is not None else ei.shape[1]
+        need = 8 * (n + 1) + 8 * 4 * e  # rowptr + col + perm + sort scratch
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return self.device if need < free // 2 else torch.device("cpu")
+
+    # --- seeds -----------------------------------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
+        """Change the shuffle (identical on every rank for the same epoch)."""
         self.epoch = int(epoch)
 
-    def _seeds(self) -> torch.Tensor:
-        if not self.shuffle:
-            return self.input_nodes
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return self.input_nodes[torch.randperm(self.input_nodes.numel(), generator=g)]
-
-    def _batches(self) -> list[torch.Tensor]:
-        seeds = self._seeds()
-        chunks = list(seeds.split(self.batch_size))
-        if self.drop_last and chunks and chunks[-1].numel() < self.batch_size:
-            chunks.pop()
-        return chunks
+    def rank_seeds(self) -> torch.Tensor:
+        """This rank's seeds for the current epoch: equal counts on every rank (padded by wrapping, or cut
+        with ``drop_last``)."""
+        ids = self.input_nodes
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 7919 + self.epoch)
+            ids = ids[torch.randperm(ids.numel(), generator=g)]
+        if self.world_size > 1:
+            n = ids.numel()
+            per = n // self.world_size if self.drop_last else -(-n // self.world_size)
+            total = per * self.world_size
+            if total > n:
+                ids = torch.cat([ids, ids[: total - n]])
+            ids = ids[:total][self.rank :: self.world_size]
+        return ids
 
     def __len__(self) -> int:
-        n = self.input_nodes.numel()
+        n = self.rank_seeds().numel()
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    # --- batches ---------------------------------------------------------------------------------------------
 
     def _make(self, input_id: torch.Tensor) -> Any:
         from torch_geometric.data import Data
 
-        out = self.sampler.sample(input_id)
-        batch = Data(edge_index=out.edge_index, num_nodes=out.n_id.numel())
-        for key, value in self.data.items():
-            if key in ("edge_index", "num_nodes"):
-                continue
-            if key == "edge_attr":
-                batch.edge_attr = _gather(value, out.e_id, self.device)
-            elif self.data.is_node_attr(key):
-                batch[key] = _gather(value, out.n_id, self.device)
-        batch.n_id, batch.e_id = out.n_id, out.e_id
-        batch.input_id = input_id.to(self.device)
-        batch.batch_size = out.batch_size
+        out = self.sampler.sample(input_id.to(self.sampler.device))
+        n_id = out.n_id.to(self.device, non_blocking=True)
+        batch = Data(edge_index=out.edge_index.to(self.device, non_blocking=True), num_nodes=n_id.numel())
+        batch.n_id, batch.e_id = n_id, out.e_id.to(self.device, non_blocking=True)
+        batch.batch_size, batch.input_id = out.batch_size, input_id.to(self.device)
         batch.num_sampled_nodes, batch.num_sampled_edges = out.num_sampled_nodes, out.num_sampled_edges
+        if self.x is not None:
+            if self._ut is not None:
+                batch.x = self._ut.gather(n_id, check="deferred")
+            else:
+                batch.x = self.x[n_id.to(self.x.device)].to(self.device)
+        if self.y is not None:
+            batch.y = self.y[n_id]
         return batch
 
+    def _batches(self) -> list[torch.Tensor]:
+        ids = self.rank_seeds()
+        chunks = list(torch.split(ids, self.batch_size))
+        if self.drop_last and chunks and chunks[-1].numel() < self.batch_size:
+            chunks.pop()
+        return chunks
+
     def __iter__(self) -> Iterator[Any]:
-        batches = self._batches()
-        self.epoch += 1 if self.shuffle else 0
+        chunks = self._batches()
         if self.prefetch <= 0:
-            for b in batches:
-                yield self._make(b)
-            return
+            for c in chunks:
+                yield self._make(c)
+        else:
+            yield from self._pipelined(chunks)
+        if self._ut is not None:
+            self._ut.check()  # deferred out-of-range flags surface at epoch end
+
+    def _pipelined(self, chunks: list[torch.Tensor]) -> Iterator[Any]:
         cuda = self.device.type == "cuda"
         side = torch.cuda.Stream(self.device) if cuda else None
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
@@ -167,22 +234,24 @@ class NeighborLoader:
 
         def work() -> None:
             try:
-                for b in batches:
+                if cuda:
+                    torch.cuda.set_device(self.device)
+                for c in chunks:
                     if stop.is_set():
                         return
                     if cuda:
                         with torch.cuda.stream(side):
-                            batch = self._make(b)
+                            b = self._make(c)
                             ev = torch.cuda.Event()
                             ev.record(side)
                     else:
-                        batch, ev = self._make(b), None
-                    q.put((batch, ev))
+                        b, ev = self._make(c), None
+                    q.put((b, ev))
                 q.put(None)
-            except BaseException as e:  # surface sampler errors in the consumer, not a silent hang
-                q.put(e)
+            except BaseException as exc:  # surfaced in the consumer
+                q.put(exc)
 
-        t = threading.Thread(target=work, daemon=True, name="dsx-neighbor-loader")
+        t = threading.Thread(target=work, name="dsx-neighbor-loader", daemon=True)
         t.start()
         try:
             while True:
@@ -191,50 +260,38 @@ class NeighborLoader:
                     break
                 if isinstance(item, BaseException):
                     raise item
-                batch, ev = item
+                b, ev = item
                 if ev is not None:
                     cur = torch.cuda.current_stream(self.device)
                     cur.wait_event(ev)
-                    for _, v in batch.items():
+                    for _, v in b:
                         if isinstance(v, torch.Tensor) and v.is_cuda:
                             v.record_stream(cur)
-                yield batch
+                yield b
         finally:
             stop.set()
-            while t.is_alive():  # drain so the worker can exit
+            while t.is_alive():  # unblock a producer waiting on a full queue
                 try:
-                    q.get(timeout=0.1)
+                    q.get(timeout=0.05)
                 except queue.Empty:
                     pass
+            t.join()
+
+    def close(self) -> None:
+        """Unregister the features this loader pinned (a UnifiedTensor passed in stays open)."""
+        if self._ut is not None and self._own_ut:
+            self._ut.close()
+        self._ut = None
 
 
 class DistributedNeighborLoader(NeighborLoader):
-    """Each rank gets its own share of seeds per epoch: one seeded permutation on all ranks, split by rank.
+    """:class:`NeighborLoader` whose rank and world size come from ``torch.distributed``: every rank gets an
+    equal, disjoint share of the (identically shuffled) seeds each epoch; call ``set_epoch`` every epoch."""
 
-    Every rank yields the same number of batches (the permutation is padded by wrapping, as
-    ``DistributedSampler`` does), so DeepSpeed's gradient all-reduce never waits for a missing rank.
-    ``rank``/``world_size`` default to ``torch.distributed``'s.
-    """
-
-    def __init__(self, *args: Any, rank: int | None = None, world_size: int | None = None, **kw: Any) -> None:
+    def __init__(self, data: Any, num_neighbors: list[int], batch_size: int = 1, **kwargs: Any) -> None:
         import torch.distributed as dist
 
-        init = dist.is_available() and dist.is_initialized()
-        self.rank = rank if rank is not None else (dist.get_rank() if init else 0)
-        self.world_size = world_size if world_size is not None else (dist.get_world_size() if init else 1)
-        if kw.get("seed") is None:
-            kw["seed"] = 0  # ranks must agree on the permutation
-        super().__init__(*args, **kw)
-
-    def _seeds(self) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        n = self.input_nodes.numel()
-        order = torch.randperm(n, generator=g) if self.shuffle else torch.arange(n)
-        per = -(-n // self.world_size)
-        if per * self.world_size > n:
-            order = torch.cat([order, order[: per * self.world_size - n]])
-        return self.input_nodes[order[self.rank * per : (self.rank + 1) * per]]
-
-    def __len__(self) -> int:
-        per = -(-self.input_nodes.numel() // self.world_size)
-        return per // self.batch_size if self.drop_last else -(-per // self.batch_size)
+        if dist.is_available() and dist.is_initialized():
+            kwargs.setdefault("rank", dist.get_rank())
+            kwargs.setdefault("world_size", dist.get_world_size())
+        super().__init__(data, num_neighbors, batch_size, **kwargs)

@@ -1,16 +1,15 @@
-"""Uniform neighbor sampling without replacement, vectorised torch ops (CUDA or CPU, same code).
+"""Uniform neighbor sampling without replacement over a CSR, vectorised (the same torch ops on CUDA and CPU).
 
-The graph is a CSR over *incoming* edges (``rowptr`` indexed by target node, ``col`` = source node), so
-sampling node ``v``'s neighbors follows messages into ``v``, exactly as PyG's ``NeighborLoader`` (which samples
-over CSC). Output follows PyG's conventions: seeds first, then nodes in hop order; ``edge_index[0]`` is the
-sampled neighbor (message source), ``edge_index[1]`` the seed-side target; ``num_sampled_nodes`` /
-``num_sampled_edges`` per hop so that ``torch_geometric.utils.trim_to_layer`` works.
+The graph is given as CSR over *targets*: ``col[rowptr[v]:rowptr[v + 1]]`` are the sources ``u`` of the
+edges ``u -> v`` (PyG's ``flow="source_to_target"``: a node aggregates its in-neighbors). Each hop expands
+only the nodes first reached in the previous hop (as PyG's ``NeighborLoader`` does).
 
-Performance: per hop, sampling costs O(n·k²) elementwise work for n frontier nodes and fanout k (Floyd's
-algorithm, vectorised across nodes: k iterations, each comparing against the ≤ k picks so far), independent
-of node degree, so power-law hubs cost no more than any other node. Relabelling uses a dense ``assoc`` table
-(one int64 per graph node, reset after each batch) instead of a global sort; each hop makes two host
-syncs (boolean compaction and ``unique`` of the new nodes).
+Per frontier node with degree ``d`` and fanout ``k``: ``d <= k`` takes every edge; otherwise ``k`` distinct
+edge positions are drawn uniformly at random. For ``d <= 2k`` every candidate edge gets a random key and the
+``k`` smallest keys win; for ``d > 2k`` every slot draws a position, and slots that repeat a position already
+held by another slot of the same node redraw (only those nodes are revisited; a repeat has probability
+< 1/2, so a few rounds suffice). By symmetry both give a uniform ``k``-subset. The work is proportional to the number of sampled edges, never to the degree
+of a hub; there are no Python loops over nodes (one loop over hops, a few repair rounds per hop).
 """
 
 from __future__ import annotations
@@ -19,57 +18,42 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NeighborSampler", "SampledSubgraph", "csr_from_edge_index"]
-
-
-def csr_from_edge_index(
-    edge_index: torch.Tensor, num_nodes: int, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CSR over incoming edges: returns ``(rowptr, col, perm)``; ``col[j]`` is the source of edge ``perm[j]``.
-
-    One stable sort of the targets; done once per loader.
-    """
-    dev = torch.device(device) if device is not None else edge_index.device
-    ei = edge_index.to(dev)
-    dst, src = ei[1].long(), ei[0].long()
-    if dst.numel() and (int(dst.min()) < 0 or int(dst.max()) >= num_nodes or int(src.max()) >= num_nodes):
-        raise ValueError(f"edge_index has node ids outside [0, {num_nodes}); pass the right num_nodes")
-    perm = torch.sort(dst, stable=True).indices
-    col = src[perm]
-    counts = torch.bincount(dst, minlength=num_nodes)
-    rowptr = torch.zeros(num_nodes + 1, dtype=torch.long, device=dev)
-    torch.cumsum(counts, 0, out=rowptr[1:])
-    return rowptr, col, perm
+__all__ = ["NeighborSampler", "SampledSubgraph", "to_csr"]
 
 
 @dataclass
 class SampledSubgraph:
-    """One sampled mini-batch in PyG ``NeighborLoader`` form (before features are attached)."""
+    """One sampled mini-batch in PyG ``NeighborLoader`` form (local ids; seeds are ``n_id[:batch_size]``)."""
 
-    n_id: torch.Tensor  # global ids, seeds first then hop by hop
-    edge_index: torch.Tensor  # local ids, [0] = neighbor (source), [1] = target
-    e_id: torch.Tensor  # positions in the original edge_index
+    n_id: torch.Tensor
+    edge_index: torch.Tensor  # [2, E] local ids: row 0 = neighbor (source), row 1 = target
+    e_id: torch.Tensor  # CSR edge positions (or the user's edge ids when given)
     batch_size: int
     num_sampled_nodes: list[int]
     num_sampled_edges: list[int]
 
 
 class NeighborSampler:
-    """Uniform k-out-of-d neighbor sampling without replacement, fanouts per hop.
+    """Uniform neighbor sampling without replacement, hop by hop, on the CSR's device.
 
     Parameters
     ----------
-    rowptr, col : torch.Tensor
-        CSR over incoming edges (see :func:`csr_from_edge_index`); on the GPU, on the CPU, or pinned host
-        memory (pinned host CSR is indexed on the host and the picks copied over; correct, not zero-copy).
-    num_neighbors : list[int]
-        Fanout per hop; ``-1`` takes all neighbors.
-    perm : torch.Tensor, optional
-        Edge permutation returned by :func:`csr_from_edge_index`, to report original edge ids (``e_id``).
-    device : torch.device, optional
-        Where sampling runs; defaults to ``rowptr.device``.
-    seed : int, optional
-        Seeds the sampler's own generator: the same seed gives the same batches.
+    rowptr, col:
+        CSR over targets (int64 or int32). Both on the same device: a CUDA device (all sampling ops run
+        there, a few host syncs per hop for sizes) or the CPU.
+    num_neighbors:
+        Fanout per hop, e.g. ``[15, 10, 5]``; ``-1`` takes every neighbor on that hop.
+    edge_id:
+        Optional ``[E]`` map from CSR positions to the user's edge ids (returned as ``e_id``).
+    generator:
+        A ``torch.Generator`` on the CSR's device; with the same seed the samples are identical.
+
+    Notes
+    -----
+    Performance: each hop costs a ``repeat_interleave``, one random draw per sampled edge, a sort of the
+    sampled (node, position) keys for the without-replacement repair and a ``unique`` for relabelling.
+    Relabelling uses a dense ``num_nodes`` map (8 bytes a node, allocated once), so a call must not run
+    concurrently with another call on the same sampler.
     """
 
     def __init__(
@@ -78,81 +62,122 @@ class NeighborSampler:
         col: torch.Tensor,
         num_neighbors: list[int],
         *,
-        perm: torch.Tensor | None = None,
-        device: torch.device | str | None = None,
-        seed: int | None = None,
+        edge_id: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
     ) -> None:
-        if not num_neighbors or any((not isinstance(k, int)) or (k < 1 and k != -1) for k in num_neighbors):
-            raise ValueError(f"num_neighbors={num_neighbors!r}: expected a non-empty list of ints >= 1 or -1")
-        self.device = torch.device(device) if device is not None else rowptr.device
-        self.rowptr = rowptr if rowptr.device == self.device or rowptr.is_pinned() else rowptr.to(self.device)
-        self.col = col if col.device == self.device or col.is_pinned() else col.to(self.device)
-        self.perm = perm
+        if rowptr.dim() != 1 or col.dim() != 1 or rowptr.device != col.device:
+            raise ValueError(
+                f"NeighborSampler needs 1-D rowptr and col on one device; got rowptr {tuple(rowptr.shape)} on "
+                f"{rowptr.device}, col {tuple(col.shape)} on {col.device}"
+            )
+        if rowptr.dtype not in (torch.int32, torch.int64) or col.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"rowptr/col must be int32 or int64, got {rowptr.dtype}/{col.dtype}")
+        if not num_neighbors or any(int(k) == 0 or int(k) < -1 for k in num_neighbors):
+            raise ValueError(
+                f"num_neighbors must be a non-empty list of positive ints or -1, got {num_neighbors}"
+            )
+        self.rowptr = rowptr.long()
+        self.col = col
+        self.num_neighbors = [int(k) for k in num_neighbors]
+        self.edge_id = edge_id
+        self.device = rowptr.device
         self.num_nodes = rowptr.numel() - 1
-        self.num_neighbors = list(num_neighbors)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, (1,))))
-        self._assoc = torch.full((self.num_nodes,), -1, dtype=torch.long, device=self.device)
+        self.generator = generator
+        self._map = torch.full((self.num_nodes,), -1, dtype=torch.long, device=self.device)
 
-    # -- per-hop sampling -------------------------------------------------------------------------
-    def _sample_offsets(
-        self, start: torch.Tensor, deg: torch.Tensor, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(n, k) matrix of picked CSR offsets and its validity mask; Floyd's algorithm where deg > k."""
-        n = deg.numel()
-        if k == -1:
-            k = int(deg.max()) if n else 0
-        j = torch.arange(k, device=self.device)
-        off = j.expand(n, k).clone()  # deg <= k: take offsets 0..deg-1
-        valid = j.unsqueeze(0) < deg.unsqueeze(1)
-        big = (deg > k).nonzero().squeeze(1)
-        if big.numel():
-            d = deg[big]
-            sel = torch.empty((big.numel(), k), dtype=torch.long, device=self.device)
-            for i in range(k):  # Floyd: for J = d-k+i, pick t in [0, J]; if already picked, take J
-                upper = d - k + i
-                r = torch.rand(big.numel(), generator=self.generator, device=self.device, dtype=torch.float64)
-                t = (r * (upper + 1).double()).long().clamp_(max=upper)
-                if i:
-                    taken = (sel[:, :i] == t.unsqueeze(1)).any(1)
-                    t = torch.where(taken, upper, t)
-                sel[:, i] = t
-            off[big] = sel
-        return start.unsqueeze(1) + off, valid
+    def _rand(self, n: int) -> torch.Tensor:
+        return torch.rand(n, device=self.device, generator=self.generator, dtype=torch.float64)
+
+    def sample_positions(self, nodes: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For frontier ``nodes``: (owner index into ``nodes``, CSR edge position) of every sampled edge."""
+        start = self.rowptr[nodes]
+        deg = self.rowptr[nodes + 1] - start
+        take = deg if k < 0 else deg.clamp(max=k)
+        owner = torch.repeat_interleave(torch.arange(nodes.numel(), device=self.device), take)
+        first = torch.cumsum(take, 0) - take
+        pos = torch.arange(owner.numel(), device=self.device) - first[owner]  # d <= k: every position
+        if k >= 0:
+            odeg = deg[owner]
+            # k < d <= 2k: a random key per candidate edge, sort within the node, keep the first k (bounded
+            # work, no repair rounds; rejection would need many rounds when d is barely above k).
+            few = (deg > k) & (deg <= 2 * k)
+            fidx = few.nonzero().flatten()
+            if fidx.numel():
+                fdeg = deg[fidx]
+                cown = torch.repeat_interleave(torch.arange(fidx.numel(), device=self.device), fdeg)
+                cfirst = torch.cumsum(fdeg, 0) - fdeg
+                cpos = torch.arange(cown.numel(), device=self.device) - cfirst[cown]
+                order = torch.argsort(self._rand(cown.numel()))
+                order = order[torch.argsort(cown[order], stable=True)]  # by node, random within the node
+                rank = torch.arange(order.numel(), device=self.device) - cfirst[cown[order]]
+                keep = order[rank < k]  # grouped by node in slot order, as the slots are
+                pos[few[owner]] = cpos[keep]
+            active = (odeg > 2 * k).nonzero().flatten()
+            if active.numel():
+                pos[active] = (self._rand(active.numel()) * odeg[active]).long().clamp_(max=odeg[active] - 1)
+            stride = int(deg.max()) + 1 if deg.numel() else 1
+            while active.numel():
+                # Sort (owner, position) keys; a slot equal to its predecessor repeats a position: redraw it.
+                key = owner[active] * stride + pos[active]
+                skey, order = torch.sort(key)
+                dup = torch.zeros_like(skey, dtype=torch.bool)
+                dup[1:] = skey[1:] == skey[:-1]
+                redo = active[order[dup]]
+                if redo.numel() == 0:
+                    break
+                pos[redo] = (self._rand(redo.numel()) * odeg[redo]).long().clamp_(max=odeg[redo] - 1)
+                bad = torch.zeros(nodes.numel(), dtype=torch.bool, device=self.device)
+                bad[owner[redo]] = True
+                active = active[bad[owner[active]]]  # only nodes that had a repeat are checked again
+        return owner, start[owner] + pos
 
     def sample(self, seeds: torch.Tensor) -> SampledSubgraph:
-        """Sample the multi-hop neighborhood of ``seeds`` (distinct global node ids)."""
-        seeds = seeds.to(self.device).long()
-        assoc = self._assoc
-        n_ids = [seeds]
-        assoc[seeds] = torch.arange(seeds.numel(), device=self.device)
-        num_nodes_total = seeds.numel()
-        rows, cols, eids = [], [], []
-        nsn, nse = [seeds.numel()], []
-        frontier, frontier_local = seeds, torch.arange(seeds.numel(), device=self.device)
+        """Sample the multi-hop neighborhood of distinct ``seeds`` (global ids on any device)."""
+        seeds = seeds.to(self.device, torch.long)
+        m = self._map
+        if seeds.numel() and (int(seeds.min()) < 0 or int(seeds.max()) >= self.num_nodes):
+            raise IndexError(
+                f"seed ids must lie in [0, {self.num_nodes}); got [{int(seeds.min())}, {int(seeds.max())}]"
+            )
+        m[seeds] = torch.arange(seeds.numel(), device=self.device)
+        n_ids, rows, cols, eids = [seeds], [], [], []
+        n_nodes, n_edges = [seeds.numel()], []
+        frontier, count = seeds, seeds.numel()
         try:
             for k in self.num_neighbors:
-                rp = self.rowptr
-                fr = frontier.to(rp.device)  # pinned host CSR: index on the host (no UVA kernel yet)
-                start = rp[fr].to(self.device)
-                deg = rp[fr + 1].to(self.device) - start
-                pos, valid = self._sample_offsets(start, deg, k)
-                pos = pos[valid]  # host sync: number of edges this hop
-                tgt = frontier_local.unsqueeze(1).expand_as(valid)[valid]
-                nbr = self.col[pos.to(self.col.device)].to(self.device).long()
-                new = torch.unique(nbr[assoc[nbr] < 0])  # host sync: number of new nodes
-                assoc[new] = torch.arange(num_nodes_total, num_nodes_total + new.numel(), device=self.device)
-                num_nodes_total += new.numel()
-                rows.append(assoc[nbr])
-                cols.append(tgt)
-                eids.append(pos if self.perm is None else self.perm[pos.to(self.perm.device)].to(self.device))
+                owner, epos = self.sample_positions(frontier, k)
+                nbr = self.col[epos].long()
+                uniq = torch.unique(nbr)
+                new = uniq[m[uniq] < 0]
+                m[new] = torch.arange(count, count + new.numel(), device=self.device)
+                count += new.numel()
+                rows.append(m[nbr])
+                cols.append(m[frontier][owner])
+                eids.append(epos if self.edge_id is None else self.edge_id[epos])
                 n_ids.append(new)
-                nsn.append(new.numel())
-                nse.append(pos.numel())
+                n_nodes.append(new.numel())
+                n_edges.append(nbr.numel())
                 frontier = new
-                frontier_local = assoc[new]
             n_id = torch.cat(n_ids)
         finally:
-            assoc[torch.cat(n_ids)] = -1  # reset only what this batch touched
-        edge_index = torch.stack([torch.cat(rows), torch.cat(cols)])
-        return SampledSubgraph(n_id, edge_index, torch.cat(eids), seeds.numel(), nsn, nse)
+            m[torch.cat(n_ids)] = -1  # reset only the touched entries
+        edge_index = (
+            torch.stack([torch.cat(rows), torch.cat(cols)]) if rows else torch.empty(2, 0, dtype=torch.long)
+        )
+        return SampledSubgraph(n_id, edge_index, torch.cat(eids), seeds.numel(), n_nodes, n_edges)
+
+
+def to_csr(edge_index: torch.Tensor, num_nodes: int, device: torch.device | str | None = None):
+    """CSR over targets from a COO ``edge_index`` (row 0 source, row 1 target): ``(rowptr, col, perm)``.
+
+    ``perm[p]`` is the COO edge id of CSR position ``p``. Built on ``device`` (a GPU sorts 62M edges in well
+    under a second; the CPU takes seconds).
+    """
+    ei = edge_index.to(device) if device is not None else edge_index
+    dst = ei[1].long()
+    perm = torch.argsort(dst, stable=True)
+    col = ei[0].long()[perm]
+    counts = torch.bincount(dst, minlength=num_nodes)
+    rowptr = torch.zeros(num_nodes + 1, dtype=torch.long, device=ei.device)
+    torch.cumsum(counts, 0, out=rowptr[1:])
+    return rowptr, col, perm

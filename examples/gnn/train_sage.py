@@ -1,8 +1,12 @@
-"""3-layer GraphSAGE node classification with dsx.direct sampling, data parallel through dsx.initialize.
+"""GraphSAGE node classification through ``dsx.initialize`` with the GPU neighbor loader (dsx.direct).
 
-python examples/gnn/train_sage.py                      # synthetic R-MAT, one process (CPU or GPU)
-deepspeed --num_gpus 2 examples/gnn/train_sage.py      # one rank per GPU, each its own seed share
-python examples/gnn/train_sage.py --dataset graph.pt   # a torch.save'd torch_geometric Data
+Data parallel with DeepSpeed on 1..N GPUs (or CPU ranks with gloo); every rank samples its own share of the
+seeds each epoch; features stay in host memory (zero-copy gathers, one shared copy per node) or on the GPU::
+
+    deepspeed --num_gpus 2 examples/gnn/train_sage.py --deepspeed_config configs/gnn_sage.json
+    python examples/gnn/train_sage.py --deepspeed_config configs/gnn_sage.json     # one process
+    ... --nodes 2400000 --edges 62000000 --features 128 --feature-placement host   # ogbn-products' size
+    ... --dataset graph.pt          # a torch.save'd torch_geometric.data.Data (x, y, edge_index[, train_mask])
 """
 
 from __future__ import annotations
@@ -10,142 +14,150 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from typing import Any
 
+import deepspeed
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch_geometric.nn import SAGEConv
-from torch_geometric.utils import trim_to_layer
 from tqdm import tqdm
 
 import dsx
+import dsx.direct
+from dsx.config import load_deepspeed_config
 from dsx.data.rmat import rmat_graph
 from dsx.direct import DistributedNeighborLoader
+from dsx.examples.gpt import _single_process_env
+
+__all__ = ["main", "parse_args"]
 
 
-class SAGE(torch.nn.Module):
-    def __init__(self, d_in: int, d_hid: int, d_out: int, layers: int = 3) -> None:
-        super().__init__()
-        dims = [d_in] + [d_hid] * (layers - 1) + [d_out]
-        self.convs = torch.nn.ModuleList(SAGEConv(a, b) for a, b in zip(dims[:-1], dims[1:]))
-
-    def forward(self, x, edge_index, nsn, nse):
-        for i, conv in enumerate(self.convs):
-            x, edge_index, _ = trim_to_layer(i, nsn, nse, x, edge_index)
-            x = conv(x, edge_index)
-            if i < len(self.convs) - 1:
-                x = F.relu(x)
-        return x
-
-
-def load(args):
-    if args.dataset:
-        if os.path.isfile(args.dataset):
-            return torch.load(args.dataset, weights_only=False)
-        import torch_geometric.datasets as D
-
-        return getattr(D, args.dataset_class)(args.dataset)[0]
-    return rmat_graph(args.nodes, args.edges, args.features, args.classes, seed=0)
-
-
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--nodes", type=int, default=20000)
-    p.add_argument("--edges", type=int, default=200000)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="GraphSAGE through dsx.initialize with dsx.direct.NeighborLoader")
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--nodes", type=int, default=20_000)
+    p.add_argument("--edges", type=int, default=200_000)
     p.add_argument("--features", type=int, default=32)
     p.add_argument("--classes", type=int, default=8)
-    p.add_argument("--dataset", default=None, help="torch.save'd Data file, or a PyG dataset root")
-    p.add_argument("--dataset-class", default="Planetoid")
-    p.add_argument("--fanouts", default="15,10,5")
-    p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--lr", type=float, default=0.003)
+    p.add_argument("--fanouts", default="15,10,5")
+    p.add_argument("--dataset", default=None, help="torch.save'd torch_geometric.data.Data")
     p.add_argument("--feature-placement", choices=["host", "gpu"], default="host")
-    p.add_argument(
-        "--deepspeed_config", default=os.path.join(os.path.dirname(__file__), "../../configs/gnn_sage.json")
-    )
-    p.add_argument("--local_rank", type=int, default=-1)
+    p.add_argument("--max-batches", type=int, default=0, help="stop each epoch after N batches (0: all)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None)
-    args = p.parse_args()
+    p.add_argument("--no-progress", action="store_true")
+    p = deepspeed.add_config_arguments(p)
+    args = p.parse_args(argv)
+    if args.deepspeed_config is None:
+        p.error("--deepspeed_config is required (see configs/gnn_sage.json)")
+    return args
 
-    # a plain `python train_sage.py` is a world of one: give deepspeed the env the launcher would
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    data = load(args)
+
+def _load(args: argparse.Namespace) -> Any:
+    if args.dataset:
+        data = torch.load(args.dataset, weights_only=False)
+        if getattr(data, "train_mask", None) is None:
+            g = torch.Generator().manual_seed(args.seed)
+            data.train_mask = torch.rand(data.num_nodes, generator=g) < 0.8
+            data.val_mask = ~data.train_mask
+        return data
+    return rmat_graph(args.nodes, args.edges, args.features, args.classes, seed=args.seed)
+
+
+def _sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from torch_geometric.nn import GraphSAGE
+
+    args = parse_args(argv)
+    ds_config = load_deepspeed_config(args.deepspeed_config)
+    _single_process_env()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(args.local_rank)
+    data = _load(args)
     num_classes = int(data.y.max()) + 1
-    device = (
-        torch.device("cuda", max(args.local_rank, 0)) if torch.cuda.is_available() else torch.device("cpu")
+    fanouts = [int(k) for k in args.fanouts.split(",")]
+    torch.manual_seed(args.seed)
+    num_features = data.num_features
+    model = GraphSAGE(num_features, args.hidden, len(fanouts), num_classes)
+    engine, _, _, _ = dsx.initialize(
+        args=args, model=model, model_parameters=model.parameters(), config=ds_config
     )
-    model = SAGE(data.num_features, args.hidden, num_classes)
-    # a torch optimizer: DeepSpeed's FusedAdam would JIT-build a C++/CUDA op that CPU ranks may lack
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    engine, _, _, _ = dsx.initialize(model=model, optimizer=opt, config=args.deepspeed_config)
-    if device.type == "cuda":
-        if args.feature_placement == "gpu":
-            data.x = data.x.to(device)
-        else:
-            try:  # zero-copy gathers from pinned host memory (direct-ut's UnifiedTensor)
-                data.x = dsx.direct.unified(data.x)
-            except AttributeError:
-                pass
-    g = torch.Generator().manual_seed(0)
-    perm = torch.randperm(data.num_nodes, generator=g)
-    n_train = int(0.8 * data.num_nodes)
-    train_idx, test_idx = perm[:n_train], perm[n_train:]
-    fan = [int(f) for f in args.fanouts.split(",")]
-    train = DistributedNeighborLoader(
-        data,
-        fan,
-        batch_size=args.batch_size,
-        shuffle=True,
-        input_nodes=train_idx,
-        device=device,
-        engine=engine,
-    )
-    test = DistributedNeighborLoader(
-        data, fan, batch_size=args.batch_size, input_nodes=test_idx, device=device
-    )
-    rank = train.rank
-    log = {"epochs": []}
-    for epoch in range(args.epochs):
-        train.set_epoch(epoch)
-        engine.train()
+    bs = engine.train_micro_batch_size_per_gpu()
+    ux = None
+    if args.feature_placement == "host" and engine.device.type == "cuda":
+        # Pin (and share per node) once; the train and val loaders gather from the same table.
+        ux = dsx.direct.unified(data.x, name="sage_features")
+        data.x = ux
+    kw = dict(device=engine.device, feature_placement=args.feature_placement, engine=engine, seed=args.seed)
+    train = DistributedNeighborLoader(data, fanouts, bs, shuffle=True, input_nodes=data.train_mask, **kw)
+    val = DistributedNeighborLoader(data, fanouts, bs, input_nodes=data.val_mask, **kw)
+
+    def run(loader: Any, training: bool, epoch: int) -> tuple[float, float, float]:
+        loader.set_epoch(epoch)
+        engine.train(training)
+        stats = torch.zeros(3, device=engine.device)  # loss sum, correct, seeds
+        n = len(loader) if not args.max_batches else min(len(loader), args.max_batches)
+        bar = tqdm(total=n, desc=f"epoch {epoch} {'train' if training else 'val'}", disable=rank != 0 or args.no_progress,
+                   file=sys.stdout)  # fmt: skip
         t0 = time.perf_counter()
-        loss_sum = 0.0
-        for b in tqdm(train, desc=f"epoch {epoch}", disable=rank != 0):
-            out = engine(b.x.float(), b.edge_index, b.num_sampled_nodes, b.num_sampled_edges)
-            loss = F.cross_entropy(out[: b.batch_size], b.y[: b.batch_size])
-            engine.backward(loss)
-            engine.step()
-            loss_sum += float(loss)
-        if device.type == "cuda":
+        with torch.set_grad_enabled(training):
+            for i, b in enumerate(loader):
+                if i == n:
+                    break
+                out = engine(b.x, b.edge_index)[: b.batch_size]
+                y = b.y[: b.batch_size]
+                loss = F.cross_entropy(out, y)
+                if training:
+                    engine.backward(loss)
+                    engine.step()
+                stats += torch.stack([loss.detach() * b.batch_size, (out.argmax(1) == y).sum().float(),
+                                      torch.tensor(float(b.batch_size), device=engine.device)])  # fmt: skip
+                bar.update()
+        if engine.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        engine.eval()
-        correct = total = 0
-        with torch.no_grad():
-            for b in test:
-                out = engine(b.x.float(), b.edge_index, b.num_sampled_nodes, b.num_sampled_edges)
-                correct += int((out[: b.batch_size].argmax(1) == b.y[: b.batch_size]).sum())
-                total += b.batch_size
-        stats = torch.tensor([correct, total], dtype=torch.float64)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(stats)
-        acc = float(stats[0] / stats[1])
-        log["epochs"].append(
-            {"epoch": epoch, "loss": loss_sum / max(len(train), 1), "acc": acc, "time_s": dt}
-        )
+        bar.close()
+        s = _sum(stats).tolist()
+        return s[0] / max(s[2], 1), s[1] / max(s[2], 1), dt
+
+    history = []
+    for epoch in range(args.epochs):
+        loss, acc, dt = run(train, True, epoch)
+        _, vacc, _ = run(val, False, epoch)
+        history.append({"epoch": epoch, "loss": loss, "train_acc": acc, "val_acc": vacc, "epoch_s": dt})
         if rank == 0:
             print(
-                f"epoch {epoch}: loss {loss_sum / max(len(train), 1):.4f} test acc {acc:.4f} time {dt:.2f}s"
+                f"epoch {epoch}: loss {loss:.4f} train acc {acc:.4f} val acc {vacc:.4f} epoch time {dt:.2f} s"
             )
+    summary = {
+        "final_val_acc": history[-1]["val_acc"], "first_val_acc": history[0]["val_acc"],
+        "epoch_s": min(h["epoch_s"] for h in history), "world_size": dist.get_world_size(),
+        "nodes": data.num_nodes, "edges": int(data.edge_index.shape[1]), "features": num_features,
+        "feature_placement": args.feature_placement, "fanouts": fanouts, "batch_size": bs, "history": history,
+    }  # fmt: skip
     if rank == 0:
-        print(f"final accuracy {log['epochs'][-1]['acc']:.4f}, epoch time {log['epochs'][-1]['time_s']:.2f}s")
+        print(
+            f"final val accuracy {summary['final_val_acc']:.4f}; best epoch time {summary['epoch_s']:.2f} s"
+        )
         if args.log_json:
             with open(args.log_json, "w") as f:
-                json.dump(log, f)
+                json.dump(summary, f, indent=1)
+    train.close()
+    val.close()
+    if ux is not None:
+        ux.close()
+    return summary
 
 
 if __name__ == "__main__":
