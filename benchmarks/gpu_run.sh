@@ -6,7 +6,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT" benchmarks/results
 export PYTHONUNBUFFERED=1
-stage=${1:?stage: one1 | one2 | two}
+stage=${1:?stage: one1 | one2 | one3 | two}
 log() { echo "=== $(date -u +%T) $*" | tee -a "$OUT/stages.log"; }
 case $stage in
   one1)  # 1 GPU: report, op build, GPU tests of the kernels, gather + kernel benchmarks, main job with megatron-core
@@ -20,6 +20,18 @@ case $stage in
     log main-job; timeout 150 deepspeed --num_gpus 1 examples/gpt/train.py --deepspeed_config configs/gpt_megatron_bf16.json \
       --model megatron --layers 8 --hidden 1024 --heads 16 --seq-len 1024 --steps 100 --no-progress \
       --log-json benchmarks/results/main_job_megatron_1gpu.json > "$OUT/main-job-1gpu.log" 2>&1
+    ;;
+  one2)  # 1 GPU: every gpu test, gather and GraphSAGE end-to-end benchmarks
+    log build-ops; timeout 150 python -m dsx.cli build-ops > "$OUT/build-ops.log" 2>&1
+    log gpu-tests; timeout 240 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/ > "$OUT/gpu-tests.log" 2>&1
+    log bench-gather; timeout 120 python benchmarks/bench_gather.py --out benchmarks/results > "$OUT/bench-gather.log" 2>&1
+    log bench-sage; timeout 200 python benchmarks/bench_sage.py --out benchmarks/results --pyg-workers 0,8 > "$OUT/bench-sage.log" 2>&1
+    ;;
+  one3)  # 1 GPU: relational GNN layers against PyG, activation offload strategies, report
+    log report; python -m dsx.cli report --io /tmp --io-mb 1024 > "$OUT/report-gpu.txt" 2>&1
+    log bench-rgnn; timeout 240 python benchmarks/bench_rgnn.py --datasets aifb mutag bgs fb15k-237 biokg am \
+      --out benchmarks/results > "$OUT/bench-rgnn.log" 2>&1
+    log bench-offload; timeout 270 python benchmarks/bench_offload.py --out benchmarks/results > "$OUT/bench-offload.log" 2>&1
     ;;
   two)  # 2 GPUs: ZeRO-3 + optimizer offload to NVMe, multi-GPU tests
     nvidia-smi -L | tee "$OUT/nvidia-smi.log"
