@@ -94,6 +94,10 @@ class NeighborLoader:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        if (
+            self.device.type == "cuda" and self.device.index is None
+        ):  # side streams and threads need the index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if prefetch is None:
             prefetch = 1
             rt = getattr(engine, "dsx", None)

@@ -167,6 +167,7 @@ def describe_backends() -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"posix": {"available": True, "reason": "os.pwrite/os.pread threads"}}
     try:
         import kvikio
+        import kvikio.defaults  # a submodule: not loaded by ``import kvikio`` in 26.x
 
         ok = torch.cuda.is_available()
         mode = "compat" if getattr(kvikio.defaults, "compat_mode", lambda: True)() else "GDS"
