@@ -29,9 +29,11 @@ case $stage in
     ;;
   one3)  # 1 GPU: relational GNN layers against PyG, activation offload strategies, report
     log report; python -m dsx.cli report --io /tmp --io-mb 1024 > "$OUT/report-gpu.txt" 2>&1
-    log bench-rgnn; timeout 240 python benchmarks/bench_rgnn.py --datasets aifb mutag bgs fb15k-237 biokg am \
+    log sampler-tests; timeout 60 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_sampler.py > "$OUT/gpu-tests-sampler.log" 2>&1
+    log bench-sage; timeout 110 python benchmarks/bench_sage.py --out benchmarks/results --pyg-workers 8 --pyg-batches 20 --batches 60 > "$OUT/bench-sage.log" 2>&1
+    log bench-rgnn; timeout 170 python benchmarks/bench_rgnn.py --datasets aifb mutag bgs fb15k-237 biokg am \
       --out benchmarks/results > "$OUT/bench-rgnn.log" 2>&1
-    log bench-offload; timeout 270 python benchmarks/bench_offload.py --out benchmarks/results > "$OUT/bench-offload.log" 2>&1
+    log bench-offload; timeout 200 python benchmarks/bench_offload.py --out benchmarks/results > "$OUT/bench-offload.log" 2>&1
     ;;
   two)  # 2 GPUs: ZeRO-3 + optimizer offload to NVMe, multi-GPU tests
     nvidia-smi -L | tee "$OUT/nvidia-smi.log"
