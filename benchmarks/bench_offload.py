@@ -145,6 +145,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.hidden, args.layers, args.heads, args.seq_len, args.micro_batch = 64, 2, 2, 32, 2
         args.warmup, args.steps, args.pool_gb = 1, 2, 0.25
     _single_process_env()
+    import deepspeed
+
+    # megatron-core's model parallel state needs the process group before the model is built.
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     results: list[dict[str, Any]] = []
     budget: float | None = None
     with tempfile.TemporaryDirectory(dir=args.ssd_dir) as ssd:
@@ -160,7 +164,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             try:
                 res = run_one(name, args, ssd, budget)
             except Exception as exc:  # record and go on: one failing strategy must not hide the others
-                res = {"config": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                import traceback
+
+                res = {"config": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                       "where": traceback.format_exc(limit=-3)[-600:]}  # fmt: skip
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
             results.append(res)

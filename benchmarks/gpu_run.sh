@@ -35,6 +35,9 @@ case $stage in
       --out benchmarks/results > "$OUT/bench-rgnn.log" 2>&1
     log bench-offload; timeout 200 python benchmarks/bench_offload.py --out benchmarks/results > "$OUT/bench-offload.log" 2>&1
     ;;
+  offload)  # 1 GPU: the activation offload benchmark alone
+    log bench-offload; timeout 420 python benchmarks/bench_offload.py --out benchmarks/results > "$OUT/bench-offload.log" 2>&1
+    ;;
   two)  # 2 GPUs: ZeRO-3 + optimizer offload to NVMe, multi-GPU tests
     nvidia-smi -L | tee "$OUT/nvidia-smi.log"
     mkdir -p /tmp/nvme
