@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--name", default="bench_offload", help="JSON/PNG file name (several runs side by side)")
     p.add_argument("--pool-gb", type=float, default=40.0, help="host pool and SSD file size per config")
     p.add_argument("--ssd-dir", default=None, help="directory on the SSD (default: a temporary directory)")
     args = p.parse_args(argv)
@@ -192,12 +193,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = {"name": "bench_offload", "env": environment(), "config": vars(args),
            "model": "megatron-core GPTModel" if (not args.quick and megatron_available()[0]) else "dsx torch GPT",
            "results": results, "ratios": ratios}  # fmt: skip
-    write_json(out, args.out, "bench_offload")
-    _plot(results, args.out)
+    write_json(out, args.out, args.name)
+    _plot(results, args.out, args.name)
     return out
 
 
-def _plot(results: list[dict[str, Any]], out: str | os.PathLike[str]) -> None:
+def _plot(results: list[dict[str, Any]], out: str | os.PathLike[str], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -216,7 +217,7 @@ def _plot(results: list[dict[str, Any]], out: str | os.PathLike[str]) -> None:
         ax.tick_params(axis="x", rotation=35)
     fig.suptitle("Activation offload strategies (same model, same data, one run)")
     fig.tight_layout()
-    save_png(fig, out, "bench_offload")
+    save_png(fig, out, name)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,10 @@ case $stage in
   offload)  # 1 GPU: the activation offload benchmark alone
     log bench-offload; timeout 420 python benchmarks/bench_offload.py --out benchmarks/results > "$OUT/bench-offload.log" 2>&1
     ;;
+  offload2)  # 1 GPU: dsx's own offload configs in a fresh process (no engines left over from the baselines)
+    log bench-offload-dsx; timeout 300 python benchmarks/bench_offload.py --configs dsx_host dsx_ssd dsx_auto_hide \
+      --pool-gb 24 --name bench_offload_dsx --out benchmarks/results > "$OUT/bench-offload-dsx.log" 2>&1
+    ;;
   two)  # 2 GPUs: ZeRO-3 + optimizer offload to NVMe, multi-GPU tests
     nvidia-smi -L | tee "$OUT/nvidia-smi.log"
     mkdir -p /tmp/nvme
