@@ -12,11 +12,9 @@ import importlib.metadata as md
 import importlib.util
 import io
 import json
-import mmap
 import os
 import resource
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -191,57 +189,16 @@ def _dsx_rows(rows: list[Row]) -> None:
 
 
 def measure_io(path: str | os.PathLike[str], mb: int = 256) -> dict[str, Any]:
-    """Sequential write then read bandwidth of a temporary file in ``path`` (O_DIRECT where allowed).
+    """Sequential write then read bandwidth of a temporary file in ``path`` (see
+    :func:`dsx.runtime.bandwidth.measure_file_bandwidth`: O_DIRECT where allowed, 4 MiB aligned blocks)."""
+    from dsx.runtime.bandwidth import measure_file_bandwidth
 
-    Uses 4 MiB aligned blocks; the file is removed afterwards. Buffered fallback writes are fsync'ed and
-    the page cache is dropped for the file (``posix_fadvise DONTNEED``) before reading.
-    """
     d = Path(path)
     if not d.is_dir():
         raise FileNotFoundError(f"--io {str(d)!r} is not an existing directory")
     if not os.access(d, os.W_OK):
         raise PermissionError(f"--io {str(d)!r} is not writable")
-    block = 4 << 20
-    n = max(1, (mb << 20) // block)
-    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT requires
-    buf.write(os.urandom(1 << 16) * (block >> 16))
-    f = d / f".dsx-io-probe-{os.getpid()}"
-    mode = "O_DIRECT"
-    try:
-        try:
-            fd = os.open(f, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
-            os.write(fd, buf)  # O_DIRECT refusal shows up on the first write on some filesystems
-            os.lseek(fd, 0, os.SEEK_SET)
-        except OSError:
-            mode = "buffered+fsync"
-            fd = os.open(f, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            os.write(fd, buf)
-        os.fsync(fd)
-        w = time.perf_counter() - t0
-        os.close(fd)
-        flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if mode == "O_DIRECT" else 0)
-        fd = os.open(f, flags)
-        if mode != "O_DIRECT":
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            os.readv(fd, [buf])
-        r = time.perf_counter() - t0
-        os.close(fd)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            f.unlink()
-        buf.close()
-    size = n * block
-    return {
-        "path": str(d),
-        "mode": mode,
-        "bytes": size,
-        "write_GBps": size / w / 1e9,
-        "read_GBps": size / r / 1e9,
-    }
+    return measure_file_bandwidth(d, mb)
 
 
 def collect(io_path: str | None = None, io_mb: int = 256) -> dict[str, Any]:

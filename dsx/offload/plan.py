@@ -97,22 +97,28 @@ class Plan:
         return "\n".join(lines)
 
 
-def simulate(
-    profiles: list[LayerProfile], actions: list[Action], bw: dict[str, TierBandwidth], depth: int
-) -> tuple[float, float, int]:
-    """(step time, exposed stall, peak activation bytes) of one assignment under the cost model above."""
-    n = len(profiles)
+def _forward(
+    profiles: list[LayerProfile], actions: list[Action], bw: dict[str, TierBandwidth]
+) -> tuple[float, dict[str, float], list[float]]:
+    """Forward pass of the cost model: (end time, when each tier's channel frees, when each write is done)."""
     free = dict.fromkeys(bw, 0.0)
-    write_done = [0.0] * n
+    write_done = [0.0] * len(profiles)
     t = 0.0
     for i, p in enumerate(profiles):
         t += p.fwd_s
         a = actions[i]
         if a in (Action.HOST, Action.SSD):
-            tier = bw[a.value]
             start = max(t, free[a.value])
-            free[a.value] = start + p.saved_bytes / tier.write_Bps
-            write_done[i] = free[a.value]
+            free[a.value] = write_done[i] = start + p.saved_bytes / bw[a.value].write_Bps
+    return t, free, write_done
+
+
+def simulate(
+    profiles: list[LayerProfile], actions: list[Action], bw: dict[str, TierBandwidth], depth: int
+) -> tuple[float, float, int]:
+    """(step time, exposed stall, peak activation bytes) of one assignment under the cost model above."""
+    n = len(profiles)
+    t, free, write_done = _forward(profiles, actions, bw)
     t_fwd_end = t
     for k in free:
         free[k] = max(free[k], t)
@@ -171,15 +177,7 @@ def _overflow(
     """(step time, summed footprint over budget, peak): the sum, unlike the peak, falls when any of several
     equal peaks falls, which keeps the descent off plateaus."""
     t, _, peak = simulate(profiles, actions, bw, depth)
-    n = len(profiles)
-    free = dict.fromkeys(bw, 0.0)
-    write_done = [0.0] * n
-    clock = 0.0
-    for i, p in enumerate(profiles):
-        clock += p.fwd_s
-        if actions[i] in (Action.HOST, Action.SSD):
-            start = max(clock, free[actions[i].value])
-            free[actions[i].value] = write_done[i] = start + p.saved_bytes / bw[actions[i].value].write_Bps
+    clock, _, write_done = _forward(profiles, actions, bw)
     over = sum(max(0.0, m - budget) for m in _footprints(profiles, actions, write_done, clock, depth))
     return t, over, peak
 
