@@ -1,4 +1,4 @@
-"""The ``dsx`` command: ``dsx report``, ``dsx build-ops``, ``dsx trace`` (see ``dsx --help``)."""
+"""The ``dsx`` command: ``dsx report``, ``dsx build-ops`` (see ``dsx --help``)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,6 @@ def _build_ops(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true")
 
 
-def _trace(p: argparse.ArgumentParser) -> None:
-    p.add_argument("events", help="events JSON written by the scheduler (scheduler.trace_path)")
-    p.add_argument("-o", "--output", default=None, help="PNG path (default: next to the events file)")
-
-
 # name -> (help, argument setup, "module:function" taking the parsed args and returning an exit code).
 # Modules are imported only when their command runs, so a missing optional part breaks only that command.
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]] = {
@@ -36,7 +31,6 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]]
         _build_ops,
         "dsx.ops:cli_build",
     ),
-    "trace": ("draw a timeline PNG from scheduler events", _trace, "dsx.runtime.trace:cli"),
 }
 
 
