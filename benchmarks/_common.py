@@ -158,3 +158,29 @@ def save_png(fig: Any, out: str | os.PathLike[str], name: str, dpi: int = 120) -
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
+
+
+def median_seconds(fn: Any, repeats: int, cuda: bool) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` calls: CUDA events on the GPU, perf_counter on the CPU.
+
+    Call ``fn()`` once before (warm-up: compilation, allocator) — this helper does not.
+    """
+    import statistics
+    import time
+
+    import torch
+
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -18,7 +18,6 @@ import datetime as dt
 import json
 import math
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import median_seconds
 
 import dsx.rgnn as rg
 from dsx.data.hetero import PRESETS, synthetic_hetero
@@ -49,21 +51,9 @@ def measure(fn, device: torch.device, repeats: int) -> dict:
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         fn()
-        times = []
-        for _ in range(repeats):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
+        sec = median_seconds(fn, repeats, cuda)
         peak = (torch.cuda.max_memory_allocated() - base) if cuda else None
-        return {"ms": 1e3 * statistics.median(times), "peak_mb": None if peak is None else peak / 2**20}
+        return {"ms": 1e3 * sec, "peak_mb": None if peak is None else peak / 2**20}
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
         if not _oom(exc):
             raise

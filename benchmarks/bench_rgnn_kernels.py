@@ -20,14 +20,15 @@ import datetime as dt
 import json
 import math
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import median_seconds
 
 from dsx.rgnn.kernels import EdgeSpec, fused_edge, fused_edge_ref, gather_gemm, gather_gemm_ref
 
@@ -48,20 +49,7 @@ SPECS = {
 def _timer(device: torch.device, repeats: int):
     def run(fn) -> float:
         fn()  # warm-up: compiles the kernel and fills the allocator
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(fn, repeats, device.type == "cuda")
 
     return run
 

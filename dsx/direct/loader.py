@@ -12,6 +12,7 @@ caching allocator never recycles them early. ``prefetch`` batches are kept ready
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -275,10 +276,8 @@ class NeighborLoader:
         finally:
             stop.set()
             while t.is_alive():  # unblock a producer waiting on a full queue
-                try:
+                with contextlib.suppress(queue.Empty):
                     q.get(timeout=0.05)
-                except queue.Empty:
-                    pass
             t.join()
 
     def close(self) -> None:

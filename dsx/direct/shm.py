@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dsx.runtime.process import pid_alive
+
 __all__ = [
     "NodeGroup",
     "SharedMemoryError",
@@ -98,16 +100,6 @@ def check_space(directory: str, needed: int) -> None:
         raise SharedMemoryError(shm_space_message(directory, needed, free, total))
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale(directory: str) -> list[str]:
     """Remove segments left by leaders that died before unlinking (their pid no longer runs)."""
     removed = []
@@ -117,7 +109,7 @@ def sweep_stale(directory: str) -> list[str]:
         return removed
     for name in names:
         m = _NAME_RE.match(name)
-        if m is None or _pid_alive(int(m.group("pid"))):
+        if m is None or pid_alive(int(m.group("pid"))):
             continue
         try:
             os.unlink(os.path.join(directory, name))

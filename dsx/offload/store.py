@@ -19,6 +19,7 @@ import uuid
 import torch
 
 from dsx.offload.io import ALIGN, IOBackend, select_backend
+from dsx.runtime.process import pid_alive
 
 __all__ = ["Arena", "HostPool", "RunDir", "SsdFile", "SsdFull", "align_up", "clean_stale_runs"]
 
@@ -102,16 +103,6 @@ class HostPool:
 
 
 # ------------------------------------------------------------------------------------------- run dirs
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale_runs(root: str) -> list[str]:
     """Remove ``root/dsx-*`` run directories whose owner pid (in ``owner.pid``) is no longer alive."""
     removed = []
@@ -126,7 +117,7 @@ def clean_stale_runs(root: str) -> list[str]:
                 pid = int(f.read().strip())
         except (OSError, ValueError):
             continue  # not ours or being created right now
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     return removed
