@@ -27,6 +27,7 @@ from dsx.config import load_deepspeed_config
 from dsx.data.tokens import TokenData, load_shards, make_loader, stdlib_corpus
 from dsx.models.gpt import GPT, GPTConfig
 from dsx.models.megatron_gpt import build_megatron_gpt, megatron_available
+from dsx.runtime.process import exit_distributed
 
 __all__ = ["main", "parse_args"]
 
@@ -206,3 +207,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
+    exit_distributed()

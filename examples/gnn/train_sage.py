@@ -30,6 +30,7 @@ from dsx.config import load_deepspeed_config
 from dsx.data.rmat import rmat_graph
 from dsx.direct import DistributedNeighborLoader
 from dsx.examples.gpt import _single_process_env
+from dsx.runtime.process import exit_distributed
 
 __all__ = ["main", "parse_args"]
 
@@ -162,3 +163,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
+    exit_distributed()
