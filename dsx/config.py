@@ -65,6 +65,10 @@ class ActivationOffloadConfig(_Section):
     memory_budget_gb: float | None = Field(default=None, ge=0)
     policy: Literal["auto", "offload_all", "recompute_all", "none"] = "auto"
     layer_classes: list[str] | None = None
+    # Megatron's selective recompute, as a per-layer choice: sub-modules (class names, e.g.
+    # "DotProductAttention") that policy auto may recompute in backward instead of storing; offload_all
+    # always does. They must not draw random numbers from anything but torch's default generators.
+    recompute_modules: list[str] = Field(default_factory=list)
     io_backend: Literal["auto", "kvikio", "aio", "posix"] = "auto"
     min_tensor_bytes: int = Field(default=1 << 20, ge=0)
     verify: bool = False

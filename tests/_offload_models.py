@@ -8,6 +8,16 @@ from torch import nn
 __all__ = ["OddModel", "TinyGPT"]
 
 
+class CoreAttention(nn.Module):
+    """Scores, mask, softmax and the weighted sum: what Megatron's selective recompute recomputes."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        return att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
 class Block(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
@@ -15,22 +25,32 @@ class Block(nn.Module):
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
         self.heads = heads
+        self.attn = CoreAttention()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states
         b, s, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)  # views of one storage
         q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
-        y = (att @ v).transpose(1, 2).reshape(b, s, d)
+        y = self.attn(q, k, v).transpose(1, 2).reshape(b, s, d)
         x = x + self.proj(y)
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 3, heads: int = 4, seq: int = 16) -> None:
+    """``by_keyword``: blocks are called as ``blk(hidden_states=x)``, as Megatron calls its layers."""
+
+    def __init__(
+        self,
+        vocab: int = 64,
+        d: int = 32,
+        layers: int = 3,
+        heads: int = 4,
+        seq: int = 16,
+        by_keyword: bool = False,
+    ) -> None:
         super().__init__()
+        self.by_keyword = by_keyword
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
@@ -40,7 +60,7 @@ class TinyGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for blk in self.blocks:
-            x = blk(x)
+            x = blk(hidden_states=x) if self.by_keyword else blk(x)
         return self.head(self.ln(x))
 
 

@@ -30,10 +30,16 @@ def _train(model, batches, off=None):
 
 
 @pytest.mark.parametrize(
-    "tiers,backend",
-    [(["host"], "posix"), (["ssd"], "posix"), (["host", "ssd"], "aio"), (["host", "ssd"], "kvikio")],
+    "tiers,backend,sel",
+    [
+        (["host"], "posix", False),
+        (["ssd"], "posix", False),
+        (["host", "ssd"], "aio", False),
+        (["host", "ssd"], "kvikio", False),
+        (["host"], "posix", True),  # recompute_modules: attention recomputed, the rest moved
+    ],
 )
-def test_gpu_bitwise(tmp_path, tiers, backend):
+def test_gpu_bitwise(tmp_path, tiers, backend, sel):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     if backend != "posix" and not describe_backends()[backend]["available"]:
@@ -55,6 +61,7 @@ def test_gpu_bitwise(tmp_path, tiers, backend):
         min_tensor_bytes=0,
         io_backend=backend,
         verify=True,
+        recompute_modules=["CoreAttention"] if sel else [],
     )
     sched = Scheduler(SchedulerConfig(io_workers=4), device=torch.device("cuda"))
     off = ActivationOffload(model, cfg, sched)

@@ -52,14 +52,19 @@ def _train(model, batches, offload=None):
     return grads
 
 
+def _reference(seed, n_batches, make=TinyGPT, kind="gpt"):
+    """A fresh model, its batches and the gradients of a run without offload (from an identical copy)."""
+    torch.manual_seed(seed)
+    ref = make()
+    model = copy.deepcopy(ref)
+    batches = _batches(kind, n_batches)
+    return model, batches, _train(ref, batches)
+
+
 @pytest.mark.parametrize("kind", ["gpt", "odd"])
 @pytest.mark.parametrize("tiers", [["host"], ["ssd"], ["host", "ssd"]])
 def test_bitwise_equal_gradients(tmp_path, kind, tiers):
-    torch.manual_seed(1)
-    ref = TinyGPT() if kind == "gpt" else OddModel()
-    model = copy.deepcopy(ref)
-    batches = _batches(kind, 3)
-    want = _train(ref, batches)
+    model, batches, want = _reference(1, 3, TinyGPT if kind == "gpt" else OddModel, kind)
     sched = Scheduler(SchedulerConfig(io_workers=2))
     off = ActivationOffload(model, _cfg(tmp_path, tiers), sched)
     try:
@@ -178,11 +183,7 @@ def test_auto_without_planner_is_a_clear_error(tmp_path):
 
 
 def test_recompute_all_bitwise(tmp_path):
-    torch.manual_seed(2)
-    ref = TinyGPT()
-    model = copy.deepcopy(ref)
-    batches = _batches("gpt", 2)
-    want = _train(ref, batches)
+    model, batches, want = _reference(2, 2)
     sched = Scheduler()
     off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="recompute_all"), sched)
     try:
@@ -203,11 +204,7 @@ def test_bitwise_equal_gradients_aio_backend(tmp_path):
     info = describe_backends()["aio"]
     if not info["available"]:
         pytest.skip(f"DeepSpeed async_io unavailable: {info['reason']}")
-    torch.manual_seed(7)
-    ref = TinyGPT()
-    model = copy.deepcopy(ref)
-    batches = _batches("gpt", 3)
-    want = _train(ref, batches)
+    model, batches, want = _reference(7, 3)
     sched = Scheduler(SchedulerConfig(io_workers=2))
     off = ActivationOffload(model, _cfg(tmp_path, ["host", "ssd"], io_backend="aio"), sched)
     try:
@@ -257,3 +254,101 @@ def test_select_backend_auto_on_cpu_and_describe(tmp_path):
         be.close()
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------------- selective recompute (recompute_modules)
+def _steps(model, batches, off, actions=()):
+    """Train on ``batches``; after step i (step 0 profiles under policy auto) install ``actions[i]``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grads = []
+    for i, x in enumerate(batches):
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        off.end_step()
+        if i < len(actions):
+            off._apply(actions[i], 1)
+    return grads
+
+
+def _assert_same(want, got):
+    for gw, gg in zip(want, got):
+        for a, b in zip(gw, gg):
+            assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tiers", [["host"], ["ssd"]])
+def test_offload_all_with_recompute_modules_bitwise(tmp_path, tiers):
+    model, batches, want = _reference(3, 3)
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    off = ActivationOffload(model, _cfg(tmp_path, tiers, recompute_modules=["CoreAttention"]), sched)
+    try:
+        assert all(type(b.attn.forward).__name__ == "function" for b in model.blocks), "attention not wrapped"
+        got = _steps(model, batches, off)
+        moved = sched.telemetry.history[0].bytes_by_tier.get(tiers[-1], 0)
+    finally:
+        off.close()
+        sched.close()
+    assert moved > 0
+    assert all("forward" not in b.attn.__dict__ for b in model.blocks), "close() left the wrapper"
+    _assert_same(want, got)
+
+
+def test_auto_profiles_selective_bytes_and_moves_what_it_predicts(tmp_path):
+    """The profiled +sel bytes are exactly what the layer moves with its recompute modules recomputed."""
+    model, batches, want = _reference(4, 4, make=lambda: TinyGPT(by_keyword=True))
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    cfg = _cfg(tmp_path, ["host"], policy="auto", recompute_modules=["CoreAttention"])
+    off = ActivationOffload(model, cfg, sched)
+    n = len(model.blocks)
+    try:
+        # step 0 profiles; step 1 moves everything outside attention; step 2 everything; step 3 mixes
+        got = _steps(model, batches, off, [["host+sel"] * n, ["host"] * n, ["keep+sel", "host+sel", "keep"]])
+        profiles = off.plan.profiles
+        hist = sched.telemetry.history
+    finally:
+        off.close()
+        sched.close()
+    _assert_same(want, got)
+    for p in profiles:
+        assert p.sel_saved_bytes is not None and 0 < p.sel_saved_bytes < p.saved_bytes
+        assert p.sel_recompute_s > 0
+    assert hist[1].bytes_by_tier["host"] == sum(p.sel_saved_bytes for p in profiles)
+    assert hist[2].bytes_by_tier["host"] == sum(p.saved_bytes for p in profiles)
+    assert hist[3].bytes_by_tier["host"] == profiles[1].sel_saved_bytes
+
+
+def test_profiler_times_backward_of_keyword_called_layers(tmp_path):
+    """Megatron passes hidden_states by keyword: per-layer backward times must still add up."""
+    import time
+
+    from dsx.offload.profile import Profiler
+
+    torch.manual_seed(5)
+    model = TinyGPT(d=128, layers=3, heads=4, seq=64, by_keyword=True)
+    sched = Scheduler()
+    off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="none"), sched)
+    prof = Profiler(off.layers, off.hooks, off.device)
+    try:
+        x = torch.randint(0, 64, (8, 64))
+        loss = model(x).float().pow(2).mean()
+        t0 = time.perf_counter()
+        loss.backward()
+        total = time.perf_counter() - t0
+        profiles = prof.finish()
+    finally:
+        off.close()
+        sched.close()
+    assert all(p.bwd_s > 0 for p in profiles)
+    # the blocks are most of the backward (the rest: embedding, head, loss); hooks that fired back to back
+    # would sum to ~0
+    assert sum(p.bwd_s for p in profiles) > 0.3 * total
+
+
+def test_unknown_recompute_module_is_a_clear_error(tmp_path):
+    model = TinyGPT()
+    with pytest.raises(ValueError, match=r"recompute_modules \['Nope'\] match no sub-module.*CoreAttention"):
+        ActivationOffload(model, _cfg(tmp_path, ["ssd"], recompute_modules=["Nope"]), Scheduler())
+    assert not model._forward_pre_hooks and not any(b._forward_pre_hooks for b in model.blocks)
+    assert not os.listdir(tmp_path / "ssd"), "a run directory was created before the config was checked"

@@ -50,7 +50,9 @@ def test_exhaustive_is_optimal_and_greedy_is_close(seed: int) -> None:
     keep = sum(p.saved_bytes for p in prof)
     cfg = _cfg(memory_budget_gb=keep * rng.uniform(0.3, 0.8) / GiB, prefetch_depth=2)
     bw = {b.tier: b for b in BW}
-    runs = [simulate(prof, list(a), bw, 2) for a in itertools.product(list(Action), repeat=5)]
+    runs = [
+        simulate(prof, list(a), bw, 2) for a in itertools.product([a for a in Action if not a.sel], repeat=5)
+    ]
     feasible = [t for t, _, peak in runs if peak <= cfg.memory_budget_gb * GiB]
     if not feasible:  # brute force says no plan fits: the planner must say so too
         with pytest.raises(PlanError):
@@ -112,3 +114,71 @@ def test_bandwidth_probes_measure_real_transfers(tmp_path) -> None:
     assert [t.tier for t in tiers] == ["host", "ssd"] and all(t.write_Bps > 0 for t in tiers)
     with pytest.raises(OSError, match="not a writable directory"):
         measure_file_bandwidth(tmp_path / "missing")
+
+
+# ------------------------------------------------------------------- selective recompute (recompute_modules)
+def _sel_profiles(rng: random.Random, n: int) -> list[LayerProfile]:
+    """Layers whose attention holds most of the saved bytes and is cheap to recompute (long sequences)."""
+    out = []
+    for p in _profiles(rng, n):
+        p.sel_saved_bytes = int(p.saved_bytes * rng.uniform(0.2, 0.4))
+        p.sel_recompute_s = p.fwd_s * rng.uniform(0.1, 0.2)
+        out.append(p)
+    return out
+
+
+def test_selective_actions_account_bytes_and_time() -> None:
+    p = LayerProfile(0, "a", 10 * GiB, 1.0, 2.0, sel_saved_bytes=3 * GiB, sel_recompute_s=0.25)
+    assert (p.stored(Action.HOST_SEL), p.transient(Action.HOST_SEL), p.extra_bwd_s(Action.HOST_SEL)) == (
+        3 * GiB, 7 * GiB, 0.25,
+    )  # fmt: skip
+    assert (p.stored(Action.HOST), p.transient(Action.RECOMPUTE), p.extra_bwd_s(Action.RECOMPUTE)) == (
+        10 * GiB, 10 * GiB, 1.0,
+    )  # fmt: skip
+    bw = {"host": TierBandwidth("host", GiB, GiB)}
+    t_keep, _, peak_keep = simulate([p], [Action.KEEP], bw, 1)
+    t_sel, _, peak_sel = simulate([p], [Action.KEEP_SEL], bw, 1)
+    assert t_sel == pytest.approx(t_keep + 0.25) and peak_sel == peak_keep  # re-created in its own backward
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_selective_beats_full_recompute_under_a_tight_budget(seed: int) -> None:
+    rng = random.Random(seed)
+    prof = _sel_profiles(rng, 6)
+    slow = [TierBandwidth("host", 2e8, 2e8)]  # too slow to hide much: offload alone cannot meet the budget
+    bw = {b.tier: b for b in slow}
+    full = simulate(prof, [Action.RECOMPUTE] * 6, bw, 1)
+    budget = full[2] * 1.3 / GiB  # a little above full recompute's peak
+    cfg = ActivationOffloadConfig(tiers=["host"], memory_budget_gb=budget, recompute_modules=["Attn"])
+    plan = make_plan(prof, slow, cfg)
+    assert plan.peak_bytes <= budget * GiB
+    assert any(a.sel for a in plan.actions)
+    assert plan.predicted_step_s < full[0]
+    without = make_plan(
+        [LayerProfile(p.index, p.name, p.saved_bytes, p.fwd_s, p.bwd_s) for p in prof], slow, cfg
+    )
+    assert not any(a.sel for a in without.actions)
+    assert plan.predicted_step_s <= without.predicted_step_s
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_exhaustive_with_selective_matches_brute_force(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    prof = _sel_profiles(rng, 4)
+    bw = {b.tier: b for b in BW}
+    runs = [simulate(prof, list(a), bw, 1) for a in itertools.product(list(Action), repeat=4)]
+    floor, keep_all = min(r[2] for r in runs), sum(p.saved_bytes for p in prof)
+    budget = floor + (keep_all - floor) * rng.uniform(0.05, 0.4)
+    cfg = _cfg(memory_budget_gb=budget / GiB, prefetch_depth=1, recompute_modules=["Attn"])
+    best = min(t for t, _, peak in runs if peak <= budget)
+    assert make_plan(prof, BW, cfg).predicted_step_s == pytest.approx(best)
+    greedy = make_plan(prof, BW, cfg, exhaustive_limit=0)
+    assert greedy.peak_bytes <= budget and greedy.predicted_step_s <= best * 1.15
+
+
+def test_offload_all_with_recompute_modules_uses_selective_variant() -> None:
+    prof = _sel_profiles(random.Random(3), 3)
+    prof[1].sel_saved_bytes = None  # a layer without the sub-module keeps the plain action
+    plan = make_plan(prof, BW, _cfg(policy="offload_all", recompute_modules=["Attn"]))
+    assert [a.value for a in plan.actions] == ["host+sel", "host", "host+sel"]
+    assert "+sel" in plan.describe() and "sub ms" in plan.describe()

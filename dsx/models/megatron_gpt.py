@@ -41,9 +41,20 @@ class MegatronGPT(nn.Module):
 
 
 def build_megatron_gpt(
-    layers: int, hidden: int, heads: int, seq_len: int, vocab_size: int, seed: int = 0, bf16: bool = True
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq_len: int,
+    vocab_size: int,
+    seed: int = 0,
+    bf16: bool = True,
+    recompute_granularity: str | None = None,
 ) -> MegatronGPT:
-    """Build the model after ``torch.distributed`` is initialised (``deepspeed.init_distributed()``)."""
+    """Build the model after ``torch.distributed`` is initialised (``deepspeed.init_distributed()``).
+
+    ``recompute_granularity="selective"`` is megatron-core's own selective recompute (the core attention
+    recomputed in backward), the baseline for dsx's ``recompute_modules``.
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -64,6 +75,7 @@ def build_megatron_gpt(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,
+        recompute_granularity=recompute_granularity,
     )
     gpt = GPTModel(
         config=config,

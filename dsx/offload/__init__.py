@@ -48,6 +48,37 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _recompute_modules(layer: nn.Module, names: list[str]) -> list[nn.Module]:
+    """The outermost sub-modules of ``layer`` whose class name is in ``names``."""
+    if not names:
+        return []
+    out: list[nn.Module] = []
+    for m in layer.modules():
+        if m is not layer and type(m).__name__ in names and not any(m in set(o.modules()) for o in out):
+            out.append(m)
+    return out
+
+
+def _checkpointed(module: nn.Module, on: bool, key: int, saved: dict[int, Any]) -> None:
+    """Run ``module`` under non-reentrant torch checkpointing (``on``) or restore its own forward."""
+    if on and key not in saved:
+        orig = module.forward
+        saved[key] = module.__dict__.get("forward")  # None: the class's forward, restored by deleting ours
+
+        def fwd(*args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _orig(*args, **kwargs)
+            return checkpoint(_orig, *args, use_reentrant=False, **kwargs)
+
+        module.forward = fwd
+    elif not on and key in saved:
+        own = saved.pop(key)
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
 class ActivationOffload:
     """Hooks, tiers and the per-layer plan for one model.
 
@@ -75,6 +106,16 @@ class ActivationOffload:
         self.cfg, self.sched = cfg, scheduler
         self.device = device or _device_of(model)
         self.layers = find_layers(model, cfg.layer_classes)
+        # checked before any hook, file or buffer exists: a bad name leaves the model as it was
+        self._subs = [_recompute_modules(layer, cfg.recompute_modules) for layer in self.layers]
+        missing = [name for name in cfg.recompute_modules if not any(
+            type(m).__name__ == name for subs in self._subs for m in subs)]  # fmt: skip
+        if missing:
+            found = sorted({type(m).__name__ for layer in self.layers for m in layer.modules()} - {""})
+            raise ValueError(
+                f"dsx activation offload: recompute_modules {missing} match no sub-module of the layers "
+                f"({type(self.layers[0]).__name__}); classes inside a layer: {found}"
+            )
         self.run_dir: RunDir | None = None
         self.ssd: SsdFile | None = None
         self.shared_ssd = False
@@ -109,35 +150,29 @@ class ActivationOffload:
         self.mover = Mover(self.device, scheduler, self.host, self.ssd, cfg.verify)
         self.hooks = LayerHooks(model, self.layers, self.mover, cfg.min_tensor_bytes)
         self._orig_forward: dict[int, Any] = {}
+        self._orig_sub_forward: dict[int, Any] = {}
         self.plan: Any = None
         self.step = 0
         self.profiler: Profiler | None = None
         offload_tier = "ssd" if "ssd" in cfg.tiers else "host"
         if cfg.policy == "offload_all":
-            self._apply([offload_tier] * len(self.layers), cfg.prefetch_depth or 1)
+            sel = [f"{offload_tier}+sel" if subs else offload_tier for subs in self._subs]
+            self._apply(sel, cfg.prefetch_depth or 1)
         elif cfg.policy == "recompute_all":
             self._apply(["recompute"] * len(self.layers), 1)
         elif cfg.policy == "auto":
-            self.profiler = Profiler(self.layers, self.hooks, self.device)
+            self.profiler = Profiler(self.layers, self.hooks, self.device, cfg.recompute_modules)
             self.hooks.actions = ["profile"] * len(self.layers)
 
     # ------------------------------------------------------------------------------------ actions
     def _apply(self, actions: list[str], depth: int) -> None:
+        """Install per-layer actions: ``keep``, ``host``, ``ssd``, ``recompute``, or ``<keep|host|ssd>+sel``."""
         for i, a in enumerate(actions):
-            layer = self.layers[i]
-            if a == "recompute" and i not in self._orig_forward:
-                orig = layer.forward
-                self._orig_forward[i] = orig
-
-                def fwd(*args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
-                    if not torch.is_grad_enabled():
-                        return _orig(*args, **kwargs)
-                    return checkpoint(_orig, *args, use_reentrant=False, **kwargs)
-
-                layer.forward = fwd
-            elif a != "recompute" and i in self._orig_forward:
-                layer.forward = self._orig_forward.pop(i)
-        self.hooks.actions = ["keep" if a == "recompute" else a for a in actions]
+            base, sel = a.split("+")[0], a.endswith("+sel")
+            _checkpointed(self.layers[i], base == "recompute", i, self._orig_forward)
+            for sub in self._subs[i]:
+                _checkpointed(sub, sel, id(sub), self._orig_sub_forward)
+        self.hooks.actions = ["keep" if a == "recompute" else a.split("+")[0] for a in actions]
         self.hooks.prefetch_depth = depth
 
     def end_step(self) -> None:
@@ -164,7 +199,9 @@ class ActivationOffload:
         finally:
             self.hooks.remove()
             for i in list(self._orig_forward):
-                self.layers[i].forward = self._orig_forward.pop(i)
+                _checkpointed(self.layers[i], False, i, self._orig_forward)
+            for sub in [s for subs in self._subs for s in subs]:
+                _checkpointed(sub, False, id(sub), self._orig_sub_forward)
             if self.ssd is not None:
                 self.ssd.close()
             if self.run_dir is not None:

@@ -74,6 +74,11 @@ class LayerHooks:
         self._fetched_layers: set[int] = set()
         self.profile_bytes = [0] * len(layers)
         self._profile_seen: set[tuple[int, int]] = set()
+        # what each layer would still save with its recompute_modules recomputed: storages saved outside
+        # them, plus their inputs (checkpointing saves those); sub_depth > 0 while one of them runs
+        self.sub_depth = 0
+        self._outside: list[dict[tuple[int, int], int]] = [{} for _ in layers]
+        self._sub_in: list[dict[tuple[int, int], int]] = [{} for _ in layers]
         self._handles: list[Any] = [model.register_forward_pre_hook(self._root_pre)]
         self._handles.append(model.register_forward_hook(self._root_post))
         for i, layer in enumerate(layers):
@@ -133,6 +138,8 @@ class LayerHooks:
             if key not in self._profile_seen:
                 self._profile_seen.add(key)
                 self.profile_bytes[i] += key[1]
+            if self.sub_depth == 0:
+                self._outside[i][key] = key[1]
             return t
         base = t._base if t._base is not None else t
         with self._lock:
@@ -148,6 +155,17 @@ class LayerHooks:
         h = _Handle(entry, i, t)
         weakref.finalize(h, self._release, entry)
         return h
+
+    def note_sub_inputs(self, i: int, values: list[Any]) -> None:
+        """Record the storages a recompute module of layer ``i`` takes as input (profiling step)."""
+        for t in values:
+            if isinstance(t, torch.Tensor) and not self._keep(t):
+                st = t.untyped_storage()
+                self._sub_in[i][(st.data_ptr(), st.nbytes())] = st.nbytes()
+
+    def sel_saved_bytes(self, i: int) -> int:
+        """Bytes layer ``i`` saves with its recompute modules recomputed (measured in the profiling step)."""
+        return sum({**self._outside[i], **self._sub_in[i]}.values())
 
     def _release(self, entry: Entry) -> None:
         with self._lock:

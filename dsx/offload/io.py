@@ -9,6 +9,7 @@ AIO 1.9 / 0.6 GB/s, dd O_DIRECT 1.7 / 1.4 GB/s (write / read).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -110,6 +111,24 @@ class AioBackend(IOBackend):
 
         self._op = AsyncIOBuilder().load(verbose=False)
         self._local = threading.local()
+        self._first_write_alone()
+
+    def _first_write_alone(self) -> None:
+        """One 4 KiB write to a scratch file from this thread, before any I/O thread writes.
+
+        DeepSpeed 0.19's ``sync_pwrite`` logs its SSD-endurance warning inside a ``std::call_once`` while
+        holding the GIL; a second thread entering ``sync_pwrite`` during that first call waits on the once
+        flag with the GIL held, and the first can never log: both hang (seen in CI with two I/O threads).
+        Once the flag is set, the warning is skipped and the threads never meet there.
+        """
+        raw = torch.zeros(2 * 4096, dtype=torch.uint8)
+        start = -raw.data_ptr() % 4096  # O_DIRECT: buffer, offset and length 4 KiB-aligned
+        scratch = f"{self.path}.aio-warmup"
+        try:
+            self._handle().sync_pwrite(raw[start : start + 4096], scratch, 0)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(scratch)
 
     def _handle(self) -> Any:
         h = getattr(self._local, "h", None)

@@ -1,5 +1,10 @@
 """The per-layer activation plan: keep, offload to host, offload to SSD, or recompute.
 
+With ``recompute_modules`` set (Megatron's selective recompute: e.g. the core attention, whose scores,
+softmax and mask are 5·a·s/h of the 34 + 5·a·s/h bytes per token and hidden unit a layer saves), each of
+keep / host / SSD also comes as ``+sel``: those sub-modules run again in backward instead of storing, and
+only the rest of the layer's bytes is kept or moved.
+
 Cost model (one training step, per rank)
 ----------------------------------------
 Forward runs layers 0..n-1 (times ``fwd_s``); an offloaded layer's saved bytes are written on its tier's
@@ -13,11 +18,12 @@ to hide behind.
 
 Peak activation memory is the larger of the end of forward (kept bytes plus writes still in flight) and the
 start of each layer's backward (kept layers below it, prefetched offloaded layers, and a recomputed layer's
-own activations); a recomputed layer holds nothing between its forward and backward (its input, one hidden
+own activations, or what its recomputed sub-modules re-create); a recomputed layer holds nothing between its forward and backward (its input, one hidden
 state, is small next to what the layer saves).
 
-Search: exhaustive over all 4^n assignments when 4^n <= ``exhaustive_limit`` (small models, and the tests'
-ground truth); otherwise steepest descent from each uniform plan over single-layer changes, ordered by (memory over
+Search: exhaustive over all c^n assignments when c^n <= ``exhaustive_limit``, c being the number of actions
+(keep, recompute and one per tier; with ``recompute_modules`` also the ``+sel`` forms: 7 with two tiers) —
+small models, and the tests' ground truth; otherwise steepest descent from each uniform plan over single-layer changes, ordered by (memory over
 budget, step time, peak memory) — so it first reaches the budget, then shortens the step — until no single
 change improves. With no budget the order is (time over baseline, peak memory, step time).
 """
@@ -41,15 +47,56 @@ class Action(str, Enum):
     HOST = "host"
     SSD = "ssd"
     RECOMPUTE = "recompute"
+    KEEP_SEL = "keep+sel"
+    HOST_SEL = "host+sel"
+    SSD_SEL = "ssd+sel"
+
+    @property
+    def base(self) -> Action:
+        """What happens to the bytes the layer still saves: keep, host, ssd or recompute."""
+        return Action(self.value.split("+")[0])
+
+    @property
+    def sel(self) -> bool:
+        """Whether the layer's ``recompute_modules`` run again in backward instead of storing."""
+        return self.value.endswith("+sel")
+
+    @property
+    def moved(self) -> bool:
+        return self.base in (Action.HOST, Action.SSD)
 
 
 @dataclass
 class LayerProfile:
+    """One layer, measured in the profiling step.
+
+    ``sel_saved_bytes`` is what the layer saves when its ``recompute_modules`` are recomputed (the bytes
+    saved outside them plus their inputs, which checkpointing saves); ``sel_recompute_s`` is their forward
+    time. ``None`` when the layer has no such sub-module.
+    """
+
     index: int
     name: str
     saved_bytes: int
     fwd_s: float
     bwd_s: float
+    sel_saved_bytes: int | None = None
+    sel_recompute_s: float = 0.0
+
+    def stored(self, a: Action) -> int:
+        """Bytes kept on the device (keep) or moved (host, ssd) under ``a``."""
+        return self.sel_saved_bytes if a.sel and self.sel_saved_bytes is not None else self.saved_bytes
+
+    def transient(self, a: Action) -> int:
+        """Bytes the layer re-creates in its own backward (recomputed layer or sub-modules)."""
+        if a == Action.RECOMPUTE:
+            return self.saved_bytes
+        return self.saved_bytes - self.stored(a) if a.sel else 0
+
+    def extra_bwd_s(self, a: Action) -> float:
+        if a == Action.RECOMPUTE:
+            return self.fwd_s
+        return self.sel_recompute_s if a.sel else 0.0
 
 
 @dataclass
@@ -77,10 +124,20 @@ class Plan:
 
     def describe(self) -> str:
         b = self.bound
-        lines = [f"{'layer':<22} {'saved':>10} {'fwd ms':>8} {'bwd ms':>8}  action"]
+        sel = any(p.sel_saved_bytes is not None for p in self.profiles)
+        extra = f" {'+sel':>10} {'sub ms':>7}" if sel else ""
+        lines = [f"{'layer':<22} {'saved':>10} {'fwd ms':>8} {'bwd ms':>8}{extra}  action"]
         for p, a in zip(self.profiles, self.actions):
+            col = ""
+            if sel:
+                col = (
+                    f" {p.sel_saved_bytes / 2**20:>8.1f}Mi {p.sel_recompute_s * 1e3:>7.2f}"
+                    if p.sel_saved_bytes is not None
+                    else f" {'-':>10} {'-':>7}"
+                )
             lines.append(
-                f"{p.name:<22} {p.saved_bytes / 2**20:>8.1f}Mi {p.fwd_s * 1e3:>8.2f} {p.bwd_s * 1e3:>8.2f}  {a.value}"
+                f"{p.name:<22} {p.saved_bytes / 2**20:>8.1f}Mi {p.fwd_s * 1e3:>8.2f} {p.bwd_s * 1e3:>8.2f}{col}  "
+                f"{a.value}"
             )
         lines.append(
             f"bound: hideable writes {b['hideable_write_bytes'] / GB:.2f} GiB (B_w x T_fwd), reads "
@@ -107,9 +164,10 @@ def _forward(
     for i, p in enumerate(profiles):
         t += p.fwd_s
         a = actions[i]
-        if a in (Action.HOST, Action.SSD):
-            start = max(t, free[a.value])
-            free[a.value] = write_done[i] = start + p.saved_bytes / bw[a.value].write_Bps
+        if a.moved:
+            tier = a.base.value
+            start = max(t, free[tier])
+            free[tier] = write_done[i] = start + p.stored(a) / bw[tier].write_Bps
     return t, free, write_done
 
 
@@ -129,17 +187,16 @@ def simulate(
         while next_issue >= max(0, i - depth):
             j = next_issue
             a = actions[j]
-            if a in (Action.HOST, Action.SSD):
-                start = max(t, free[a.value], write_done[j])
-                free[a.value] = start + profiles[j].saved_bytes / bw[a.value].read_Bps
-                read_done[j] = free[a.value]
+            if a.moved:
+                tier = a.base.value
+                start = max(t, free[tier], write_done[j])
+                free[tier] = start + profiles[j].stored(a) / bw[tier].read_Bps
+                read_done[j] = free[tier]
             next_issue -= 1
         if i in read_done and read_done[i] > t:
             stall += read_done[i] - t
             t = read_done[i]
-        if actions[i] == Action.RECOMPUTE:
-            t += profiles[i].fwd_s
-        t += profiles[i].bwd_s
+        t += profiles[i].bwd_s + profiles[i].extra_bwd_s(actions[i])
     return t, stall, max(_footprints(profiles, actions, write_done, t_fwd_end, depth))
 
 
@@ -147,9 +204,9 @@ def _footprints(
     profiles: list[LayerProfile], actions: list[Action], write_done: list[float], t_fwd: float, depth: int
 ) -> int:
     """Activation footprints at the end of forward and at the start of each layer's backward."""
-    size = [p.saved_bytes for p in profiles]
-    moved = [a in (Action.HOST, Action.SSD) for a in actions]
-    keep = [a == Action.KEEP for a in actions]
+    size = [p.stored(a) for p, a in zip(profiles, actions)]
+    moved = [a.moved for a in actions]
+    keep = [a.base == Action.KEEP for a in actions]
     # End of forward: everything kept plus offloaded layers whose write has not finished yet.
     out = [
         sum(s for s, k in zip(size, keep) if k)
@@ -157,10 +214,10 @@ def _footprints(
     ]
     kept_below = sum(s for s, k in zip(size, keep) if k)
     for i in range(len(profiles) - 1, -1, -1):
-        # Backward of layer i: kept layers <= i, offloaded layers prefetched into [i - depth, i], and a
-        # recomputed layer's own activations while its backward runs.
+        # Backward of layer i: kept layers <= i, offloaded layers prefetched into [i - depth, i], and what a
+        # recomputed layer (or its recomputed sub-modules) re-creates while its backward runs.
         inflight = sum(size[j] for j in range(max(0, i - depth), i + 1) if moved[j])
-        own = size[i] if actions[i] == Action.RECOMPUTE else 0
+        own = profiles[i].transient(actions[i])
         out.append(kept_below + inflight + own)
         if keep[i]:
             kept_below -= size[i]
@@ -182,10 +239,18 @@ def _overflow(
     return t, over, peak
 
 
-def _choices(cfg: ActivationOffloadConfig, bw: dict[str, TierBandwidth]) -> list[Action]:
+def _choices(
+    cfg: ActivationOffloadConfig, bw: dict[str, TierBandwidth], profiles: list[LayerProfile]
+) -> list[Action]:
     out = [Action.KEEP, Action.RECOMPUTE]
     out += [Action(t) for t in cfg.tiers if t in bw]
+    if any(p.sel_saved_bytes is not None for p in profiles):
+        out += [Action(f"{a.value}+sel") for a in out if a != Action.RECOMPUTE]
     return out
+
+
+def _usable(a: Action, p: LayerProfile) -> bool:
+    return not a.sel or p.sel_saved_bytes is not None
 
 
 def _depth(profiles: list[LayerProfile], bw: dict[str, TierBandwidth]) -> int:
@@ -227,6 +292,10 @@ def make_plan(
     elif cfg.policy == "offload_all":
         first = next((Action(t) for t in cfg.tiers if t in bw), Action.RECOMPUTE)
         actions = [first] * n
+        if cfg.recompute_modules and first != Action.RECOMPUTE:
+            actions = [
+                Action(f"{first.value}+sel") if p.sel_saved_bytes is not None else first for p in profiles
+            ]
     else:
         # The prefetch depth trades stall (too shallow) against memory (too deep): search it too.
         depths = [cfg.prefetch_depth] if cfg.prefetch_depth else list(range(1, 5))
@@ -246,7 +315,7 @@ def make_plan(
     t_bwd = sum(p.bwd_s for p in profiles)
     w = sum(b.write_Bps for b in bw.values())
     r = sum(b.read_Bps for b in bw.values())
-    planned = sum(p.saved_bytes for p, a in zip(profiles, actions) if a in (Action.HOST, Action.SSD))
+    planned = sum(p.stored(a) for p, a in zip(profiles, actions) if a.moved)
     hide_w, hide_r = w * t_fwd, r * t_bwd
     bound = {
         "hideable_write_bytes": hide_w,
@@ -269,7 +338,7 @@ def _search(
     base_t: float,
     exhaustive_limit: int,
 ) -> tuple[list[Action], tuple[float, ...]]:
-    choices = _choices(cfg, bw)
+    choices = _choices(cfg, bw, profiles)
     n = len(profiles)
     budget = None if cfg.memory_budget_gb is None else cfg.memory_budget_gb * GB
 
@@ -281,18 +350,19 @@ def _search(
         return (over, t, peak)
 
     if len(choices) ** n <= exhaustive_limit:
-        best = min((list(c) for c in itertools.product(choices, repeat=n)), key=score)
+        plans = (list(c) for c in itertools.product(choices, repeat=n))
+        best = min((c for c in plans if all(map(_usable, c, profiles))), key=score)
     else:
         # Descend from every uniform plan (keep all, recompute all, all to one tier) and keep the best end
         # point: from "keep all" alone a tight budget can leave the descent in a local minimum.
         ends = []
         for start in choices:
-            cur_plan = [start] * n
+            cur_plan = [start if _usable(start, p) else start.base for p in profiles]
             cur = score(cur_plan)
             while True:  # steepest descent over single-layer changes
                 cand = min(
                     ((score([*cur_plan[:i], a, *cur_plan[i + 1 :]]), i, a) for i in range(n) for a in choices
-                     if a != cur_plan[i]),
+                     if a != cur_plan[i] and _usable(a, profiles[i])),
                     key=lambda c: c[0],
                 )  # fmt: skip
                 if cand[0] >= cur:
@@ -304,7 +374,10 @@ def _search(
     if budget is not None:
         _, _, peak = simulate(profiles, best, bw, depth)
         if peak > budget:
-            floor = min(simulate(profiles, [a] * n, bw, depth)[2] for a in choices)
+            floor = min(
+                simulate(profiles, [a if _usable(a, p) else a.base for p in profiles], bw, depth)[2]
+                for a in choices
+            )
             raise PlanError(
                 f"memory_budget_gb={cfg.memory_budget_gb} cannot be met: the most frugal plan found keeps "
                 f"{floor / GB:.2f} GiB of activations (raise the budget, add a tier, or lower the micro-batch)"

@@ -3,46 +3,125 @@
 Runs once (step 0, everything kept). Times are taken with ``perf_counter`` around a device synchronize on
 CUDA, which costs one slow step and is exact, rather than CUDA events whose pairing across hooks and
 autograd threads is fragile.
+
+Backward time is taken from gradient hooks on the layer's activations: it starts when the gradient of the
+layer's output arrives and ends when the gradient of its input is computed. Module full-backward hooks
+cannot do this: they see positional inputs only, and Megatron passes ``hidden_states`` by keyword, so they
+fire back to back and report ~0 ms.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["Profiler"]
+__all__ = ["Profiler", "first_grad_tensor"]
+
+
+def first_grad_tensor(values: Iterable[Any]) -> torch.Tensor | None:
+    """The first tensor that requires grad among ``values`` (looking one level into tuples, lists, dicts)."""
+    for v in values:
+        if isinstance(v, (tuple, list)):
+            v = first_grad_tensor(v)
+        elif isinstance(v, dict):
+            v = first_grad_tensor(v.values())
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            return v
+    return None
 
 
 class Profiler:
-    def __init__(self, layers: list[nn.Module], hooks: Any, device: torch.device) -> None:
+    """Times each layer (and its ``recompute_modules``) during one step; ``finish()`` gives the profiles."""
+
+    def __init__(
+        self, layers: list[nn.Module], hooks: Any, device: torch.device, recompute_modules: Iterable[str] = ()
+    ) -> None:
         self.layers, self.hooks, self.device = layers, hooks, device
         n = len(layers)
-        self.fwd, self.bwd = [0.0] * n, [0.0] * n
+        self.fwd, self.bwd, self.sub = [0.0] * n, [0.0] * n, [0.0] * n
+        self.has_sub = [False] * n
         self._t: dict[tuple[str, int], float] = {}
         self._handles = []
+        names = set(recompute_modules)
         for i, m in enumerate(layers):
             self._handles += [
-                m.register_forward_pre_hook(self._mark("f", i, start=True)),
-                m.register_forward_hook(self._mark("f", i, start=False)),
-                m.register_full_backward_pre_hook(self._mark("b", i, start=True)),
-                m.register_full_backward_hook(self._mark("b", i, start=False)),
+                m.register_forward_pre_hook(self._fwd_pre(i), with_kwargs=True),
+                m.register_forward_hook(self._fwd_post(i)),
             ]
+            for sub in m.modules():
+                if sub is not m and type(sub).__name__ in names:
+                    self.has_sub[i] = True
+                    self._handles += [
+                        sub.register_forward_pre_hook(self._sub_pre(i), with_kwargs=True),
+                        sub.register_forward_hook(self._sub_post(i)),
+                    ]
 
     def _now(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _mark(self, kind: str, i: int, start: bool) -> Any:
-        def hook(*_: Any) -> None:
-            if start:
-                self._t[(kind, i)] = self._now()
-            elif (kind, i) in self._t:
-                dt = self._now() - self._t.pop((kind, i))
-                (self.fwd if kind == "f" else self.bwd)[i] += dt
+    def _start(self, kind: str, i: int) -> None:
+        self._t[(kind, i)] = self._now()
+
+    def _stop(self, kind: str, i: int, into: list[float]) -> None:
+        t0 = self._t.pop((kind, i), None)
+        if t0 is not None:
+            into[i] += self._now() - t0
+
+    def _fwd_pre(self, i: int) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            x = first_grad_tensor([*args, *kwargs.values()])
+            self._has_input = x is not None
+            if x is not None:
+                x.register_hook(lambda _g: self._stop("b", i, self.bwd))
+            self._start("f", i)
+
+        return hook
+
+    def _fwd_post(self, i: int) -> Any:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            self._stop("f", i, self.fwd)
+            y = first_grad_tensor([out])
+            if y is None:
+                return
+            has_input = self._has_input
+
+            def start(_g: torch.Tensor) -> None:
+                self._start("b", i)
+                if not has_input:  # nothing marks the end of this layer's backward but the end of backward
+                    torch.autograd.Variable._execution_engine.queue_callback(
+                        lambda: self._stop("b", i, self.bwd)
+                    )
+
+            y.register_hook(start)
+
+        return hook
+
+    def _sub_pre(self, i: int) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            self.hooks.sub_depth += 1
+            self.hooks.note_sub_inputs(i, [*args, *kwargs.values()])
+            self._start(f"s{id(module)}", i)
+
+        return hook
+
+    def _sub_post(self, i: int) -> Any:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            self.hooks.sub_depth -= 1
+            self._stop(f"s{id(module)}", i, self.sub)
 
         return hook
 
@@ -58,6 +137,8 @@ class Profiler:
                 saved_bytes=self.hooks.profile_bytes[i],
                 fwd_s=self.fwd[i],
                 bwd_s=self.bwd[i],
+                sel_saved_bytes=self.hooks.sel_saved_bytes(i) if self.has_sub[i] else None,
+                sel_recompute_s=self.sub[i],
             )
             for i, m in enumerate(self.layers)
         ]
