@@ -1,10 +1,13 @@
 """Activation offload, side by side: step time and activation memory of one GPT under each strategy.
 
-In one process, on the same model and data: no offload; full recompute (dsx ``recompute_all``: torch
-checkpointing per layer); torch ``save_on_cpu(pin_memory=True)``; dsx host tier; dsx SSD tier; dsx ``auto``
-with a budget equal to full recompute's measured peak; dsx ``auto`` with no budget (hide only). Each config
-is a fresh ``dsx.initialize`` engine; step time is the median over ``--steps`` after ``--warmup``; activation
-peak is ``max_memory_allocated`` during the steps minus the memory held before the first forward.
+On the same model and data: no offload; full recompute (dsx ``recompute_all``: torch checkpointing per
+layer); megatron-core's selective recompute (core attention only); torch ``save_on_cpu(pin_memory=True)``;
+dsx host tier; dsx SSD tier; dsx ``auto`` with a budget equal to full recompute's measured peak; dsx ``auto``
+with no budget (hide only); and the dsx configs again with ``recompute_modules`` (``_sel``: the core
+attention recomputed, the rest kept or moved per layer). Each config runs in its own process (a fresh
+``dsx.initialize`` engine; in one process, memory the earlier engines held made later configs run out);
+step time is the median over ``--steps`` after ``--warmup``; activation peak is ``max_memory_allocated``
+during the steps minus the memory held before the first forward.
 
     python benchmarks/bench_offload.py --hidden 2048 --layers 8 --seq-len 2048 --micro-batch 8
     python benchmarks/bench_offload.py --quick        # CPU smoke test with the small torch GPT
@@ -34,7 +37,11 @@ from dsx.examples.gpt import _single_process_env
 from dsx.models.gpt import GPT, GPTConfig
 from dsx.models.megatron_gpt import build_megatron_gpt, megatron_available
 
-CONFIGS = ["none", "recompute", "save_on_cpu", "dsx_host", "dsx_ssd", "dsx_auto_budget", "dsx_auto_hide"]
+CONFIGS = [
+    "none", "recompute", "megatron_selective", "save_on_cpu", "dsx_host", "dsx_host_sel", "dsx_ssd",
+    "dsx_auto_budget", "dsx_auto_budget_sel", "dsx_auto_hide", "dsx_auto_hide_sel",
+]  # fmt: skip
+NEEDS_BUDGET = ("dsx_auto_budget", "dsx_auto_budget_sel")
 
 
 def _ds_config(micro: int, bf16: bool, dsx_section: dict[str, Any] | None) -> dict[str, Any]:
@@ -51,17 +58,28 @@ def _ds_config(micro: int, bf16: bool, dsx_section: dict[str, Any] | None) -> di
     return cfg
 
 
-def _model(args: argparse.Namespace) -> torch.nn.Module:
-    if not args.quick and megatron_available()[0]:
-        return build_megatron_gpt(args.layers, args.hidden, args.heads, args.seq_len, 256, seed=0, bf16=True)
+def _megatron(args: argparse.Namespace) -> bool:
+    return not args.quick and megatron_available()[0]
+
+
+def _model(args: argparse.Namespace, name: str) -> torch.nn.Module:
+    if _megatron(args):
+        granularity = "selective" if name == "megatron_selective" else None
+        return build_megatron_gpt(args.layers, args.hidden, args.heads, args.seq_len, 256, seed=0, bf16=True,
+                                  recompute_granularity=granularity)  # fmt: skip
     cfg = GPTConfig(
         vocab_size=256, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden, heads=args.heads
     )
     return GPT(cfg, seed=0)
 
 
-def _section(name: str, ssd_dir: str, budget_gb: float | None, pool_gb: float) -> dict[str, Any] | None:
+def _section(
+    name: str, ssd_dir: str, budget_gb: float | None, pool_gb: float, attention: str
+) -> dict[str, Any] | None:
     base = {"enabled": True, "min_tensor_bytes": 1 << 16, "host_pool_gb": pool_gb, "ssd_capacity_gb": pool_gb}
+    if name.endswith("_sel"):
+        base["recompute_modules"] = [attention]
+        name = name.removesuffix("_sel")
     return {
         "recompute": {**base, "policy": "recompute_all"},
         "dsx_host": {**base, "policy": "offload_all", "tiers": ["host"]},
@@ -73,12 +91,17 @@ def _section(name: str, ssd_dir: str, budget_gb: float | None, pool_gb: float) -
 
 
 def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float | None) -> dict[str, Any]:
+    if name == "megatron_selective" and not _megatron(args):
+        raise RuntimeError(f"megatron_selective needs megatron-core on a GPU ({megatron_available()[1]})")
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model = _model(args)
+    model = _model(args, name)
     bf16 = dev.type == "cuda"
+    # the sub-module megatron's selective recompute recomputes; the torch GPT's whole attention block
+    attention = "DotProductAttention" if _megatron(args) else "Attention"
+    section = _section(name, ssd_dir, budget_gb, args.pool_gb, attention)
     engine, _, _, _ = dsx.initialize(
-        model=model, model_parameters=model.parameters(), config=_ds_config(args.micro_batch, bf16, _section(name, ssd_dir, budget_gb, args.pool_gb))
-    )  # fmt: skip
+        model=model, model_parameters=model.parameters(), config=_ds_config(args.micro_batch, bf16, section)
+    )
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=gen).to(engine.device)
     inp, tgt = x[:, :-1], x[:, 1:]
@@ -127,6 +150,45 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             "activation_peak_gb": peak / 1e9, "losses": losses, "telemetry": telemetry, "plan": plan}  # fmt: skip
 
 
+RESULT_TAG = "BENCH_OFFLOAD_RESULT "
+
+
+def _init_distributed() -> None:
+    _single_process_env()
+    import deepspeed
+
+    # megatron-core's model parallel state needs the process group before the model is built.
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _guarded(name: str, args: argparse.Namespace, ssd: str, budget: float | None) -> dict[str, Any]:
+    """Run one config; an exception is recorded, not raised: one failing strategy must not hide the others."""
+    try:
+        return run_one(name, args, ssd, budget)
+    except Exception as exc:
+        import traceback
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"config": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                "where": traceback.format_exc(limit=-3)[-600:]}  # fmt: skip
+
+
+def _child(name: str, argv: list[str], budget: float | None) -> dict[str, Any]:
+    """Run one config in a fresh process: its memory peak is its own, whatever the others left behind."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, *argv, "--one", name]
+    if budget is not None:
+        cmd += ["--budget-gb", str(budget)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG) :])
+    tail = (proc.stdout + proc.stderr)[-800:]
+    return {"config": name, "error": f"child exited {proc.returncode} without a result", "where": tail}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
@@ -141,36 +203,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--name", default="bench_offload", help="JSON/PNG file name (several runs side by side)")
     p.add_argument("--pool-gb", type=float, default=40.0, help="host pool and SSD file size per config")
     p.add_argument("--ssd-dir", default=None, help="directory on the SSD (default: a temporary directory)")
+    p.add_argument("--in-process", action="store_true", help="run every config in this process")
+    p.add_argument("--one", choices=CONFIGS, help=argparse.SUPPRESS)  # a child: run one config, print JSON
+    p.add_argument("--budget-gb", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.heads, args.seq_len, args.micro_batch = 64, 2, 2, 32, 2
         args.warmup, args.steps, args.pool_gb = 1, 2, 0.25
-    _single_process_env()
-    import deepspeed
-
-    # megatron-core's model parallel state needs the process group before the model is built.
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     results: list[dict[str, Any]] = []
-    budget: float | None = None
     with tempfile.TemporaryDirectory(dir=args.ssd_dir) as ssd:
+        if args.one:
+            _init_distributed()
+            print(RESULT_TAG + json.dumps(_guarded(args.one, args, ssd, args.budget_gb)), flush=True)
+            return {}
+        if args.in_process:
+            _init_distributed()
         for name in args.configs:
-            if name == "dsx_auto_budget":
+            budget: float | None = None
+            if name in NEEDS_BUDGET:
                 rec = next((r for r in results if r["config"] == "recompute" and "error" not in r), None)
-                budget = (
-                    rec["activation_peak_gb"] * 1e9 / 2**30 if rec and rec["activation_peak_gb"] > 0 else None
-                )
-                if budget is None:
+                if rec is None or rec["activation_peak_gb"] <= 0:
                     results.append({"config": name, "error": "needs a measured 'recompute' peak (GPU run)"})
                     continue
-            try:
-                res = run_one(name, args, ssd, budget)
-            except Exception as exc:  # record and go on: one failing strategy must not hide the others
-                import traceback
-
-                res = {"config": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}",
-                       "where": traceback.format_exc(limit=-3)[-600:]}  # fmt: skip
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                budget = rec["activation_peak_gb"] * 1e9 / 2**30
+            if args.in_process:
+                res = _guarded(name, args, ssd, budget)
+            else:
+                res = _child(name, argv if argv is not None else sys.argv[1:], budget)
             results.append(res)
             print(
                 json.dumps({k: v for k, v in res.items() if k not in ("losses", "telemetry", "plan")}),
@@ -178,20 +237,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
     ok = {r["config"]: r for r in results if "error" not in r}
     ratios: dict[str, float] = {}
-    if "recompute" in ok and "dsx_auto_budget" in ok:
-        ratios["auto_budget_vs_recompute_throughput"] = (
-            ok["dsx_auto_budget"]["tokens_per_s"] / ok["recompute"]["tokens_per_s"]
-        )
-    if "none" in ok and "dsx_auto_hide" in ok:
-        ratios["auto_hide_vs_none_throughput"] = (
-            ok["dsx_auto_hide"]["tokens_per_s"] / ok["none"]["tokens_per_s"]
-        )
-    if "save_on_cpu" in ok and "dsx_host" in ok:
-        ratios["dsx_host_vs_save_on_cpu_throughput"] = (
-            ok["dsx_host"]["tokens_per_s"] / ok["save_on_cpu"]["tokens_per_s"]
-        )
+    for a, b in [("dsx_auto_budget", "recompute"), ("dsx_auto_budget_sel", "recompute"),
+                 ("dsx_auto_budget_sel", "megatron_selective"), ("dsx_auto_hide", "none"),
+                 ("dsx_auto_hide_sel", "none"), ("dsx_host", "save_on_cpu"), ("dsx_host_sel", "save_on_cpu")]:  # fmt: skip
+        if a in ok and b in ok:
+            ratios[f"{a}_vs_{b}_throughput"] = ok[a]["tokens_per_s"] / ok[b]["tokens_per_s"]
     out = {"name": "bench_offload", "env": environment(), "config": vars(args),
-           "model": "megatron-core GPTModel" if (not args.quick and megatron_available()[0]) else "dsx torch GPT",
+           "model": "megatron-core GPTModel" if _megatron(args) else "dsx torch GPT",
            "results": results, "ratios": ratios}  # fmt: skip
     write_json(out, args.out, args.name)
     _plot(results, args.out, args.name)
