@@ -134,7 +134,10 @@ _IO_COLORS = ["tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:olive",
 
 
 def plot_timeline(tl: Timeline, out: str | os.PathLike[str], title: str = "") -> Path:
-    """Draw ``tl`` to the PNG ``out`` (matplotlib, no display needed); returns the path."""
+    """Draw ``tl`` to the PNG ``out`` (matplotlib, no display needed); returns the path.
+
+    ``title`` (e.g. the file name) goes before the rank and step range in the heading.
+    """
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -172,7 +175,8 @@ def plot_timeline(tl: Timeline, out: str | os.PathLike[str], title: str = "") ->
     ax.set_ylim(-0.6, len(lanes) - 0.1)
     ax.set_xlim(0, bounds[-1])
     ax.set_xlabel("time (ms)")
-    ax.set_title(title or f"rank {tl.rank}, steps {tl.steps[0][0]}..{tl.steps[-1][0]}", pad=14)
+    heading = f"rank {tl.rank}, steps {tl.steps[0][0]}..{tl.steps[-1][0]}"
+    ax.set_title(f"{title}: {heading}" if title else heading, pad=14)
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     out = Path(out)
     fig.savefig(out, dpi=120, bbox_inches="tight")
@@ -184,7 +188,7 @@ def cli(args: argparse.Namespace) -> int:
     out = Path(args.output) if args.output else Path(args.trace).with_suffix(".png")
     try:
         tl = select_steps(load_timeline(args.trace), args.steps)
-        plot_timeline(tl, out, title=f"{Path(args.trace).name}: rank {tl.rank}")
+        plot_timeline(tl, out, title=Path(args.trace).name)
     except (TraceError, OSError) as exc:
         print(f"dsx trace: error: {exc}", file=sys.stderr)
         return 2
