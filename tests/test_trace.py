@@ -11,11 +11,10 @@ import torch
 
 import dsx
 from dsx.cli import main as dsx_main
-from dsx.examples.gpt import main as gpt_main
 from dsx.runtime.timeline import load_timeline
 from dsx.runtime.trace import rank_path
 from tests._offload_models import TinyGPT
-from tests.harness import REPO
+from tests.harness import REPO, launch
 
 STEPS, INTERVAL = 5, 2
 MICRO = 2
@@ -155,9 +154,14 @@ def test_rank_path() -> None:
     assert rank_path("out/trace", 3, 4) == Path("out/trace.rank3")
 
 
-def test_gpt_trace_flag(tmp_path) -> None:
+@pytest.mark.slow
+def test_gpt_trace_flag_two_ranks(tmp_path) -> None:
+    """``--trace`` on the main job, launched on two ranks: one file per rank, ``.rank<r>`` before ``.json``."""
     trace = tmp_path / "gpt.json"
-    gpt_main(["--deepspeed_config", str(REPO / "configs/gpt_zero2.json"), "--trace", str(trace),
-              "--steps", "3", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "32",
-              "--eval-batches", "1", "--no-progress", "--loader", "torch", "--model", "torch"])  # fmt: skip
-    assert [s for s, *_ in load_timeline(trace).steps] == [0, 1, 2]
+    launch(REPO / "examples/gpt/train.py", ["--deepspeed_config", str(REPO / "configs/gpt_zero2.json"),
+           "--trace", str(trace), "--steps", "3", "--layers", "1", "--hidden", "32", "--heads", "2",
+           "--seq-len", "32", "--eval-batches", "1", "--no-progress", "--loader", "torch", "--model", "torch"], 2).check()  # fmt: skip
+    assert not trace.exists()
+    for r in (0, 1):
+        tl = load_timeline(tmp_path / f"gpt.rank{r}.json")
+        assert tl.rank == r and [s for s, *_ in tl.steps] == [0, 1, 2]
