@@ -1,4 +1,4 @@
-"""The ``dsx`` command: ``dsx report``, ``dsx build-ops`` (see ``dsx --help``)."""
+"""The ``dsx`` command: ``dsx report``, ``dsx build-ops``, ``dsx trace`` (see ``dsx --help``)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def _build_ops(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true")
 
 
+def _trace(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="trace JSON written by the scheduler (dsx.scheduler.trace_path)")
+    p.add_argument("-o", "--output", default=None, help="PNG path (default: the trace's path, .png)")
+    p.add_argument("--steps", metavar="A:B", default=None, help="only steps A <= step < B")
+
+
 # name -> (help, argument setup, "module:function" taking the parsed args and returning an exit code).
 # Modules are imported only when their command runs, so a missing optional part breaks only that command.
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]] = {
@@ -31,6 +37,7 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]]
         _build_ops,
         "dsx.ops:cli_build",
     ),
+    "trace": ("draw a scheduler trace as a timeline PNG", _trace, "dsx.runtime.timeline:cli"),
 }
 
 

@@ -136,8 +136,10 @@ class SchedulerConfig(_Section):
 
     enabled: bool = False
     io_workers: int = Field(default=4, ge=1, le=64)
+    # steps between writes to DeepSpeed's monitor (means over the interval) and rewrites of the trace file
     log_interval: int = Field(default=10, ge=1)
-    trace_path: str | None = None
+    trace_path: str | None = None  # Chrome trace JSON; ".rank<r>" goes before the extension when ranks > 1
+    trace_steps: int = Field(default=50, ge=1)  # the trace file holds (and memory keeps) the last N steps
     bandwidth_probe_mb: int = Field(default=64, ge=1)
 
 

@@ -13,7 +13,9 @@ import deepspeed
 import torch
 
 from dsx.config import DsxConfig, DsxConfigError, split_config
+from dsx.runtime.monitor import MonitorSink
 from dsx.runtime.scheduler import Scheduler
+from dsx.runtime.trace import TraceWriter
 
 __all__ = ["DsxRuntime", "initialize", "runtime_of"]
 
@@ -36,11 +38,17 @@ class DsxRuntime:
     config: DsxConfig
     scheduler: Scheduler | None = None
     features: dict[str, Any] = field(default_factory=dict)
+    step_driver: _StepDriver | None = field(default=None, repr=False)
 
     def close(self) -> None:
-        """Detach features (hooks, files, shared segments) and stop the I/O workers."""
+        """Detach features (hooks, files, shared segments), stop the I/O workers, write the trace."""
         errors: list[BaseException] = []
-        for handle in reversed(list(self.features.values())):
+        handles = list(self.features.values())
+        if self.step_driver is not None:
+            # installed last, over the features' own engine.step wrappers: it must come off first
+            handles.append(self.step_driver)
+            self.step_driver = None
+        for handle in reversed(handles):
             try:
                 handle.close()
             except BaseException as exc:  # keep closing the rest, then re-raise the first
@@ -50,6 +58,55 @@ class DsxRuntime:
             self.scheduler.close()
         if errors:
             raise errors[0]
+
+
+class _StepDriver:
+    """Ends the scheduler's step after each optimizer step that no feature ended itself.
+
+    Activation offload ends steps from its own ``engine.step`` wrapper (it plans after the first one);
+    with only the scheduler, or only features that do not, this outermost wrapper does it, so that every
+    optimizer step is ended exactly once.
+    """
+
+    def __init__(self, engine: Any, scheduler: Scheduler) -> None:
+        self.engine, self._inner = engine, engine.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            # read before step(): DeepSpeed advances its micro-step counter inside it
+            boundary = getattr(engine, "is_gradient_accumulation_boundary", lambda: True)()
+            ended = scheduler.telemetry.steps
+            out = self._inner(*args, **kwargs)
+            if boundary and scheduler.telemetry.steps == ended:
+                scheduler.end_step()
+            return out
+
+        engine.step = step
+
+    def close(self) -> None:
+        self.engine.step = self._inner
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _add_sinks(engine: Any, scheduler: Scheduler) -> None:
+    """The monitor and trace sinks the ``scheduler`` section asks for (only when it is enabled)."""
+    cfg = scheduler.config
+    if not cfg.enabled:
+        if cfg.trace_path is not None:
+            logger.warning("dsx: scheduler.trace_path is set but scheduler.enabled is false: no trace")
+        return
+    rank, world = _rank_and_world()
+    monitor = getattr(engine, "monitor", None)
+    if rank == 0 and monitor is not None and monitor.enabled:
+        scheduler.add_sink(MonitorSink(engine, cfg.log_interval))
+    if cfg.trace_path is not None:
+        writer = TraceWriter(cfg.trace_path, rank, world, cfg.log_interval, cfg.trace_steps)
+        scheduler.add_sink(writer)
+        logger.info("dsx: scheduler trace -> %s", writer.path)
 
 
 def runtime_of(engine: Any) -> DsxRuntime | None:
@@ -130,6 +187,8 @@ def attach(engine: Any, dsx_config: DsxConfig) -> DsxRuntime:
             module = importlib.import_module(module_name)
             runtime.features[name] = module.attach(engine, section, runtime)
             logger.info("dsx: %s attached", name)
+        _add_sinks(engine, runtime.scheduler)
+        runtime.step_driver = _StepDriver(engine, runtime.scheduler)
     except BaseException:
         runtime.close()
         raise

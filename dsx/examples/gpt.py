@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--log-json", default=None, help="write per-step losses and the summary here (rank 0)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--trace", metavar="PATH", default=None,
+                   help="write the scheduler's timeline here (enables dsx.scheduler; .rank<r> added per rank "
+                        "when there are several); draw it with `dsx trace PATH`")  # fmt: skip
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args(argv)
     if args.deepspeed_config is None:
@@ -119,6 +122,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train, print the summary on rank 0, and return it."""
     args = parse_args(argv)
     ds_config = load_deepspeed_config(args.deepspeed_config)
+    if args.trace:
+        # the flag wins over the file's scheduler section, without editing the JSON
+        sched = ds_config.setdefault("dsx", {}).setdefault("scheduler", {})
+        sched.update(enabled=True, trace_path=args.trace)
     torch.manual_seed(args.seed)
     _single_process_env()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

@@ -12,14 +12,22 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from dsx.config import SchedulerConfig
-from dsx.runtime.telemetry import StepTelemetry
+from dsx.runtime.telemetry import StepRecord, StepTelemetry
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "StepSink"]
+
+
+class StepSink(Protocol):
+    """Receives every ended step (e.g. the DeepSpeed monitor, the Chrome trace file)."""
+
+    def on_step(self, record: StepRecord) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Scheduler:
@@ -40,13 +48,14 @@ class Scheduler:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        self.telemetry = StepTelemetry(keep_events=self.config.trace_path is not None)
+        self.telemetry = StepTelemetry(keep_events=self.config.enabled and self.config.trace_path is not None)
         self._pool = ThreadPoolExecutor(max_workers=self.config.io_workers, thread_name_prefix="dsx-io")
         self._streams: dict[str, Any] = {}
         self._pending: dict[str, list[Future[Any]]] = {}
         self._closed = False
         self._gates: dict[str, threading.Event] = {}
         self.gate_pauses: dict[str, int] = {}  # how often each gate was closed (shown in logs/tests)
+        self.sinks: list[StepSink] = []
 
     # ------------------------------------------------------------------------------------------ streams
     def stream(self, name: str) -> torch.cuda.Stream | None:
@@ -106,10 +115,19 @@ class Scheduler:
         for key in list(self._pending):
             self.wait(key)
 
-    def end_step(self) -> None:
-        self.telemetry.end_step()
+    def add_sink(self, sink: StepSink) -> None:
+        """Hand every step ended from now on to ``sink``; :meth:`close` closes it."""
+        self.sinks.append(sink)
+
+    def end_step(self) -> StepRecord:
+        """Close the step (once per optimizer step) and pass its record to the sinks."""
+        rec = self.telemetry.end_step()
+        for sink in self.sinks:
+            sink.on_step(rec)
+        return rec
 
     def close(self) -> None:
+        """Finish pending work, stop the I/O threads, then close the sinks (the trace's last write)."""
         if self._closed:
             return
         self._closed = True
@@ -117,6 +135,8 @@ class Scheduler:
             self.wait_all()
         finally:
             self._pool.shutdown(wait=True)
+            for sink in self.sinks:
+                sink.close()
 
 
 def _open_event() -> threading.Event:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["StepRecord", "StepTelemetry"]
@@ -16,6 +16,8 @@ class StepRecord:
     """What one training step cost and moved."""
 
     step: int
+    t0: float = 0.0  # perf_counter() at the step's start and end
+    t1: float = 0.0
     compute_s: float = 0.0
     transfer_s: float = 0.0
     stall_s: float = 0.0
@@ -49,6 +51,11 @@ class StepTelemetry:
     def current(self) -> StepRecord:
         return self._cur
 
+    @property
+    def steps(self) -> int:
+        """How many steps have ended."""
+        return self._step
+
     def add_transfer(self, tier: str, nbytes: int, t0: float, t1: float, name: str = "") -> None:
         with self._lock:
             self._cur.transfer_s += t1 - t0
@@ -68,13 +75,18 @@ class StepTelemetry:
                 self._cur.events.append((lane, name, t0, t1))
 
     def end_step(self) -> StepRecord:
-        """Close the current step; compute time is the step's wall time less the exposed stall."""
+        """Close the current step; compute time is the step's wall time less the exposed stall.
+
+        The returned record carries the step's events (when kept); :attr:`history` keeps the scalars
+        only, so that a long traced run does not hold every event in memory.
+        """
         now = time.perf_counter()
         with self._lock:
             rec = self._cur
+            rec.t0, rec.t1 = self._t_step, now
             rec.compute_s = max(0.0, (now - self._t_step) - rec.stall_s)
             rec.bytes_by_tier = dict(self._bytes)
-            self.history.append(rec)
+            self.history.append(replace(rec, events=[]))
             self._step += 1
             self._cur = StepRecord(step=self._step)
             self._bytes = defaultdict(int)
