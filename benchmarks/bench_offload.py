@@ -203,13 +203,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--name", default="bench_offload", help="JSON/PNG file name (several runs side by side)")
     p.add_argument("--pool-gb", type=float, default=40.0, help="host pool and SSD file size per config")
     p.add_argument("--ssd-dir", default=None, help="directory on the SSD (default: a temporary directory)")
+    p.add_argument("--budget-scales", type=float, nargs="+", default=[1.0],
+                   help="budgets for the dsx_auto_budget configs, as multiples of full recompute's peak")  # fmt: skip
     p.add_argument("--in-process", action="store_true", help="run every config in this process")
     p.add_argument("--one", choices=CONFIGS, help=argparse.SUPPRESS)  # a child: run one config, print JSON
     p.add_argument("--budget-gb", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.heads, args.seq_len, args.micro_batch = 64, 2, 2, 32, 2
-        args.warmup, args.steps, args.pool_gb = 1, 2, 0.25
+        args.warmup, args.steps, args.pool_gb = 2, 2, 0.25  # auto: a warm-up step, then the profiled one
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=args.ssd_dir) as ssd:
         if args.one:
@@ -218,18 +220,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return {}
         if args.in_process:
             _init_distributed()
-        for name in args.configs:
+        runs = [
+            (name, scale)
+            for name in args.configs
+            for scale in (args.budget_scales if name in NEEDS_BUDGET else [1.0])
+        ]
+        for name, scale in runs:
             budget: float | None = None
             if name in NEEDS_BUDGET:
                 rec = next((r for r in results if r["config"] == "recompute" and "error" not in r), None)
                 if rec is None or rec["activation_peak_gb"] <= 0:
                     results.append({"config": name, "error": "needs a measured 'recompute' peak (GPU run)"})
                     continue
-                budget = rec["activation_peak_gb"] * 1e9 / 2**30
+                budget = scale * rec["activation_peak_gb"] * 1e9 / 2**30
             if args.in_process:
                 res = _guarded(name, args, ssd, budget)
             else:
                 res = _child(name, argv if argv is not None else sys.argv[1:], budget)
+            if scale != 1.0:
+                res["config"] = f"{name}@{scale:g}x"
+            if budget is not None:
+                res["budget_gb"] = budget * 2**30 / 1e9
             results.append(res)
             print(
                 json.dumps({k: v for k, v in res.items() if k not in ("losses", "telemetry", "plan")}),
@@ -259,15 +270,27 @@ def _plot(results: list[dict[str, Any]], out: str | os.PathLike[str], name: str)
     ok = [r for r in results if "error" not in r]
     if not ok:
         return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [r["config"] for r in ok]
-    a.bar(names, [r["step_s"] * 1e3 for r in ok], color="tab:blue")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.2, 1]})
+    # the trade-off: lower left is better; dsx points in one colour, baselines in another
+    for r in ok:
+        dsx_cfg = r["config"].startswith("dsx")
+        a.scatter(r["activation_peak_gb"], r["step_s"] * 1e3, color="tab:blue" if dsx_cfg else "tab:gray",
+                  marker="o" if dsx_cfg else "s")  # fmt: skip
+        a.annotate(r["config"], (r["activation_peak_gb"], r["step_s"] * 1e3), fontsize=7,
+                   xytext=(4, 3), textcoords="offset points")  # fmt: skip
+    a.set_xlabel("activation peak (GB)")
     a.set_ylabel("step time (ms)")
-    b.bar(names, [r["activation_peak_gb"] for r in ok], color="tab:orange")
-    b.set_ylabel("activation peak (GB)")
-    for ax in (a, b):
-        ax.tick_params(axis="x", rotation=35)
-    fig.suptitle("Activation offload strategies (same model, same data, one run)")
+    a.set_yscale("log")
+    a.grid(alpha=0.3)
+    names = [r["config"] for r in ok]
+    b.barh(names, [r["tokens_per_s"] / 1e3 for r in ok],
+           color=["tab:blue" if n.startswith("dsx") else "tab:gray" for n in names])  # fmt: skip
+    b.invert_yaxis()
+    b.set_xlabel("throughput (k tokens/s)")
+    b.tick_params(axis="y", labelsize=7)
+    fig.suptitle(
+        "Activation offload strategies: same model, same data, one run (each config in its own process)"
+    )
     fig.tight_layout()
     save_png(fig, out, name)
 

@@ -38,11 +38,16 @@ case $stage in
   offload)  # 1 GPU: the activation offload benchmark alone
     log bench-offload; timeout 420 python benchmarks/bench_offload.py --out benchmarks/results > "$OUT/bench-offload.log" 2>&1
     ;;
-  offload3)  # 1 GPU: offload GPU tests, then every strategy, each in its own process (selective recompute included)
-    log offload-gpu-tests; timeout 120 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1
-    log bench-offload; timeout 470 python benchmarks/bench_offload.py --configs none recompute megatron_selective \
-      save_on_cpu dsx_host dsx_host_sel dsx_auto_budget dsx_auto_budget_sel dsx_auto_hide dsx_auto_hide_sel \
+  offload3)  # 1 GPU: every strategy at hidden 2048, each in its own process; auto at 1x and 1.5x recompute's peak
+    log bench-offload; timeout 580 python benchmarks/bench_offload.py --configs none recompute megatron_selective \
+      save_on_cpu dsx_host dsx_host_sel dsx_auto_budget dsx_auto_budget_sel dsx_auto_hide_sel --budget-scales 1 1.5 \
       --out benchmarks/results > "$OUT/bench-offload.log" 2>&1
+    ;;
+  offload4)  # 1 GPU: offload GPU tests, then the strategies at hidden 4096 (micro-batch 4)
+    log offload-gpu-tests; timeout 120 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1
+    log bench-offload-h4096; timeout 450 python benchmarks/bench_offload.py --hidden 4096 --heads 32 --micro-batch 4 \
+      --configs none recompute megatron_selective save_on_cpu dsx_host_sel dsx_auto_budget_sel dsx_auto_hide_sel \
+      --name bench_offload_h4096 --out benchmarks/results > "$OUT/bench-offload-h4096.log" 2>&1
     ;;
   offload2)  # 1 GPU: dsx's own offload configs in a fresh process (no engines left over from the baselines)
     log bench-offload-dsx; timeout 300 python benchmarks/bench_offload.py --configs dsx_host dsx_ssd dsx_auto_hide \

@@ -69,6 +69,9 @@ class ActivationOffloadConfig(_Section):
     # "DotProductAttention") that policy auto may recompute in backward instead of storing; offload_all
     # always does. They must not draw random numbers from anything but torch's default generators.
     recompute_modules: list[str] = Field(default_factory=list)
+    # policy auto: steps run with everything kept before the profiled one (the first step pays for lazy
+    # initialisation and allocator growth, which would make forward look slower and writes easier to hide)
+    profile_warmup_steps: int = Field(default=1, ge=0)
     io_backend: Literal["auto", "kvikio", "aio", "posix"] = "auto"
     min_tensor_bytes: int = Field(default=1 << 20, ge=0)
     verify: bool = False

@@ -299,7 +299,7 @@ def test_auto_profiles_selective_bytes_and_moves_what_it_predicts(tmp_path):
     """The profiled +sel bytes are exactly what the layer moves with its recompute modules recomputed."""
     model, batches, want = _reference(4, 4, make=lambda: TinyGPT(by_keyword=True))
     sched = Scheduler(SchedulerConfig(io_workers=2))
-    cfg = _cfg(tmp_path, ["host"], policy="auto", recompute_modules=["CoreAttention"])
+    cfg = _cfg(tmp_path, ["host"], policy="auto", recompute_modules=["CoreAttention"], profile_warmup_steps=0)
     off = ActivationOffload(model, cfg, sched)
     n = len(model.blocks)
     try:
@@ -352,3 +352,26 @@ def test_unknown_recompute_module_is_a_clear_error(tmp_path):
         ActivationOffload(model, _cfg(tmp_path, ["ssd"], recompute_modules=["Nope"]), Scheduler())
     assert not model._forward_pre_hooks and not any(b._forward_pre_hooks for b in model.blocks)
     assert not os.listdir(tmp_path / "ssd"), "a run directory was created before the config was checked"
+
+
+def test_auto_profiles_after_warmup_steps(tmp_path):
+    model, batches, want = _reference(6, 4)
+    sched = Scheduler()
+    off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=2), sched)
+    plans = []
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        got = []
+        for x in batches:
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            got.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            off.end_step()
+            plans.append(off.plan)
+    finally:
+        off.close()
+        sched.close()
+    assert plans[0] is None and plans[1] is None and plans[2] is not None
+    assert all(p.saved_bytes > 0 and p.fwd_s > 0 for p in plans[2].profiles)
+    _assert_same(want, got)

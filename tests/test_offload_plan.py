@@ -139,6 +139,9 @@ def test_selective_actions_account_bytes_and_time() -> None:
     t_keep, _, peak_keep = simulate([p], [Action.KEEP], bw, 1)
     t_sel, _, peak_sel = simulate([p], [Action.KEEP_SEL], bw, 1)
     assert t_sel == pytest.approx(t_keep + 0.25) and peak_sel == peak_keep  # re-created in its own backward
+    p.bwd_workspace_bytes = 2 * GiB  # the backward's own temporaries come on top, whatever the action
+    assert simulate([p], [Action.KEEP], bw, 1)[2] == peak_keep + 2 * GiB
+    assert simulate([p], [Action.RECOMPUTE], bw, 1)[2] == 12 * GiB
 
 
 @pytest.mark.parametrize("seed", range(4))

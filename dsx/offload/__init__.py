@@ -162,7 +162,7 @@ class ActivationOffload:
             self._apply(["recompute"] * len(self.layers), 1)
         elif cfg.policy == "auto":
             self.profiler = Profiler(self.layers, self.hooks, self.device, cfg.recompute_modules)
-            self.hooks.actions = ["profile"] * len(self.layers)
+            self._profile_next(cfg.profile_warmup_steps == 0)
 
     # ------------------------------------------------------------------------------------ actions
     def _apply(self, actions: list[str], depth: int) -> None:
@@ -175,9 +175,18 @@ class ActivationOffload:
         self.hooks.actions = ["keep" if a == "recompute" else a.split("+")[0] for a in actions]
         self.hooks.prefetch_depth = depth
 
+    def _profile_next(self, on: bool) -> None:
+        """Profile the coming step (``on``), or run it with everything kept (a warm-up step)."""
+        assert self.profiler is not None
+        self.profiler.enabled = on
+        self.hooks.actions = ["profile" if on else "keep"] * len(self.layers)
+
     def end_step(self) -> None:
         """Mark an optimizer-step boundary: after the profiling step of policy 'auto', plan and apply."""
-        if self.profiler is not None and self.step == 0:
+        warmup = self.cfg.profile_warmup_steps
+        if self.profiler is not None and self.step + 1 == warmup:
+            self._profile_next(True)
+        elif self.profiler is not None and self.step == warmup:
             profiles = self.profiler.finish()
             self.profiler = None
             from dsx.runtime.bandwidth import measure_tier_bandwidth

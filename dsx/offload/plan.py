@@ -72,7 +72,8 @@ class LayerProfile:
 
     ``sel_saved_bytes`` is what the layer saves when its ``recompute_modules`` are recomputed (the bytes
     saved outside them plus their inputs, which checkpointing saves); ``sel_recompute_s`` is their forward
-    time. ``None`` when the layer has no such sub-module.
+    time. ``None`` when the layer has no such sub-module. ``bwd_workspace_bytes`` is the peak its backward
+    allocates above the level at its start (CUDA only; 0 elsewhere).
     """
 
     index: int
@@ -82,6 +83,7 @@ class LayerProfile:
     bwd_s: float
     sel_saved_bytes: int | None = None
     sel_recompute_s: float = 0.0
+    bwd_workspace_bytes: int = 0
 
     def stored(self, a: Action) -> int:
         """Bytes kept on the device (keep) or moved (host, ssd) under ``a``."""
@@ -214,10 +216,10 @@ def _footprints(
     ]
     kept_below = sum(s for s, k in zip(size, keep) if k)
     for i in range(len(profiles) - 1, -1, -1):
-        # Backward of layer i: kept layers <= i, offloaded layers prefetched into [i - depth, i], and what a
-        # recomputed layer (or its recomputed sub-modules) re-creates while its backward runs.
+        # Backward of layer i: kept layers <= i, offloaded layers prefetched into [i - depth, i], what a
+        # recomputed layer (or its recomputed sub-modules) re-creates, and its backward's own workspace.
         inflight = sum(size[j] for j in range(max(0, i - depth), i + 1) if moved[j])
-        own = profiles[i].transient(actions[i])
+        own = profiles[i].transient(actions[i]) + profiles[i].bwd_workspace_bytes
         out.append(kept_below + inflight + own)
         if keep[i]:
             kept_below -= size[i]

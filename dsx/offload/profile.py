@@ -1,13 +1,17 @@
 """The profiling step of policy ``auto``: per-layer saved bytes, forward and backward time.
 
-Runs once (step 0, everything kept). Times are taken with ``perf_counter`` around a device synchronize on
-CUDA, which costs one slow step and is exact, rather than CUDA events whose pairing across hooks and
-autograd threads is fragile.
+Runs once, everything kept, on the step after ``profile_warmup_steps`` warm-up steps. Times are taken with
+``perf_counter`` around a device synchronize on CUDA, which costs one slow step and is exact, rather than CUDA
+events whose pairing across hooks and autograd threads is fragile.
 
 Backward time is taken from gradient hooks on the layer's activations: it starts when the gradient of the
 layer's output arrives and ends when the gradient of its input is computed. Module full-backward hooks
 cannot do this: they see positional inputs only, and Megatron passes ``hidden_states`` by keyword, so they
 fire back to back and report ~0 ms.
+
+On CUDA each layer's backward workspace is measured too: the peak allocated memory above the level at its
+start (gradient buffers and temporaries; with everything kept, net of what the backward frees). The profiling
+step resets CUDA's peak-memory statistics to measure it.
 """
 
 from __future__ import annotations
@@ -43,7 +47,10 @@ class Profiler:
         self.layers, self.hooks, self.device = layers, hooks, device
         n = len(layers)
         self.fwd, self.bwd, self.sub = [0.0] * n, [0.0] * n, [0.0] * n
+        self.workspace = [0] * n
+        self._open: dict[int, int] = {}  # layers whose backward runs: memory allocated at its start
         self.has_sub = [False] * n
+        self.enabled = True  # off during warm-up steps
         self._t: dict[tuple[str, int], float] = {}
         self._handles = []
         names = set(recompute_modules)
@@ -66,16 +73,32 @@ class Profiler:
         return time.perf_counter()
 
     def _start(self, kind: str, i: int) -> None:
+        if not self.enabled:
+            return
         self._t[(kind, i)] = self._now()
+        if kind == "b" and self.device.type == "cuda":
+            # another layer's backward may still be open (its end and this start are one gradient): fold the
+            # peak so far into it before the reset
+            self._fold_peaks()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._open[i] = torch.cuda.memory_allocated(self.device)
 
     def _stop(self, kind: str, i: int, into: list[float]) -> None:
         t0 = self._t.pop((kind, i), None)
         if t0 is not None:
             into[i] += self._now() - t0
+        if kind == "b" and i in self._open:
+            self._fold_peaks()
+            del self._open[i]
+
+    def _fold_peaks(self) -> None:
+        peak = torch.cuda.max_memory_allocated(self.device)
+        for j, base in self._open.items():
+            self.workspace[j] = max(self.workspace[j], peak - base)
 
     def _fwd_pre(self, i: int) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if not torch.is_grad_enabled():
+            if not (self.enabled and torch.is_grad_enabled()):
                 return
             x = first_grad_tensor([*args, *kwargs.values()])
             self._has_input = x is not None
@@ -87,7 +110,7 @@ class Profiler:
 
     def _fwd_post(self, i: int) -> Any:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if not torch.is_grad_enabled():
+            if not (self.enabled and torch.is_grad_enabled()):
                 return
             self._stop("f", i, self.fwd)
             y = first_grad_tensor([out])
@@ -108,7 +131,7 @@ class Profiler:
 
     def _sub_pre(self, i: int) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if not torch.is_grad_enabled():
+            if not (self.enabled and torch.is_grad_enabled()):
                 return
             self.hooks.sub_depth += 1
             self.hooks.note_sub_inputs(i, [*args, *kwargs.values()])
@@ -118,7 +141,7 @@ class Profiler:
 
     def _sub_post(self, i: int) -> Any:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if not torch.is_grad_enabled():
+            if not (self.enabled and torch.is_grad_enabled()):
                 return
             self.hooks.sub_depth -= 1
             self._stop(f"s{id(module)}", i, self.sub)
@@ -139,6 +162,7 @@ class Profiler:
                 bwd_s=self.bwd[i],
                 sel_saved_bytes=self.hooks.sel_saved_bytes(i) if self.has_sub[i] else None,
                 sel_recompute_s=self.sub[i],
+                bwd_workspace_bytes=self.workspace[i],
             )
             for i, m in enumerate(self.layers)
         ]
