@@ -7,7 +7,10 @@ with no budget (hide only); and the dsx configs again with ``recompute_modules``
 attention recomputed, the rest kept or moved per layer). Each config runs in its own process (a fresh
 ``dsx.initialize`` engine; in one process, memory the earlier engines held made later configs run out);
 step time is the median over ``--steps`` after ``--warmup``; activation peak is ``max_memory_allocated``
-during the steps minus the memory held before the first forward.
+during the steps minus the memory held before the first measured forward, and ``peak_allocated_gb`` the
+absolute maximum (model, optimizer and whatever a strategy keeps between steps included: torch checkpointing
+of megatron-core layers was seen to keep ~3.8 GB per layer allocated between steps, see
+``memory_per_step_gb``).
 
     python benchmarks/bench_offload.py --hidden 2048 --layers 8 --seq-len 2048 --micro-batch 8
     python benchmarks/bench_offload.py --quick        # CPU smoke test with the small torch GPT
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -112,13 +116,15 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     )
     times: list[float] = []
     losses: list[float] = []
-    base = peak = 0
+    base = peak = peak_total = 0
+    per_step: list[tuple[float, float]] = []  # (allocated at the step's start, its peak above that), GB
     for step in range(args.warmup + args.steps):
         if dev.type == "cuda":
             torch.cuda.synchronize()
             if step == args.warmup:
-                torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         with ctx():
             loss = engine(inp, tgt)
@@ -126,11 +132,13 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         engine.step()
         if dev.type == "cuda":
             torch.cuda.synchronize()
+            per_step.append((start / 1e9, (torch.cuda.max_memory_allocated() - start) / 1e9))
+            if step >= args.warmup:
+                peak = max(peak, torch.cuda.max_memory_allocated() - base)
+                peak_total = max(peak_total, torch.cuda.max_memory_allocated())
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
             losses.append(float(loss))
-    if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
     rt = dsx.runtime_of(engine)
     telemetry = rt.scheduler.telemetry.summary() if rt and rt.scheduler else {}
     plan = None
@@ -138,7 +146,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         off = rt.features["activation_offload"].offload
         if getattr(off, "plan", None) is not None:
             plan = {"actions": [a.value for a in off.plan.actions], "bound": off.plan.bound,
-                    "predicted_step_s": off.plan.predicted_step_s}  # fmt: skip
+                    "predicted_step_s": off.plan.predicted_step_s, "predicted_peak_gb": off.plan.peak_bytes / 1e9,
+                    "profiles": [dataclasses.asdict(p) for p in off.plan.profiles]}  # fmt: skip
     if rt:
         rt.close()
     del engine, model
@@ -147,7 +156,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         torch.cuda.empty_cache()
     step_s = statistics.median(times)
     return {"config": name, "step_s": step_s, "tokens_per_s": args.micro_batch * args.seq_len / step_s,
-            "activation_peak_gb": peak / 1e9, "losses": losses, "telemetry": telemetry, "plan": plan}  # fmt: skip
+            "activation_peak_gb": peak / 1e9, "peak_allocated_gb": peak_total / 1e9,
+            "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan}  # fmt: skip
 
 
 RESULT_TAG = "BENCH_OFFLOAD_RESULT "
