@@ -5,11 +5,15 @@ edges ``u -> v`` (PyG's ``flow="source_to_target"``: a node aggregates its in-ne
 only the nodes first reached in the previous hop (as PyG's ``NeighborLoader`` does).
 
 Per frontier node with degree ``d`` and fanout ``k``: ``d <= k`` takes every edge; otherwise ``k`` distinct
-edge positions are drawn uniformly at random. For ``d <= 2k`` every candidate edge gets a random key and the
-``k`` smallest keys win; for ``d > 2k`` every slot draws a position, and slots that repeat a position already
-held by another slot of the same node redraw (only those nodes are revisited; a repeat has probability
-< 1/2, so a few rounds suffice). By symmetry both give a uniform ``k``-subset. The work is proportional to the number of sampled edges, never to the degree
-of a hub; there are no Python loops over nodes (one loop over hops, a few repair rounds per hop).
+edge positions are drawn by Robert Floyd's algorithm, run for all nodes at once on a ``[nodes, k]`` matrix:
+for ``t = 0 .. k-1`` draw ``r`` uniform in ``[0, d-k+t]`` and take ``r``, or ``d-k+t`` if ``r`` was taken
+already. This yields every ``k``-subset with equal probability, in exactly ``k`` steps whatever the degree
+(no rejection rounds, no data-dependent shapes, no host synchronisation).
+
+Relabelling (global id -> local id, PyG order: seeds, then the new nodes of each hop in order of first
+appearance) uses one dense ``num_nodes`` map: a scatter-min claims each newly seen node for the first edge
+that reached it, a cumulative sum numbers the claims. The only host synchronisation per hop reads two
+counts (new nodes, edges of the next hop), which the next hop needs as shapes and PyG needs as Python ints.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class NeighborSampler:
     ----------
     rowptr, col:
         CSR over targets (int64 or int32). Both on the same device: a CUDA device (all sampling ops run
-        there, a few host syncs per hop for sizes) or the CPU.
+        there) or the CPU.
     num_neighbors:
         Fanout per hop, e.g. ``[15, 10, 5]``; ``-1`` takes every neighbor on that hop.
     edge_id:
@@ -50,10 +54,11 @@ class NeighborSampler:
 
     Notes
     -----
-    Performance: each hop costs a ``repeat_interleave``, one random draw per sampled edge, a sort of the
-    sampled (node, position) keys for the without-replacement repair and a ``unique`` for relabelling.
-    Relabelling uses a dense ``num_nodes`` map (8 bytes a node, allocated once), so a call must not run
-    concurrently with another call on the same sampler.
+    Performance: one host synchronisation per hop (two counts read together) plus one for the first hop's
+    edge count; every other op is asynchronous with shapes known on the host. Work per hop is
+    ``O(frontier * k^2)`` for Floyd's membership checks (``k <= 15`` in practice) plus ``O(edges)`` for
+    relabelling — never proportional to a hub's degree. Relabelling uses a dense ``num_nodes`` map (8 bytes
+    a node, allocated once), so a call must not run concurrently with another call on the same sampler.
     """
 
     def __init__(
@@ -85,79 +90,91 @@ class NeighborSampler:
         self.generator = generator
         self._map = torch.full((self.num_nodes,), -1, dtype=torch.long, device=self.device)
 
-    def _rand(self, n: int) -> torch.Tensor:
-        return torch.rand(n, device=self.device, generator=self.generator, dtype=torch.float64)
-
-    def sample_positions(self, nodes: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """For frontier ``nodes``: (owner index into ``nodes``, CSR edge position) of every sampled edge."""
+    def _take(self, nodes: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(CSR start, edges taken) of ``nodes`` at fanout ``k``."""
         start = self.rowptr[nodes]
         deg = self.rowptr[nodes + 1] - start
-        take = deg if k < 0 else deg.clamp(max=k)
-        owner = torch.repeat_interleave(torch.arange(nodes.numel(), device=self.device), take)
+        return start, (deg if k < 0 else deg.clamp(max=k))
+
+    def _floyd(self, deg: torch.Tensor, k: int) -> torch.Tensor:
+        """``[n, k]`` distinct positions in ``[0, deg)`` per row, a uniform ``k``-subset (rows with
+        ``deg <= k`` hold ``0 .. k-1``; callers use only the first ``deg`` of those)."""
+        n = deg.numel()
+        u = torch.rand(n, k, device=self.device, generator=self.generator, dtype=torch.float64)
+        base = (deg - k).clamp(min=0)  # rows with deg <= k: j = t, r in [0, t], the result is t: identity
+        chosen = torch.empty(n, k, dtype=torch.long, device=self.device)
+        for t in range(k):
+            j = base + t
+            r = (u[:, t] * (j + 1).double()).long().clamp_(max=j)  # uniform in [0, j]
+            if t:
+                r = torch.where((chosen[:, :t] == r.unsqueeze(1)).any(1), j, r)
+            chosen[:, t] = r
+        return chosen
+
+    def sample_positions(
+        self, nodes: torch.Tensor, k: int, total: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For frontier ``nodes``: (owner index into ``nodes``, CSR edge position) of every sampled edge,
+        grouped by owner. ``total`` (the number of sampled edges, if known) saves a host synchronisation."""
+        start, take = self._take(nodes, k)
+        if total is None:
+            total = int(take.sum())
+        ar = torch.arange(nodes.numel(), device=self.device)
+        owner = torch.repeat_interleave(ar, take, output_size=total)
         first = torch.cumsum(take, 0) - take
-        pos = torch.arange(owner.numel(), device=self.device) - first[owner]  # d <= k: every position
-        if k >= 0:
-            odeg = deg[owner]
-            # k < d <= 2k: a random key per candidate edge, sort within the node, keep the first k (bounded
-            # work, no repair rounds; rejection would need many rounds when d is barely above k).
-            few = (deg > k) & (deg <= 2 * k)
-            fidx = few.nonzero().flatten()
-            if fidx.numel():
-                fdeg = deg[fidx]
-                cown = torch.repeat_interleave(torch.arange(fidx.numel(), device=self.device), fdeg)
-                cfirst = torch.cumsum(fdeg, 0) - fdeg
-                cpos = torch.arange(cown.numel(), device=self.device) - cfirst[cown]
-                order = torch.argsort(self._rand(cown.numel()))
-                order = order[torch.argsort(cown[order], stable=True)]  # by node, random within the node
-                rank = torch.arange(order.numel(), device=self.device) - cfirst[cown[order]]
-                keep = order[rank < k]  # grouped by node in slot order, as the slots are
-                pos[few[owner]] = cpos[keep]
-            active = (odeg > 2 * k).nonzero().flatten()
-            if active.numel():
-                pos[active] = (self._rand(active.numel()) * odeg[active]).long().clamp_(max=odeg[active] - 1)
-            stride = int(deg.max()) + 1 if deg.numel() else 1
-            while active.numel():
-                # Sort (owner, position) keys; a slot equal to its predecessor repeats a position: redraw it.
-                key = owner[active] * stride + pos[active]
-                skey, order = torch.sort(key)
-                dup = torch.zeros_like(skey, dtype=torch.bool)
-                dup[1:] = skey[1:] == skey[:-1]
-                redo = active[order[dup]]
-                if redo.numel() == 0:
-                    break
-                pos[redo] = (self._rand(redo.numel()) * odeg[redo]).long().clamp_(max=odeg[redo] - 1)
-                bad = torch.zeros(nodes.numel(), dtype=torch.bool, device=self.device)
-                bad[owner[redo]] = True
-                active = active[bad[owner[active]]]  # only nodes that had a repeat are checked again
+        slot = torch.arange(total, device=self.device) - first[owner]  # 0 .. take-1 within each node
+        if k < 0:
+            return owner, start[owner] + slot
+        deg = self.rowptr[nodes + 1] - start
+        pos = self._floyd(deg, k)[owner, slot]
         return owner, start[owner] + pos
 
     def sample(self, seeds: torch.Tensor) -> SampledSubgraph:
-        """Sample the multi-hop neighborhood of distinct ``seeds`` (global ids on any device)."""
-        seeds = seeds.to(self.device, torch.long)
-        m = self._map
-        if seeds.numel() and (int(seeds.min()) < 0 or int(seeds.max()) >= self.num_nodes):
-            raise IndexError(
-                f"seed ids must lie in [0, {self.num_nodes}); got [{int(seeds.min())}, {int(seeds.max())}]"
-            )
-        m[seeds] = torch.arange(seeds.numel(), device=self.device)
+        """Sample the multi-hop neighborhood of distinct ``seeds`` (global ids; host seeds are range-checked
+        on the host, device seeds with one synchronisation)."""
+        if seeds.numel():
+            lo, hi = (int(v) for v in torch.stack([seeds.min(), seeds.max()]).tolist())
+            if lo < 0 or hi >= self.num_nodes:
+                raise IndexError(f"seed ids must lie in [0, {self.num_nodes}); got [{lo}, {hi}]")
+        seeds = seeds.to(self.device, torch.long, non_blocking=True)
+        m, dev = self._map, self.device
+        m[seeds] = torch.arange(seeds.numel(), device=dev)
         n_ids, rows, cols, eids = [seeds], [], [], []
         n_nodes, n_edges = [seeds.numel()], []
-        frontier, count = seeds, seeds.numel()
+        frontier, offset, count = seeds, 0, seeds.numel()
+        total = int(self._take(seeds, self.num_neighbors[0])[1].sum()) if seeds.numel() else 0
         try:
-            for k in self.num_neighbors:
-                owner, epos = self.sample_positions(frontier, k)
+            for h, k in enumerate(self.num_neighbors):
+                owner, epos = self.sample_positions(frontier, k, total)
                 nbr = self.col[epos].long()
-                uniq = torch.unique(nbr)
-                new = uniq[m[uniq] < 0]
-                m[new] = torch.arange(count, count + new.numel(), device=self.device)
-                count += new.numel()
-                rows.append(m[nbr])
-                cols.append(m[frontier][owner])
+                e = nbr.numel()
+                # Claim every unseen node for the first edge that reached it (scatter-min of -(e+2)+i; seen
+                # nodes keep their id >= 0, unseen ones hold -1 and take the smallest claim).
+                ar = torch.arange(e, device=dev)
+                cur = m[nbr]
+                m.scatter_reduce_(0, nbr, torch.where(cur >= 0, cur, ar - (e + 2)), "amin")
+                claim = m[nbr]
+                first = claim == ar - (e + 2)
+                rank = torch.cumsum(first, 0)  # 1-based number of the claim among this hop's new nodes
+                new_of = count + rank - 1
+                local = torch.where(claim >= 0, claim, new_of[(claim + (e + 2)).clamp_(0, max(e - 1, 0))])
+                m[nbr] = local  # every write to one node writes the same value
+                # One synchronisation: the new nodes' count and, for the next hop, their sampled edges.
+                if h + 1 < len(self.num_neighbors):
+                    nxt = torch.where(first, self._take(nbr, self.num_neighbors[h + 1])[1], 0).sum()
+                else:
+                    nxt = torch.zeros((), dtype=torch.long, device=dev)
+                n_new, total = (int(v) for v in torch.stack([rank[-1], nxt]).tolist()) if e else (0, 0)
+                new = torch.empty(n_new + 1, dtype=torch.long, device=dev)  # last slot: a dump for non-claims
+                new.index_put_((torch.where(first, rank - 1, n_new),), nbr)
+                new = new[:n_new]
+                rows.append(local)
+                cols.append(owner + offset)  # the frontier holds local ids offset .. offset + len - 1
                 eids.append(epos if self.edge_id is None else self.edge_id[epos])
                 n_ids.append(new)
-                n_nodes.append(new.numel())
-                n_edges.append(nbr.numel())
-                frontier = new
+                n_nodes.append(n_new)
+                n_edges.append(e)
+                frontier, offset, count = new, count, count + n_new
             n_id = torch.cat(n_ids)
         finally:
             m[torch.cat(n_ids)] = -1  # reset only the touched entries
