@@ -9,7 +9,8 @@ One process, one pinned table (default ~4 GB), 1M random row ids (with repeats, 
 * ``dsx``            ``UnifiedTensor.gather``: GPU sort + dedup + tuned zero-copy kernel (sort included)
 * ``dsx_unsorted``   the tuned kernel without the sort
 * ``dsx_bounded``    ``dsx`` limited to ``--bounded-sms`` SMs (what it may take beside training)
-* ``dsx_all_sms``    ``dsx`` with no bound (one wave over every SM)
+* ``dsx_all_sms``    ``dsx`` with no bound (one wave over every SM; rows < 512 B still keep to 8 SMs)
+* ``dsx_sms{N}``     ``dsx`` limited to N SMs (``--sweep-sms``, rows <= 512 B only)
 
 CPU baselines get their ids already on the host; GPU methods get them on the GPU. Every output is checked
 against ``index_select``. ``--quick`` runs tiny sizes on the CPU (the CPU paths only) as a smoke test.
@@ -152,6 +153,11 @@ def _measure(
             ("dsx_unsorted", UnifiedConfig(backend="cuda", sort_indices=False)),
             ("dsx_bounded", UnifiedConfig(backend="cuda", max_gather_sms=args.bounded_sms)),
             ("dsx_all_sms", UnifiedConfig(backend="cuda", max_gather_sms=None)),
+            *(
+                (f"dsx_sms{k}", UnifiedConfig(backend="cuda", max_gather_sms=k))
+                for k in args.sweep_sms
+                if rb <= 512
+            ),
         ):
             ut_view.config = cfg
             record(key, lambda: ut_view.gather(didx, out=dst2), lambda: dst2)
@@ -215,11 +221,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     res = report["results"]
-    xs = [r["row_bytes"] for r in res]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for key in res[0]["gb_per_s"]:
         style = "k--" if key == "copy_ceiling" else "-o"
-        ax.plot(xs, [r["gb_per_s"][key] for r in res], style, label=key, lw=2.5 if key == "dsx" else 1.3)
+        pts = [(r["row_bytes"], r["gb_per_s"][key]) for r in res if key in r["gb_per_s"]]
+        ax.plot(*zip(*pts), style, label=key, lw=2.5 if key == "dsx" else 1.3)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("row size (bytes)")
     ax.set_ylabel("GB/s (gathered bytes / time)")
@@ -240,6 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--row-bytes", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--bounded-sms", type=int, default=8)
+    p.add_argument("--sweep-sms", type=int, nargs="*", default=[4], help="extra SM caps for rows <= 512 B")
     args = p.parse_args(argv)
     if args.quick:
         args.table_mb, args.num_indices, args.row_bytes, args.repeats = 8, 4096, [64, 516], 2

@@ -22,6 +22,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
+constexpr int64_t kShortRowBytes = 512;
+constexpr int kShortRowSms = 8;
 
 template <int W>
 struct Vec;
@@ -224,7 +226,11 @@ cudaError_t launch_gather(const GatherArgs& a, int max_sms, cudaStream_t stream)
   cudaError_t err = cudaGetDevice(&dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (err != cudaSuccess) return err;
-  const int use_sms = (max_sms > 0 && max_sms < sms) ? max_sms : sms;
+  int use_sms = (max_sms > 0 && max_sms < sms) ? max_sms : sms;
+  // Rows under 512 bytes: fewer requests in flight read faster (H100, PCIe Gen5, 1M sorted ids: 256-byte
+  // rows 44.7 GB/s on 8 SMs' worth, 42.2 on 16, 37.7 on 132; 128 B 35.3 / 33.0 / 28.3; 64 B 30.0 / 26.5 /
+  // 25.9; 512-byte rows and longer are as fast or faster on 16). max_sms stays an upper bound.
+  if (a.row_bytes < kShortRowBytes && use_sms > kShortRowSms) use_sms = kShortRowSms;
   const int w = pick_vector_bytes(a.table, a.out, a.row_bytes);
   const int lanes = pick_group_lanes(a.row_bytes, w);
   with_index(a.index_is_int64, [&](auto idx_tag) {
