@@ -156,12 +156,36 @@ def test_rgat_hector_uses_per_relation_vectors():
     assert changed[dst0].all() and changed.sum() == dst0.numel()
 
 
+def test_graph_keeps_only_required_fields():
+    """An RGCN graph keeps the 1/deg_r weights but not the [E] intermediates that built them."""
+    ei, et = rel_graph(seed=3)
+    rg.clear_cache()
+    g = rg.prepare(ei, et, 23, 5, needs=("inv_deg_rel",))
+    assert "inv_deg_rel" in vars(g) and not {"src", "dst", "rel", "edge_dst_row"} & set(vars(g))
+    perm = torch.sort(ei[1], stable=True).indices
+    key = (et * 23 + ei[1])[perm]
+    deg = (key[:, None] == key[None, :]).sum(1).float()  # edges sharing (destination, relation)
+    torch.testing.assert_close(g.inv_deg_rel, 1.0 / deg)
+    small = g.nbytes()
+    assert rg.prepare(ei, et, 23, 5, needs=("edge_dst_row", "rel")) is g  # a second layer adds its fields
+    assert {"inv_deg_rel", "edge_dst_row", "rel"} <= set(vars(g)) and g.nbytes() > small
+    torch.testing.assert_close(g.inv_deg_rel, 1.0 / deg)
+    with pytest.raises(ValueError, match="no derived field"):
+        g.require("weights")
+    rg.clear_cache()
+
+
 def test_prepare_cache_and_bad_input():
     ei, et = rel_graph()
     g = rg.prepare(ei, et, 23, 5)
     assert rg.prepare(ei, et, 23, 5) is g
     assert g.dst_ptr[-1] == ei.shape[1] and torch.all(g.dst.diff() >= 0)
-    assert torch.equal(g.src_row_idx[g.edge_src_row], g.src) and g.src_rel_ptr[-1] == g.src_row_idx.numel()
+    # Derived fields against the original edges: the sorted order is a stable sort by destination.
+    perm = torch.sort(ei[1], stable=True).indices
+    assert torch.equal(g.perm, perm) and torch.equal(g.src, ei[0][perm]) and torch.equal(g.rel, et[perm])
+    assert torch.equal(g.dst, ei[1][perm]) and g.src_rel_ptr[-1] == g.src_row_idx.numel()
+    assert torch.equal(g.dst_row_idx[g.edge_dst_row], g.dst)
+    assert torch.equal(torch.searchsorted(g.dst_rel_ptr, g.edge_dst_row, right=True) - 1, g.rel)
     assert g.src_rel_ptr[-1] == g.src_rel_ptr[-2]  # relation 4 is empty
     et2 = et.clone()
     et2[0] = 5

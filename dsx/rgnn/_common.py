@@ -10,6 +10,10 @@ from dsx.rgnn.graph import RelGraph
 
 __all__ = ["DEFAULTS", "LayerOptions", "edge_softmax", "run_program"]
 
+# Graph fields the unfused paths read (interpreter, fusion or compaction off), on top of a layer's own.
+_UNFUSED_FIELDS = ("src", "dst", "rel")
+_PER_EDGE_FIELDS = ("rel_perm", "rel_ptr", "edge_rel_row")
+
 # Process-wide defaults for every layer option left as None; ``dsx.rgnn.attach`` writes the "rgnn" config
 # section here (precision, backend, pass flags).
 DEFAULTS: dict[str, object] = {
@@ -41,6 +45,15 @@ class LayerOptions:
     def _opt(self, name: str):
         value = getattr(self, name)
         return DEFAULTS[name] if value is None else value
+
+    def _graph_needs(self, *fused: str) -> tuple[str, ...]:
+        """The :class:`RelGraph` fields this layer's path reads (``fused``: those of the fused kernels)."""
+        if self._use_interpreter():
+            return (*fused, *_UNFUSED_FIELDS)
+        needs = fused if self._opt("fusion") else (*fused, *_UNFUSED_FIELDS)
+        return (
+            needs if self._opt("compact_materialization") else (*needs, *_UNFUSED_FIELDS, *_PER_EDGE_FIELDS)
+        )
 
     def _use_interpreter(self) -> bool:
         backend = self._opt("backend")

@@ -30,12 +30,21 @@ class _Rows:
 
     rows: torch.Tensor
     edge_row: torch.Tensor
-    row_rel: torch.Tensor | None = None  # relation of each row (typed rows), for per-relation linears
+    rel_ptr: torch.Tensor | None = None  # typed rows: relation r owns rows rel_ptr[r]:rel_ptr[r+1]
     node_dst: bool = False  # rows are the destination nodes themselves (edge_row = dst)
 
+    def row_rel(self) -> torch.Tensor:
+        """Relation of each row, for an unfused per-relation linear (built only then: fused programs never
+        need it, and it costs a ``repeat_interleave`` launch)."""
+        ptr = self.rel_ptr
+        r = torch.arange(ptr.numel() - 1, device=ptr.device)
+        return torch.repeat_interleave(r, ptr.diff(), output_size=self.rows.shape[0])
 
-def _edge(v) -> torch.Tensor:
-    return v.rows[v.edge_row] if isinstance(v, _Rows) else v
+
+def _edge(v, g: RelGraph) -> torch.Tensor:
+    if not isinstance(v, _Rows):
+        return v
+    return v.rows[g.dst if v.node_dst else v.edge_row]
 
 
 class CompiledProgram:
@@ -71,39 +80,39 @@ class CompiledProgram:
                         g.edge_rel_row,
                     )
                 rows = gather_gemm(x, w, idx, ptr, **gemm).view(-1, *v.shape)
-                rel = torch.repeat_interleave(torch.arange(w.shape[0], device=ptr.device), ptr.diff(),
-                                              output_size=idx.numel())  # fmt: skip
-                out = _Rows(rows, erow, rel)
+                out = _Rows(rows, erow, ptr)
             elif op == "gather":
-                node = g.src if v.kind == "src" else g.dst
-                out = _Rows(a[0].view(-1, *v.shape), node, None, node_dst=v.kind == "dst")
+                if v.kind == "dst":  # the fused kernel reads a per-node dst term by node: no edge map needed
+                    out = _Rows(a[0].view(-1, *v.shape), None, None, node_dst=True)
+                else:
+                    out = _Rows(a[0].view(-1, *v.shape), g.src)
             elif op == "linear":
                 src, w = a
-                if isinstance(src, _Rows) and (w.dim() == 2 or src.row_rel is not None):
+                if isinstance(src, _Rows) and (w.dim() == 2 or src.rel_ptr is not None):
                     flat = src.rows.flatten(1)
-                    res = flat @ w if w.dim() == 2 else per_relation_matmul(flat, w, src.row_rel)
-                    out = _Rows(res.view(-1, *v.shape), src.edge_row, src.row_rel, src.node_dst)
+                    res = flat @ w if w.dim() == 2 else per_relation_matmul(flat, w, src.row_rel())
+                    out = _Rows(res.view(-1, *v.shape), src.edge_row, src.rel_ptr, src.node_dst)
                 else:
-                    flat = _edge(src).flatten(1)
+                    flat = _edge(src, g).flatten(1)
                     out = (flat @ w if w.dim() == 2 else per_relation_matmul(flat, w, g.rel)).view(
                         -1, *v.shape
                     )
             elif op == "dot":
-                out = (_edge(a[0]) * _edge(a[1])).sum(-1)
+                out = (_edge(a[0], g) * _edge(a[1], g)).sum(-1)
             elif op == "add":
-                out = _edge(a[0]) + _edge(a[1])
+                out = _edge(a[0], g) + _edge(a[1], g)
             elif op == "leaky_relu":
-                out = F.leaky_relu(_edge(a[0]), v.attrs["slope"])
+                out = F.leaky_relu(_edge(a[0], g), v.attrs["slope"])
             elif op == "scale":
-                x = _edge(a[0])
+                x = _edge(a[0], g)
                 s = a[1][g.rel] if v.inputs[1].kind == "rel_scalar" else a[1].view(-1, *([1] * (x.dim() - 1)))
                 out = x * s
             elif op == "edge_softmax":
-                out = edge_softmax(_edge(a[0]), g.dst, g.num_dst)
+                out = edge_softmax(_edge(a[0], g), g.dst, g.num_dst)
             elif op == "aggregate":
-                msg = _edge(a[0])
+                msg = _edge(a[0], g)
                 if len(a) > 1:
-                    w = _edge(a[1])
+                    w = _edge(a[1], g)
                     msg = msg * (w.unsqueeze(-1) if w.dim() == 2 else w.view(-1, 1, 1))
                 out = msg.new_zeros((g.num_dst, *msg.shape[1:])).index_add(0, g.dst, msg)
             elif op == "fused_edge":

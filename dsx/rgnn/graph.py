@@ -11,8 +11,8 @@ cheap enough to redo per sampled mini-batch (``benchmarks/bench_rgnn.py`` report
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
@@ -23,55 +23,164 @@ _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 8
 
 
-@dataclass
 class RelGraph:
     """A relational graph with edges sorted by destination (all index tensors int64, one device).
 
-    Attributes
-    ----------
+    Stored (built by :func:`prepare`; what every fused layer reads):
+
     num_src, num_dst, num_relations, num_edges : sizes.
     dst_ptr : ``[num_dst + 1]`` CSR over destinations of the sorted edges.
-    perm : ``[E]`` sorted position -> original edge id.
-    src, dst, rel : ``[E]`` per sorted edge.
     src_row_idx, src_rel_ptr : unique (source, relation) pairs grouped by relation (compact materialization:
         a relation's projection of a source node is computed once for all its edges of that relation).
-    edge_src_row : ``[E]`` each edge's row in the unique (source, relation) pairs.
-    dst_row_idx, dst_rel_ptr, edge_dst_row : the same for (destination, relation) pairs.
-    inv_deg_rel : ``[E]`` ``1 / deg_r(dst)``: the per-relation mean weight (PyG RGCNConv ``aggr="mean"``).
+    edge_src_row : ``[E]`` each sorted edge's row in the unique (source, relation) pairs.
+
+    Derived on first use and then kept (:meth:`require` builds them ahead of time; the layers call it right
+    after :func:`prepare`, so forward and backward only read them):
+
+    src, dst, rel : ``[E]`` per sorted edge (gathers from the stored maps, no host synchronisation).
+    perm : ``[E]`` sorted position -> original edge id (sorts the original ``edge_index`` again).
+    dst_row_idx, dst_rel_ptr, edge_dst_row : unique (destination, relation) pairs (RGAT's destination terms).
+    inv_deg_rel : ``[E]`` float32 ``1 / deg_r(dst)``: the per-relation mean weight (PyG RGCNConv ``aggr="mean"``).
     rel_perm, rel_ptr, edge_rel_row : the sorted edges grouped by relation (``rel_perm``: positions,
         ``rel_ptr``: CSR over relations) and each edge's row there: the per-edge materialization used when
         compact materialization is switched off (ablation).
+
+    Memory: the stored part is ``12-16 bytes per edge`` (one int64 map, plus float32 ``inv_deg_rel`` for
+    RGCN mean, or one more int64 map for RGAT / HGT); every derived ``[E]`` field adds 8 bytes per edge.
     """
 
-    num_src: int
-    num_dst: int
-    num_relations: int
-    num_edges: int
-    dst_ptr: torch.Tensor
-    perm: torch.Tensor
-    src: torch.Tensor
-    dst: torch.Tensor
-    rel: torch.Tensor
-    src_row_idx: torch.Tensor
-    src_rel_ptr: torch.Tensor
-    edge_src_row: torch.Tensor
-    dst_row_idx: torch.Tensor
-    dst_rel_ptr: torch.Tensor
-    edge_dst_row: torch.Tensor
-    inv_deg_rel: torch.Tensor
-    rel_perm: torch.Tensor
-    rel_ptr: torch.Tensor
-    edge_rel_row: torch.Tensor
+    LAZY = ("src", "dst", "rel", "perm", "dst_row_idx", "dst_rel_ptr", "edge_dst_row", "inv_deg_rel",
+            "rel_perm", "rel_ptr", "edge_rel_row")  # fmt: skip
+
+    def __init__(self, num_src: int, num_dst: int, num_relations: int, num_edges: int, dst_ptr: torch.Tensor,
+                 src_row_idx: torch.Tensor, src_rel_ptr: torch.Tensor, edge_src_row: torch.Tensor,
+                 edge_index: torch.Tensor | None = None):  # fmt: skip
+        self.num_src, self.num_dst, self.num_relations, self.num_edges = (
+            num_src,
+            num_dst,
+            num_relations,
+            num_edges,
+        )
+        self.dst_ptr, self.src_row_idx, self.src_rel_ptr, self.edge_src_row = (
+            dst_ptr, src_row_idx, src_rel_ptr, edge_src_row,
+        )  # fmt: skip
+        self._edge_index = edge_index  # the caller's tensor (no copy): only ``perm`` reads it again
+        self._wanted: set[str] = set()
+        self._fresh = False  # True while fields seeded by prepare() await the first require()
 
     @property
     def device(self) -> torch.device:
         return self.dst_ptr.device
+
+    def require(self, *names: str) -> RelGraph:
+        """Build the derived fields ``names`` now and keep them; returns ``self``.
+
+        The graph keeps the fields some caller required (the union over calls); intermediates built on the
+        way (e.g. ``dst`` for ``inv_deg_rel``) are dropped again, so a graph used only by RGCN holds no
+        ``[E]`` maps that only RGAT needs. May synchronise with the host (``unique``) the first time a field
+        is built, never once it exists.
+        """
+        bad = [n for n in names if n not in self.LAZY]
+        if bad:
+            raise ValueError(f"RelGraph has no derived field {bad}; derived fields: {self.LAZY}")
+        self._wanted.update(names)
+        missing = [n for n in names if n not in self.__dict__]
+        for name in missing:
+            getattr(self, name)
+        if missing or self._fresh:
+            self._fresh = False
+            for name in self.LAZY:
+                if name not in self._wanted:
+                    self.__dict__.pop(name, None)
+        return self
+
+    def release_edges(self) -> None:
+        """Drop the reference to the caller's ``edge_index`` (``perm`` can then no longer be rebuilt)."""
+        self._edge_index = None
+
+    def nbytes(self) -> int:
+        """Bytes held by the tensors built so far (the stored part and the derived fields used)."""
+        seen, total = set(), 0
+        for v in vars(self).values():
+            if isinstance(v, torch.Tensor) and v is not self._edge_index and v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                total += v.numel() * v.element_size()
+        return total
+
+    @functools.cached_property
+    def src(self) -> torch.Tensor:
+        return self.src_row_idx[self.edge_src_row]
+
+    @functools.cached_property
+    def rel(self) -> torch.Tensor:
+        pair_rel = _ptr_groups(self.src_rel_ptr, self.src_row_idx.numel())
+        return pair_rel[self.edge_src_row]
+
+    @functools.cached_property
+    def dst(self) -> torch.Tensor:
+        return _ptr_groups(self.dst_ptr, self.num_edges)
+
+    @functools.cached_property
+    def perm(self) -> torch.Tensor:
+        if self._edge_index is None:
+            raise ValueError(
+                "this RelGraph released its edge_index (release_edges), so perm cannot be rebuilt; "
+                "call graph.require('perm') before releasing"
+            )
+        return torch.sort(self._edge_index[1].long(), stable=True).indices
+
+    def _dst_pairs(self):
+        idx, ptr, inverse = _pairs(self.dst, self.rel, self.num_dst, self.num_relations)
+        self.__dict__.update(dst_row_idx=idx, dst_rel_ptr=ptr, edge_dst_row=inverse)
+        return idx, ptr, inverse
+
+    @functools.cached_property
+    def dst_row_idx(self) -> torch.Tensor:
+        return self._dst_pairs()[0]
+
+    @functools.cached_property
+    def dst_rel_ptr(self) -> torch.Tensor:
+        return self._dst_pairs()[1]
+
+    @functools.cached_property
+    def edge_dst_row(self) -> torch.Tensor:
+        return self._dst_pairs()[2]
+
+    @functools.cached_property
+    def inv_deg_rel(self) -> torch.Tensor:
+        if "edge_dst_row" in self.__dict__:
+            inverse = self.edge_dst_row
+            deg = torch.bincount(inverse, minlength=self.dst_row_idx.numel())
+        else:  # only the counts are needed: the [E] inverse map is not kept
+            _, inverse, deg = torch.unique(self.rel * self.num_dst + self.dst, return_inverse=True,
+                                           return_counts=True)  # fmt: skip
+        return (1.0 / deg.clamp_min(1).to(torch.float32))[inverse]
+
+    @functools.cached_property
+    def rel_perm(self) -> torch.Tensor:
+        return torch.sort(self.rel, stable=True).indices
+
+    @functools.cached_property
+    def rel_ptr(self) -> torch.Tensor:
+        return _ptr(self.rel, self.num_relations)
+
+    @functools.cached_property
+    def edge_rel_row(self) -> torch.Tensor:
+        row = torch.empty_like(self.rel_perm)
+        row[self.rel_perm] = torch.arange(self.num_edges, device=self.device)
+        return row
 
 
 def _ptr(groups: torch.Tensor, n: int) -> torch.Tensor:
     ptr = torch.zeros(n + 1, dtype=torch.int64, device=groups.device)
     ptr[1:] = torch.cumsum(torch.bincount(groups, minlength=n), 0)
     return ptr
+
+
+def _ptr_groups(ptr: torch.Tensor, total: int) -> torch.Tensor:
+    """Inverse of a CSR pointer: the group of each of ``total`` rows (``output_size`` given: no sync)."""
+    groups = torch.arange(ptr.numel() - 1, device=ptr.device)
+    return torch.repeat_interleave(groups, ptr.diff(), output_size=total)
 
 
 def _pairs(node: torch.Tensor, rel: torch.Tensor, num_nodes: int, num_relations: int):
@@ -121,27 +230,22 @@ def _validate(edge_index, edge_type, num_src, num_dst, num_relations, index_dtyp
 
 
 def _build(edge_index, edge_type, num_src, num_dst, num_relations) -> RelGraph:
-    device = edge_index.device
     src_all, dst_all = edge_index[0].long(), edge_index[1].long()
-    rel_all = edge_type.long()
-    num_edges = src_all.numel()
     # Stable sort by destination keeps the caller's edge order within a destination (matters only for
     # floating-point summation order, not for results beyond rounding).
     perm = torch.sort(dst_all, stable=True).indices
-    src, dst, rel = src_all[perm], dst_all[perm], rel_all[perm]
+    dst = dst_all[perm]
     dst_ptr = _ptr(dst, num_dst)
+    del dst
+    src, rel = src_all[perm], edge_type.long()[perm]
+    del perm
     src_row_idx, src_rel_ptr, edge_src_row = _pairs(src, rel, num_src, num_relations)
-    dst_row_idx, dst_rel_ptr, edge_dst_row = _pairs(dst, rel, num_dst, num_relations)
-    deg = torch.bincount(edge_dst_row, minlength=dst_row_idx.numel()).clamp_min(1)
-    inv_deg_rel = (1.0 / deg.to(torch.float32))[edge_dst_row]
-    rel_perm = torch.sort(rel, stable=True).indices
-    edge_rel_row = torch.empty_like(rel_perm)
-    edge_rel_row[rel_perm] = torch.arange(num_edges, device=device)
-    return RelGraph(
-        num_src, num_dst, num_relations, num_edges, dst_ptr, perm, src, dst, rel,
-        src_row_idx, src_rel_ptr, edge_src_row, dst_row_idx, dst_rel_ptr, edge_dst_row, inv_deg_rel,
-        rel_perm, _ptr(rel, num_relations), edge_rel_row,
-    )  # fmt: skip
+    graph = RelGraph(num_src, num_dst, num_relations, src.numel(), dst_ptr, src_row_idx, src_rel_ptr,
+                     edge_src_row, edge_index)  # fmt: skip
+    # Already computed: seeded so that require() reuses them, then drops them unless someone wants them.
+    graph.__dict__.update(src=src, rel=rel)
+    graph._fresh = True
+    return graph
 
 
 def prepare(
@@ -152,8 +256,12 @@ def prepare(
     *,
     index_dtype: torch.dtype = torch.int64,
     cache: bool = True,
+    needs: tuple[str, ...] = (),
 ) -> RelGraph:
     """Validate and index a relational graph; cached per (edge_index, edge_type) tensor objects.
+
+    ``needs`` names derived fields of :class:`RelGraph` to build now (``graph.require(*needs)``): a layer
+    passes what its kernels read, so the first call pays for them and later forwards only read them.
 
     ``num_nodes`` is ``N`` or ``(num_src, num_dst)`` for bipartite graphs. ``index_dtype=torch.int32``
     additionally checks that every count fits int32 (for int32 consumers). Raises ``ValueError`` naming the
@@ -168,9 +276,10 @@ def prepare(
         if entry[0] is edge_index and entry[1] is edge_type and entry[2] == (edge_index._version,
                                                                             edge_type._version):  # fmt: skip
             _CACHE.move_to_end(key)
-            return entry[3]
+            graph = entry[3]
+            return graph.require(*needs) if needs else graph
     _validate(edge_index, edge_type, num_src, num_dst, num_relations, index_dtype)
-    graph = _build(edge_index, edge_type, num_src, num_dst, num_relations)
+    graph = _build(edge_index, edge_type, num_src, num_dst, num_relations).require(*needs)
     if cache:
         _CACHE[key] = (edge_index, edge_type, (edge_index._version, edge_type._version), graph)
         while len(_CACHE) > _CACHE_SIZE:

@@ -123,7 +123,11 @@ class HGTConv(LayerOptions, nn.Module):
         device = next(iter(x_dict.values())).device
         edge_index = torch.cat(parts, 1) if parts else torch.zeros(2, 0, dtype=torch.long, device=device)
         edge_type = torch.cat(types) if types else torch.zeros(0, dtype=torch.long, device=device)
-        graph = prepare(edge_index, edge_type, start, max(1, len(self.edge_types)))
+        # Not in prepare's cache: the layer keeps the graph itself, so the concatenated [2, E] edge_index and
+        # edge_type (24 bytes per edge) are freed now instead of living as cache keys.
+        graph = prepare(edge_index, edge_type, start, max(1, len(self.edge_types)), cache=False,
+                        needs=self._graph_needs("rel"))  # fmt: skip
+        graph.release_edges()
         self._graph_key = (key, graph, edge_index_dict)  # keeps the keyed tensors alive (ids stay unique)
         return graph, offset, start
 

@@ -92,9 +92,10 @@ class RGCNConv(LayerOptions, nn.Module):
                             "an nn.Embedding's output (PyG's index-tensor input is not supported)")  # fmt: skip
         if x_l.shape[-1] != self.in_channels_l:
             raise ValueError(f"x has {x_l.shape[-1]} features but in_channels={self.in_channels_l}")
-        g = prepare(edge_index, edge_type, (x_l.size(0), x_r.size(0)), self.num_relations)
-        w = self.relation_weight()
         mean = self.aggr == "mean"
+        g = prepare(edge_index, edge_type, (x_l.size(0), x_r.size(0)), self.num_relations,
+                    needs=self._graph_needs(*(("inv_deg_rel",) if mean else ())))  # fmt: skip
+        w = self.relation_weight()
         prog = rgcn_program(self.in_channels_l, self.out_channels, mean)
         out = run_program(self, prog, g, {"x": x_l}, {"W": w}).view(g.num_dst, self.out_channels)
         if self.root is not None:
@@ -190,7 +191,8 @@ class RGATConv(LayerOptions, nn.Module):
         if not x.is_floating_point() or x.shape[-1] != self.in_channels:
             raise ValueError(f"x must be float [N, {self.in_channels}], got {x.dtype} {tuple(x.shape)}")
         n, heads, c = x.size(0), self.heads, self.out_channels
-        g = prepare(edge_index, edge_type, n, self.num_relations)
+        g = prepare(edge_index, edge_type, n, self.num_relations,
+                    needs=self._graph_needs("dst_row_idx", "dst_rel_ptr", "edge_dst_row"))  # fmt: skip
         w = self.relation_weight()
         a_src, a_dst = self._att_weights(w)  # [R or 1, HC, H]
         prog = rgat_program(self.in_channels, c, heads, self.negative_slope, self.semantics == "hector")

@@ -30,16 +30,17 @@ def term_args(spec: EdgeSpec, node_dst: bool) -> list[str]:
     return args
 
 
-def chunk_prologue() -> list[str]:
-    return [
+def chunk_prologue(load_x: bool = True) -> list[str]:
+    """Per edge chunk: offsets, masks, message rows and (``load_x``) the message values ``x``."""
+    lines = [
         "offs_e = e0 + tl.arange(0, BLOCK_E)",
         "e_mask = offs_e < end",
         "rows = tl.load(msg_row_ptr + offs_e, mask=e_mask, other=0)",
         "eh_mask = e_mask[:, None] & h_mask[None, :]",
         "x_ptrs = msg_ptr + rows[:, None, None] * (H * D) + offs_h[None, :, None] * D + offs_d[None, None, :]",
         "x_mask = eh_mask[:, :, None] & d_mask[None, None, :]",
-        "x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)",
     ]
+    return [*lines, "x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)"] if load_x else lines
 
 
 def logit_lines(spec: EdgeSpec, node_dst: bool) -> list[str]:

@@ -48,7 +48,13 @@ def backward_kernel(spec: EdgeSpec, node_dst: bool) -> tuple[list[str], list[str
             f"delta = tl.reduce(o * go, 1, {SUM})  # per head: sum_e alpha_e <msg_e, dout> (softmax Jacobian)",
             "lse = tl.load(lse_ptr + v * H + offs_h, mask=h_mask, other=0.0)",
         ]
-    loop = [*chunk_prologue(), f"xg = tl.reduce(x * go[None, :, :], 2, {SUM})  # <msg_e, dout_v> per head"]
+    xg = f"xg = tl.reduce(x * go[None, :, :], 2, {SUM})  # <msg_e, dout_v> per head"
+    if spec.has_logit:
+        loop = [*chunk_prologue(), xg]
+    else:
+        # Without a logit the messages feed only the edge-weight gradient: the kernel reads them only under
+        # NEED_DW, so the forward need not keep them alive for backward (RGCN frees its [M, D] rows).
+        loop = [*chunk_prologue(load_x=False)]
     if spec.has_logit:
         loop += logit_lines(spec, node_dst)
     if spec.edge_weight:
@@ -67,8 +73,10 @@ def backward_kernel(spec: EdgeSpec, node_dst: bool) -> tuple[list[str], list[str
         loop += ["p = tl.where(eh_mask, 1.0, 0.0)", "alpha = p * w" if spec.edge_weight else "alpha = p"]
     if spec.edge_weight:
         # xg is 0 on padded heads and masked edges, so the head sum needs no extra mask; one atomic per edge.
+        load = [] if spec.has_logit else ["x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)", xg]
         loop += guard(
-            "NEED_DW", [f"tl.atomic_add(dweight_ptr + offs_e, tl.reduce(p * xg, 1, {SUM}), mask=e_mask)"]
+            "NEED_DW",
+            [*load, f"tl.atomic_add(dweight_ptr + offs_e, tl.reduce(p * xg, 1, {SUM}), mask=e_mask)"],
         )
     loop += guard(
         "NEED_DMSG",

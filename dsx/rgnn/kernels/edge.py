@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dsx.rgnn.codegen import generate_edge_kernel_source, load_source
@@ -26,7 +28,9 @@ def _block_e(block_hd: int, num_edges: int, num_dst: int) -> int:
     return max(4, min(_pow2(mean_degree), max(4, 4096 // block_hd), 128))
 
 
+@functools.cache
 def _module(spec: EdgeSpec, backend: str, node_dst: bool):
+    # Cached per (spec, backend, variant): emitting and hashing the source costs ~0.1 ms per call otherwise.
     source = generate_edge_kernel_source(spec, dst_term_per_node=node_dst)
     return load_source(f"edge_{spec.key()}_n{int(node_dst)}", source, interpret=backend == "interpret")
 
@@ -87,9 +91,14 @@ class _FusedEdge(torch.autograd.Function):
                 **_launch_opts(backend, consts),
             )  # fmt: skip
         ctx.spec, ctx.backend, ctx.consts, ctx.node_dst = spec, backend, consts, node_dst
+        ctx.msg_meta = (msg.shape, msg.dtype)
+        # Backward reads the messages only for a logit's gradient or the edge-weight gradient; otherwise
+        # (RGCN) they are not saved, so the [M, H, D] rows are freed as soon as the caller drops them.
+        keep_msg = spec.has_logit or (spec.edge_weight and ctx.needs_input_grad[10])
         ctx.save_for_backward(
-            dst_ptr, msg, edge_msg_row, *idx, src_term, dst_term, rel_scale, edge_weight, out, lse
-        )
+            dst_ptr, msg if keep_msg else None, edge_msg_row, *idx, src_term, dst_term, rel_scale, edge_weight,
+            out if spec.softmax else None, lse,
+        )  # fmt: skip
         return out
 
     @staticmethod
@@ -115,26 +124,28 @@ class _FusedEdge(torch.autograd.Function):
 
         need = ctx.needs_input_grad
         # (kernel pointer, constexpr flag, forward input, needed?) for every gradient the spec can produce.
-        table = [("dmsg_ptr", "NEED_DMSG", msg, need[4])]
+        msg_shape, msg_dtype = ctx.msg_meta
+        table = [("dmsg_ptr", "NEED_DMSG", msg_shape, need[4])]
         if spec.has_logit:
             table += [
-                ("dsrc_ptr", "NEED_DSRC", src_term, need[7]),
-                ("ddst_ptr", "NEED_DDST", dst_term, need[8]),
+                ("dsrc_ptr", "NEED_DSRC", src_term.shape, need[7]),
+                ("ddst_ptr", "NEED_DDST", dst_term.shape, need[8]),
             ]
         if spec.rel_scale:
-            table.append(("drel_scale_ptr", "NEED_DSCALE", rel_scale, need[9]))
+            table.append(("drel_scale_ptr", "NEED_DSCALE", rel_scale.shape, need[9]))
         if spec.edge_weight:
-            table.append(("dweight_ptr", "NEED_DW", edge_weight, need[10]))
+            table.append(("dweight_ptr", "NEED_DW", edge_weight.shape, need[10]))
         grads, flags = {}, {}
-        for ptr, flag, like, wanted in table:
+        for ptr, flag, shape, wanted in table:
             # A gradient nobody needs is not computed (its atomics are compiled out); the kernel still needs a
             # pointer argument, so it gets gout, which it never writes.
-            grads[ptr] = torch.zeros(like.shape, device=like.device, dtype=torch.float32) if wanted else None
+            grads[ptr] = torch.zeros(shape, device=gout.device, dtype=torch.float32) if wanted else None
             flags[flag] = bool(wanted)
         launch_grads = {k: (gout if v is None else v) for k, v in grads.items()}
         named = {
-            "dst_ptr": dst_ptr, "msg_ptr": msg, "msg_row_ptr": edge_msg_row, "gout_ptr": gout,
-            "out_ptr": out, "lse_ptr": lse, **launch_grads,
+            # A message tensor that was not saved is never read by this kernel variant (see edge_bwd.py).
+            "dst_ptr": dst_ptr, "msg_ptr": gout if msg is None else msg, "msg_row_ptr": edge_msg_row,
+            "gout_ptr": gout, "out_ptr": out, "lse_ptr": lse, **launch_grads,
         }  # fmt: skip
         named.update(_term_tensors((i_src, i_dst, i_rel), src_term, dst_term, rel_scale, edge_weight))
         if num_dst > 0 and any(flags.values()):
@@ -144,11 +155,15 @@ class _FusedEdge(torch.autograd.Function):
             )  # fmt: skip
 
         def cast(g, like):
-            return None if g is None or like is None else g.to(like.dtype)
+            return (
+                None
+                if g is None or like is None
+                else g.to(like if isinstance(like, torch.dtype) else like.dtype)
+            )
 
         return (
             None, None, None, None,
-            cast(grads.get("dmsg_ptr"), msg), None, None,
+            cast(grads.get("dmsg_ptr"), msg_dtype), None, None,
             cast(grads.get("dsrc_ptr"), src_term), cast(grads.get("ddst_ptr"), dst_term),
             cast(grads.get("drel_scale_ptr"), rel_scale), cast(grads.get("dweight_ptr"), edge_weight),
         )  # fmt: skip
