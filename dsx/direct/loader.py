@@ -199,7 +199,7 @@ class NeighborLoader:
     def _make(self, input_id: torch.Tensor) -> Any:
         from torch_geometric.data import Data
 
-        out = self.sampler.sample(input_id.to(self.sampler.device))
+        out = self.sampler.sample(input_id)  # host ids: range-checked on the host, no device sync
         n_id = out.n_id.to(self.device, non_blocking=True)
         batch = Data(edge_index=out.edge_index.to(self.device, non_blocking=True), num_nodes=n_id.numel())
         batch.n_id, batch.e_id = n_id, out.e_id.to(self.device, non_blocking=True)
