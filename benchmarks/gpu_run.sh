@@ -53,6 +53,14 @@ case $stage in
     log bench-offload-dsx; timeout 300 python benchmarks/bench_offload.py --configs dsx_host dsx_ssd dsx_auto_hide \
       --pool-gb 24 --name bench_offload_dsx --out benchmarks/results > "$OUT/bench-offload-dsx.log" 2>&1
     ;;
+  rgnn)  # 1 GPU: fused-kernel bandwidth, all 8 relational-GNN presets at dims 64/128 against PyG, rgnn GPU tests
+    log bench-rgnn-kernels; timeout 60 python benchmarks/bench_rgnn_kernels.py --repeats 5 --out benchmarks/results \
+      > "$OUT/bench-rgnn-kernels.log" 2>&1; cp benchmarks/results/bench_rgnn_kernels.json "$OUT/"
+    log bench-rgnn; timeout 180 python benchmarks/bench_rgnn.py --pyg-budget-s 120 --profile --out benchmarks/results \
+      > "$OUT/bench-rgnn.log" 2>&1; cp benchmarks/results/bench_rgnn.json benchmarks/results/bench_rgnn.png "$OUT/"
+    log rgnn-gpu-tests; timeout 85 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_rgnn_kernels.py \
+      tests/test_rgnn_layers_gpu.py > "$OUT/gpu-tests-rgnn.log" 2>&1
+    ;;
   two)  # 2 GPUs: ZeRO-3 + optimizer offload to NVMe, multi-GPU tests
     nvidia-smi -L | tee "$OUT/nvidia-smi.log"
     mkdir -p /tmp/nvme
