@@ -48,6 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dataset", default=None, help="torch.save'd torch_geometric.data.Data")
     p.add_argument("--feature-placement", choices=["host", "gpu"], default="host")
     p.add_argument("--max-batches", type=int, default=0, help="stop each epoch after N batches (0: all)")
+    p.add_argument("--train-fraction", type=float, default=0.0,
+                   help="keep this fraction of all nodes as training seeds (and as many validation seeds); "
+                        "0: the dataset's masks (rmat: 80 / 20 %%)")  # fmt: skip
+    p.add_argument(
+        "--no-trim",
+        action="store_true",
+        help="run every layer on every sampled node "
+        "(default: PyG's trim_to_layer, each layer only on nodes that still reach the seeds)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None)
     p.add_argument("--no-progress", action="store_true")
@@ -66,7 +75,41 @@ def _load(args: argparse.Namespace) -> Any:
             data.train_mask = torch.rand(data.num_nodes, generator=g) < 0.8
             data.val_mask = ~data.train_mask
         return data
-    return rmat_graph(args.nodes, args.edges, args.features, args.classes, seed=args.seed)
+    # Generated on the GPU when there is one (seconds instead of minutes); every rank builds the same graph.
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    data = rmat_graph(args.nodes, args.edges, args.features, args.classes, seed=args.seed, device=dev)
+    if args.train_fraction:
+        g = torch.Generator().manual_seed(args.seed + 1)
+        order = torch.randperm(data.num_nodes, generator=g)
+        k = max(1, int(args.train_fraction * data.num_nodes))
+        data.train_mask = torch.zeros(data.num_nodes, dtype=torch.bool)
+        data.val_mask = torch.zeros(data.num_nodes, dtype=torch.bool)
+        data.train_mask[order[:k]] = True
+        data.val_mask[order[k : 2 * k]] = True
+    return data
+
+
+def _memory(ux: Any) -> dict[str, Any]:
+    """This process's memory (GB) from /proc: RSS, its shared-memory part, PSS and USS (private pages), and the
+    node's Shmem total; with the size of the shared feature segment (0 when features are not shared)."""
+    out: dict[str, Any] = {"pid": os.getpid()}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            kv = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.split()[-1] == "kB"}
+        out |= {"rss_gb": kv["Rss"] / 1e9, "pss_gb": kv["Pss"] / 1e9,
+                "uss_gb": (kv["Private_Clean"] + kv["Private_Dirty"]) / 1e9,
+                "shared_gb": (kv["Shared_Clean"] + kv["Shared_Dirty"]) / 1e9}  # fmt: skip
+        with open("/proc/self/status") as f:
+            st = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.rstrip().endswith("kB")}
+        out["rss_shmem_gb"] = st.get("RssShmem", 0) / 1e9
+        with open("/proc/meminfo") as f:
+            mi = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f}
+        out["node_shmem_gb"] = mi["Shmem"] / 1e9
+    except (OSError, KeyError, ValueError) as exc:  # not Linux: say so instead of failing the run
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["feature_table_gb"] = ux.nbytes / 1e9 if ux is not None else None
+    out["feature_table_shared"] = bool(ux is not None and ux.shared)
+    return out
 
 
 def _sum(t: torch.Tensor) -> torch.Tensor:
@@ -96,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     bs = engine.train_micro_batch_size_per_gpu()
     ux = None
-    if args.feature_placement == "host" and engine.device.type == "cuda":
+    if args.feature_placement == "host":  # on a CPU-only machine too: one shared copy per node
         # Pin (and share per node) once; the train and val loaders gather from the same table.
         ux = dsx.direct.unified(data.x, name="sage_features")
         data.x = ux
@@ -116,7 +159,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for i, b in enumerate(loader):
                 if i == n:
                     break
-                out = engine(b.x, b.edge_index)[: b.batch_size]
+                hops = {} if args.no_trim else dict(num_sampled_nodes_per_hop=b.num_sampled_nodes,
+                                                     num_sampled_edges_per_hop=b.num_sampled_edges)  # fmt: skip
+                out = engine(b.x, b.edge_index, **hops)[: b.batch_size]
                 y = b.y[: b.batch_size]
                 loss = F.cross_entropy(out, y)
                 if training:
@@ -141,16 +186,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(
                 f"epoch {epoch}: loss {loss:.4f} train acc {acc:.4f} val acc {vacc:.4f} epoch time {dt:.2f} s"
             )
+    mem = _memory(ux)
+    mems = [None] * dist.get_world_size()
+    dist.all_gather_object(mems, mem)
     summary = {
         "final_val_acc": history[-1]["val_acc"], "first_val_acc": history[0]["val_acc"],
         "epoch_s": min(h["epoch_s"] for h in history), "world_size": dist.get_world_size(),
         "nodes": data.num_nodes, "edges": int(data.edge_index.shape[1]), "features": num_features,
         "feature_placement": args.feature_placement, "fanouts": fanouts, "batch_size": bs, "history": history,
+        "train_seeds": int(data.train_mask.sum()), "trim": not args.no_trim, "memory_per_rank": mems,
     }  # fmt: skip
     if rank == 0:
         print(
             f"final val accuracy {summary['final_val_acc']:.4f}; best epoch time {summary['epoch_s']:.2f} s"
         )
+        for m in mems:
+            if "rss_gb" in m:
+                print(f"memory pid {m['pid']}: RSS {m['rss_gb']:.2f} GB (shared memory {m['rss_shmem_gb']:.2f}), "
+                      f"USS {m['uss_gb']:.2f} GB, PSS {m['pss_gb']:.2f} GB; features {m['feature_table_gb'] or 0:.2f} GB "
+                      f"shared={m['feature_table_shared']}; node Shmem {m['node_shmem_gb']:.2f} GB")  # fmt: skip
         if args.log_json:
             with open(args.log_json, "w") as f:
                 json.dump(summary, f, indent=1)
