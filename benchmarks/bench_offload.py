@@ -42,17 +42,24 @@ from dsx.models.gpt import GPT, GPTConfig
 from dsx.models.megatron_gpt import build_megatron_gpt, megatron_available
 
 CONFIGS = [
-    "none", "recompute", "megatron_selective", "save_on_cpu", "dsx_host", "dsx_host_sel", "dsx_ssd",
-    "dsx_auto_budget", "dsx_auto_budget_sel", "dsx_auto_hide", "dsx_auto_hide_sel",
+    "none", "recompute", "megatron_selective", "save_on_cpu", "ds_cpu_ckpt", "dsx_host", "dsx_host_sel",
+    "dsx_ssd", "dsx_ssd_sel", "dsx_auto_budget", "dsx_auto_budget_sel", "dsx_auto_hide", "dsx_auto_hide_sel",
 ]  # fmt: skip
+# configs whose steps take seconds (bandwidth-bound copies): fewer steps, same warm-up rule
+SLOW = ("save_on_cpu", "dsx_ssd", "dsx_ssd_sel", "dsx_host")
 NEEDS_BUDGET = ("dsx_auto_budget", "dsx_auto_budget_sel")
 
 
-def _ds_config(micro: int, bf16: bool, dsx_section: dict[str, Any] | None) -> dict[str, Any]:
+def _ds_config(
+    micro: int, bf16: bool, dsx_section: dict[str, Any] | None, offload_optimizer: bool = False
+) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": 1}
+    if offload_optimizer:  # ZeRO-2 with the optimizer (fp32 master, Adam moments, step) on the CPU
+        zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": not offload_optimizer}},
+        "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
     if bf16:
@@ -88,6 +95,7 @@ def _section(
         "recompute": {**base, "policy": "recompute_all"},
         "dsx_host": {**base, "policy": "offload_all", "tiers": ["host"]},
         "dsx_ssd": {**base, "policy": "offload_all", "tiers": ["ssd"], "ssd_path": ssd_dir},
+        "ds_cpu_ckpt": None,
         "dsx_auto_budget": {**base, "policy": "auto", "tiers": ["host", "ssd"], "ssd_path": ssd_dir,
                             "memory_budget_gb": budget_gb},
         "dsx_auto_hide": {**base, "policy": "auto", "tiers": ["host", "ssd"], "ssd_path": ssd_dir},
@@ -103,8 +111,12 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     # the sub-module megatron's selective recompute recomputes; the torch GPT's whole attention block
     attention = "DotProductAttention" if _megatron(args) else "Attention"
     section = _section(name, ssd_dir, budget_gb, args.pool_gb, attention)
+    if name == "ds_cpu_ckpt":
+        _deepspeed_checkpointing(model)
     engine, _, _, _ = dsx.initialize(
-        model=model, model_parameters=model.parameters(), config=_ds_config(args.micro_batch, bf16, section)
+        model=model,
+        model_parameters=model.parameters(),
+        config=_ds_config(args.micro_batch, bf16, section, args.offload_optimizer),
     )
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=gen).to(engine.device)
@@ -118,7 +130,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     losses: list[float] = []
     base = peak = peak_total = 0
     per_step: list[tuple[float, float]] = []  # (allocated at the step's start, its peak above that), GB
-    for step in range(args.warmup + args.steps):
+    n_steps = min(args.steps, 2) if name in SLOW else args.steps
+    for step in range(args.warmup + n_steps):
         if dev.type == "cuda":
             torch.cuda.synchronize()
             if step == args.warmup:
@@ -160,6 +173,26 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan}  # fmt: skip
 
 
+def _deepspeed_checkpointing(model: torch.nn.Module) -> None:
+    """DeepSpeed's activation checkpointing with ``cpu_checkpointing`` around every layer: full recompute,
+    the layer inputs it keeps moved to the host by DeepSpeed's ``_ActivationOffloadEngine``."""
+    import deepspeed
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
+
+    from dsx.offload.hooks import find_layers
+
+    ds_ckpt.configure(None, partition_activations=False, checkpoint_in_cpu=True)
+    for layer in find_layers(model, None):
+        orig = layer.forward
+
+        def fwd(*a: Any, _orig: Any = orig, **kw: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _orig(*a, **kw)
+            return deepspeed.checkpointing.checkpoint(_orig, *a, **kw)
+
+        layer.forward = fwd
+
+
 RESULT_TAG = "BENCH_OFFLOAD_RESULT "
 
 
@@ -184,17 +217,26 @@ def _guarded(name: str, args: argparse.Namespace, ssd: str, budget: float | None
                 "where": traceback.format_exc(limit=-3)[-600:]}  # fmt: skip
 
 
-def _child(name: str, argv: list[str], budget: float | None) -> dict[str, Any]:
+def _child(name: str, argv: list[str], budget: float | None, timeout_s: float) -> dict[str, Any]:
     """Run one config in a fresh process: its memory peak is its own, whatever the others left behind."""
     import subprocess
 
     cmd = [sys.executable, __file__, *argv, "--one", name]
     if budget is not None:
         cmd += ["--budget-gb", str(budget)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return {"config": name, "error": f"timed out after {timeout_s:g} s", "where": out[-800:]}
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG) :])
+            res = json.loads(line[len(RESULT_TAG) :])
+            # the planner prints its plan on stderr: keep it with the result
+            plan_at = proc.stderr.find("dsx activation offload plan")
+            if plan_at >= 0:
+                res["plan_log"] = proc.stderr[plan_at : plan_at + 3000]
+            return res
     tail = (proc.stdout + proc.stderr)[-800:]
     return {"config": name, "error": f"child exited {proc.returncode} without a result", "where": tail}
 
@@ -216,6 +258,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--budget-scales", type=float, nargs="+", default=[1.0],
                    help="budgets for the dsx_auto_budget configs, as multiples of full recompute's peak")  # fmt: skip
     p.add_argument("--in-process", action="store_true", help="run every config in this process")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="ZeRO-2 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam)")  # fmt: skip
+    p.add_argument("--child-timeout", type=float, default=120.0, help="seconds per config (own process)")
     p.add_argument("--one", choices=CONFIGS, help=argparse.SUPPRESS)  # a child: run one config, print JSON
     p.add_argument("--budget-gb", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -246,28 +291,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.in_process:
                 res = _guarded(name, args, ssd, budget)
             else:
-                res = _child(name, argv if argv is not None else sys.argv[1:], budget)
+                res = _child(name, argv if argv is not None else sys.argv[1:], budget, args.child_timeout)
             if scale != 1.0:
                 res["config"] = f"{name}@{scale:g}x"
             if budget is not None:
                 res["budget_gb"] = budget * 2**30 / 1e9
             results.append(res)
+            _write(results, args)  # after every config: a run cut short still leaves its JSON
             print(
                 json.dumps({k: v for k, v in res.items() if k not in ("losses", "telemetry", "plan")}),
                 flush=True,
             )
+    out = _write(results, args)
+    _plot(results, args.out, args.name)
+    return out
+
+
+def _write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON of the results so far, with the throughput ratios the targets are stated in."""
     ok = {r["config"]: r for r in results if "error" not in r}
-    ratios: dict[str, float] = {}
-    for a, b in [("dsx_auto_budget", "recompute"), ("dsx_auto_budget_sel", "recompute"),
+    ratios: dict[str, Any] = {}
+    for a, b in [("dsx_auto_budget", "recompute"), ("dsx_host_sel", "ds_cpu_ckpt"), ("dsx_auto_budget_sel", "recompute"),
                  ("dsx_auto_budget_sel", "megatron_selective"), ("dsx_auto_hide", "none"),
                  ("dsx_auto_hide_sel", "none"), ("dsx_host", "save_on_cpu"), ("dsx_host_sel", "save_on_cpu")]:  # fmt: skip
         if a in ok and b in ok:
             ratios[f"{a}_vs_{b}_throughput"] = ok[a]["tokens_per_s"] / ok[b]["tokens_per_s"]
+    # the targets as stated: the fastest dsx config whose measured activation peak is within a baseline's
+    for base in ("recompute", "save_on_cpu", "ds_cpu_ckpt"):
+        if base not in ok:
+            continue
+        fits = [r for r in ok.values() if r["config"].startswith("dsx") and r["config"] != "recompute"
+                and r["activation_peak_gb"] <= ok[base]["activation_peak_gb"]]  # fmt: skip
+        if fits:
+            best = max(fits, key=lambda r: r["tokens_per_s"])
+            ratios[f"best_dsx_within_{base}_peak_vs_{base}_throughput"] = (
+                best["tokens_per_s"] / ok[base]["tokens_per_s"]
+            )
+            ratios[f"best_dsx_within_{base}_peak_config"] = best["config"]  # type: ignore[assignment]
+    for r in ok.values():
+        if r["config"].startswith("dsx_auto_hide") and r.get("plan"):
+            ratios[f"{r['config']}_fraction_of_bound"] = r["plan"]["bound"]["fraction_of_bound"]
     out = {"name": "bench_offload", "env": environment(), "config": vars(args),
            "model": "megatron-core GPTModel" if _megatron(args) else "dsx torch GPT",
            "results": results, "ratios": ratios}  # fmt: skip
     write_json(out, args.out, args.name)
-    _plot(results, args.out, args.name)
     return out
 
 

@@ -61,28 +61,21 @@ case $stage in
     log rgnn-gpu-tests; timeout 85 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_rgnn_kernels.py \
       tests/test_rgnn_layers_gpu.py > "$OUT/gpu-tests-rgnn.log" 2>&1
     ;;
-  sage1)  # 1 GPU (H100): unified/sampler GPU tests, gather benchmark, GraphSAGE end to end + a feature table beyond GPU memory
-    nvidia-smi -L | tee "$OUT/nvidia-smi.log"
-    log build-ops; timeout 120 python -m dsx.cli build-ops > "$OUT/build-ops.log" 2>&1
-    log gpu-tests; timeout 90 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_unified.py tests/test_sampler.py \
-      > "$OUT/gpu-tests-unified-sampler.log" 2>&1
-    log bench-gather; timeout 100 python benchmarks/bench_gather.py --out benchmarks/results > "$OUT/bench-gather.log" 2>&1
-    tar czf "$OUT/results.tgz" benchmarks/results/bench_gather*  # what is done comes back even if time runs out
-    log bench-sage; timeout 230 python benchmarks/bench_sage.py --out benchmarks/results --pyg-workers 4,8,12 \
-      --pyg-batches 20 --batches 60 --feature-table-gb 90 > "$OUT/bench-sage.log" 2>&1
-    free -g >> "$OUT/bench-sage.log"
+  offload5)  # 1 GPU: every strategy at hidden 2048 (fresh process each, short), then micro-batch 16 (OOM without dsx)
+    log bench-offload-probe; timeout 300 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 32 \
+      --configs none recompute megatron_selective save_on_cpu ds_cpu_ckpt dsx_host dsx_host_sel dsx_ssd_sel \
+      dsx_auto_budget_sel dsx_auto_hide_sel --name bench_offload_probe --out benchmarks/results > "$OUT/bench-offload-probe.log" 2>&1
+    log bench-offload-mb16; timeout 130 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 32 --micro-batch 16 \
+      --configs none recompute dsx_auto_budget_sel --name bench_offload_probe_mb16 --out benchmarks/results \
+      > "$OUT/bench-offload-probe-mb16.log" 2>&1
     ;;
-  sage2)  # 2 GPUs: multi-GPU unified tests, GraphSAGE on 1 and 2 ranks over the same graph (one shared feature copy)
-    nvidia-smi -L | tee "$OUT/nvidia-smi.log"
-    log build-ops; timeout 120 python -m dsx.cli build-ops > "$OUT/build-ops.log" 2>&1
-    log multigpu-tests; timeout 60 python -m pytest -q -rs -m multigpu -p no:cacheprovider tests/test_unified.py \
-      > "$OUT/multigpu-tests-unified.log" 2>&1
-    for n in 1 2; do
-      log sage-${n}gpu; timeout 75 deepspeed --num_gpus $n examples/gnn/train_sage.py --deepspeed_config configs/gnn_sage.json \
-        --nodes 2400000 --edges 62000000 --features 128 --classes 47 --train-fraction 0.08 --epochs 3 --no-progress \
-        --log-json benchmarks/results/gnn_sage_${n}gpu.json > "$OUT/gnn-sage-${n}gpu.log" 2>&1
-    done
-    ls -la /dev/shm >> "$OUT/gnn-sage-2gpu.log" 2>&1
+  offload6)  # 1 GPU: the committed run: strategies at hidden 2048 (auto at 1x and 1.25x recompute's peak), then micro-batch 16
+    log bench-offload; timeout 345 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 --child-timeout 60 \
+      --configs none recompute dsx_auto_budget_sel dsx_auto_hide_sel save_on_cpu ds_cpu_ckpt dsx_host_sel megatron_selective \
+      --budget-scales 1 1.25 --out benchmarks/results > "$OUT/bench-offload.log" 2>&1
+    log bench-offload-mb16; timeout 100 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 --child-timeout 50 \
+      --micro-batch 16 --configs none recompute dsx_auto_budget_sel --name bench_offload_mb16 --out benchmarks/results \
+      > "$OUT/bench-offload-mb16.log" 2>&1
     ;;
   two)  # 2 GPUs: ZeRO-3 + optimizer offload to NVMe, multi-GPU tests
     nvidia-smi -L | tee "$OUT/nvidia-smi.log"
