@@ -77,6 +77,36 @@ case $stage in
       --micro-batch 16 --configs none recompute dsx_auto_budget_sel --name bench_offload_mb16 --out benchmarks/results \
       > "$OUT/bench-offload-mb16.log" 2>&1
     ;;
+  sage1)  # 1 GPU (H100): unified/sampler GPU tests, gather benchmark, GraphSAGE end to end + a feature table beyond GPU memory
+    nvidia-smi -L | tee "$OUT/nvidia-smi.log"
+    log build-ops; timeout 120 python -m dsx.cli build-ops > "$OUT/build-ops.log" 2>&1
+    log gpu-tests; timeout 90 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_unified.py tests/test_sampler.py \
+      > "$OUT/gpu-tests-unified-sampler.log" 2>&1
+    log bench-gather; timeout 100 python benchmarks/bench_gather.py --out benchmarks/results > "$OUT/bench-gather.log" 2>&1
+    tar czf "$OUT/results.tgz" benchmarks/results/bench_gather*  # what is done comes back even if time runs out
+    log bench-sage; timeout 230 python benchmarks/bench_sage.py --out benchmarks/results --pyg-workers 4,8,12 \
+      --pyg-batches 20 --batches 60 --feature-table-gb 90 > "$OUT/bench-sage.log" 2>&1
+    free -g >> "$OUT/bench-sage.log"
+    ;;
+  sage2)  # 2 GPUs: multi-GPU unified tests, GraphSAGE on 1 and 2 ranks over the same graph (one shared feature copy),
+          # then bench_sage on one GPU (PyG vs dsx in one run) with the time left (the stage keeps within 255 s)
+    end=$((SECONDS + 255))
+    nvidia-smi -L | tee "$OUT/nvidia-smi.log"
+    log build-ops; timeout 90 python -m dsx.cli build-ops > "$OUT/build-ops.log" 2>&1
+    log multigpu-tests; timeout 50 python -m pytest -q -rs -m multigpu -p no:cacheprovider tests/test_unified.py \
+      > "$OUT/multigpu-tests-unified.log" 2>&1
+    for n in 1 2; do
+      log sage-${n}gpu; timeout 60 deepspeed --num_gpus $n examples/gnn/train_sage.py --deepspeed_config configs/gnn_sage.json \
+        --nodes 2400000 --edges 62000000 --features 128 --classes 47 --train-fraction 0.08 --epochs 3 --no-progress \
+        --log-json benchmarks/results/gnn_sage_${n}gpu.json > "$OUT/gnn-sage-${n}gpu.log" 2>&1
+      ls -la /dev/shm >> "$OUT/gnn-sage-${n}gpu.log" 2>&1
+      tar czf "$OUT/results.tgz" benchmarks/results/gnn_sage_*
+    done
+    left=$((end - SECONDS)); log "bench-sage (${left}s left)"
+    [ $left -gt 30 ] && timeout $left python benchmarks/bench_sage.py --out benchmarks/results --name bench_sage_h200 \
+      --models full,trim --pyg-workers 4,8,12 --pyg-batches 15 --batches 40 > "$OUT/bench-sage-h200.log" 2>&1
+    tar czf "$OUT/results.tgz" benchmarks/results/gnn_sage_* benchmarks/results/bench_sage_h200*
+    ;;
   two)  # 2 GPUs: ZeRO-3 + optimizer offload to NVMe, multi-GPU tests
     nvidia-smi -L | tee "$OUT/nvidia-smi.log"
     mkdir -p /tmp/nvme

@@ -101,14 +101,15 @@ class NeighborSampler:
         ``deg <= k`` hold ``0 .. k-1``; callers use only the first ``deg`` of those)."""
         n = deg.numel()
         u = torch.rand(n, k, device=self.device, generator=self.generator, dtype=torch.float64)
-        base = (deg - k).clamp(min=0)  # rows with deg <= k: j = t, r in [0, t], the result is t: identity
-        chosen = torch.empty(n, k, dtype=torch.long, device=self.device)
-        for t in range(k):
-            j = base + t
-            r = (u[:, t] * (j + 1).double()).long().clamp_(max=j)  # uniform in [0, j]
-            if t:
-                r = torch.where((chosen[:, :t] == r.unsqueeze(1)).any(1), j, r)
-            chosen[:, t] = r
+        # Step t draws r uniform in [0, j_t], j_t = base + t. The draws do not depend on earlier choices (only
+        # the collision rule does), so all k of them are made at once; the loop only resolves collisions.
+        # Rows with deg <= k: base 0, j_t = t, and every r < t is taken already: the result is 0 .. k-1.
+        jj = (deg - k).clamp(min=0).unsqueeze(1) + torch.arange(k, device=self.device)
+        rr = torch.minimum((u * (jj + 1)).long(), jj)
+        chosen = rr.clone()  # column t is final once the collisions of columns < t are resolved
+        for t in range(1, k):
+            hit = (chosen[:, :t] == rr[:, t : t + 1]).any(1)
+            chosen[:, t] = torch.where(hit, jj[:, t], rr[:, t])
         return chosen
 
     def sample_positions(
