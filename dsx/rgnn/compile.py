@@ -122,7 +122,12 @@ class CompiledProgram:
             memo[id(v)] = out
             return out
 
-        return ev(self.program.out)
+        try:
+            return ev(self.program.out)
+        finally:
+            # ev is a recursive closure (a reference cycle through its own cell): without this the memo and
+            # every intermediate tensor in it (edge-wise rows, messages) would live until Python's cyclic GC.
+            memo.clear()
 
     def _fused(self, v: Value, r: dict, g: RelGraph) -> torch.Tensor:
         msg = r["msg"]

@@ -87,4 +87,9 @@ def interpret(program: Program, graph: RelGraph, inputs: dict, params: dict) -> 
 
     if program.out is None:
         raise ValueError("program has no output; call Program.output(aggregate)")
-    return ev(program.out)
+    try:
+        return ev(program.out)
+    finally:
+        # ev is a recursive closure (a reference cycle through its own cell): without this the memo and
+        # every intermediate tensor in it (edge-wise rows, messages) would live until Python's cyclic GC.
+        memo.clear()

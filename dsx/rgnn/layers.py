@@ -99,9 +99,11 @@ class RGCNConv(LayerOptions, nn.Module):
         prog = rgcn_program(self.in_channels_l, self.out_channels, mean)
         out = run_program(self, prog, g, {"x": x_l}, {"W": w}).view(g.num_dst, self.out_channels)
         if self.root is not None:
-            out = out + x_r @ self.root
+            # One [N, C] result (addmm accumulates into a copy of out) instead of a product and a sum.
+            out = torch.addmm(out, x_r, self.root)
         if self.bias is not None:
-            out = out + self.bias
+            # In place on addmm's result (its backward does not read it); else out-of-place on the kernel's.
+            out = out.add_(self.bias) if self.root is not None else out + self.bias
         return out
 
     def __repr__(self) -> str:
