@@ -81,10 +81,13 @@ def _train_loop(
         if trim and getattr(b, "num_sampled_nodes", None) is None:
             raise RuntimeError("batches carry no num_sampled_nodes (PyG needs pyg-lib for that): cannot trim")
         x, ei, y = b.x.to(dev, non_blocking=True), b.edge_index.to(dev, non_blocking=True), b.y.to(dev)
-        hops = dict(
-            num_sampled_nodes_per_hop=b.num_sampled_nodes, num_sampled_edges_per_hop=b.num_sampled_edges
-        )
-        out = model(x.float(), ei, **(hops if trim else {}))[: b.batch_size]
+        # Read the per-hop counts only when trimming: PyG's batches (torch-sparse sampling) do not have them.
+        hops = {}
+        if trim:
+            hops = dict(
+                num_sampled_nodes_per_hop=b.num_sampled_nodes, num_sampled_edges_per_hop=b.num_sampled_edges
+            )
+        out = model(x.float(), ei, **hops)[: b.batch_size]
         loss = F.cross_entropy(out, y[: b.batch_size])
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -20,3 +20,32 @@ def test_bench_sage_quick(tmp_path, monkeypatch):
         assert saved["runs"][name]["batch_ms"] > 0 and saved["runs"][name]["batches_timed"] == 3
     assert "batch_ms" in res["beyond_gpu_memory"], res["beyond_gpu_memory"]
     assert "pyg_cpu_w0" in saved["runs"]  # measured, or the reason PyG could not sample recorded
+
+
+def test_train_loop_takes_batches_without_per_hop_counts(tmp_path):
+    # PyG's NeighborLoader with torch-sparse yields batches without num_sampled_nodes: the full model must
+    # train on them, and asking to trim must say why it cannot (two GPU runs lost their PyG baseline to this).
+    import importlib.util
+
+    import pytest
+    import torch
+    from torch_geometric.data import Data
+
+    spec = importlib.util.spec_from_file_location("bench_sage", REPO / "benchmarks" / "bench_sage.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        Data(
+            x=torch.randn(50, 8, generator=g),
+            edge_index=torch.randint(0, 50, (2, 200), generator=g),
+            y=torch.randint(0, 3, (50,), generator=g),
+            batch_size=10,
+        )
+        for _ in range(3)
+    ]
+    model, opt = mod._model(8, 3, torch.device("cpu"))
+    r = mod._train_loop(batches, model, opt, torch.device("cpu"), 1, 2, trim=False)
+    assert r["batches_timed"] == 2 and r["final_loss"] > 0
+    with pytest.raises(RuntimeError, match="cannot trim"):
+        mod._train_loop(batches, model, opt, torch.device("cpu"), 1, 2, trim=True)
