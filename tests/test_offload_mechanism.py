@@ -354,10 +354,8 @@ def test_unknown_recompute_module_is_a_clear_error(tmp_path):
     assert not os.listdir(tmp_path / "ssd"), "a run directory was created before the config was checked"
 
 
-def test_auto_profiles_after_warmup_steps(tmp_path):
-    model, batches, want = _reference(6, 4)
-    sched = Scheduler()
-    off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=2), sched)
+def _train_with_plans(model, batches, off, sched):
+    """Train on ``batches`` with ``off`` installed; gradients and the plan in force after each step."""
     plans = []
     try:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -372,6 +370,44 @@ def test_auto_profiles_after_warmup_steps(tmp_path):
     finally:
         off.close()
         sched.close()
+    return got, plans
+
+
+def test_auto_profiles_after_warmup_steps(tmp_path):
+    model, batches, want = _reference(6, 4)
+    sched = Scheduler()
+    off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=2), sched)
+    got, plans = _train_with_plans(model, batches, off, sched)
     assert plans[0] is None and plans[1] is None and plans[2] is not None
     assert all(p.saved_bytes > 0 and p.fwd_s > 0 for p in plans[2].profiles)
+    _assert_same(want, got)
+
+
+def test_auto_replans_when_the_planned_step_peaks_over_the_budget(tmp_path):
+    """A planned step measured over memory_budget_gb (the cost model missed bytes) makes the planner plan
+    again against the budget lowered by the overshoot; gradients stay bitwise equal throughout. On CPU there
+    is no peak to read, so the measurement is stubbed: on the first calibration the step is said to have
+    peaked at budget + overshoot, on the second within the budget."""
+    model, batches, want = _reference(7, 5)
+    sched = Scheduler()
+    cfg = _cfg(
+        tmp_path, ["host"], policy="auto", profile_warmup_steps=0, memory_budget_gb=1.0, host_pool_gb=0.2
+    )
+    off = ActivationOffload(model, cfg, sched)
+    budget = 1 << 30
+    measured: list[int] = []
+
+    def fake_peak() -> int:
+        keep_all = off.plan.bound["keep_all_bytes"]
+        # over the budget by (budget - keep_all / 2): the re-plan must fit keep_all / 2
+        measured.append(2 * budget - keep_all // 2 if not measured else budget // 2)
+        return measured[-1]
+
+    off._peak_since_mark = fake_peak  # type: ignore[method-assign]
+    got, plans = _train_with_plans(model, batches, off, sched)
+    first, second = plans[0], plans[1]
+    keep_all = first.bound["keep_all_bytes"]
+    assert first.peak_bytes > keep_all // 2  # a 1 GiB budget leaves the tiny model's plan free
+    assert second is not first and second.peak_bytes <= keep_all // 2  # planned with the margin
+    assert len(measured) == 2 and plans[2] is second and plans[4] is second  # within budget: no more re-plans
     _assert_same(want, got)

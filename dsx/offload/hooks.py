@@ -95,10 +95,13 @@ class LayerHooks:
             self._dedup = {k: v for k, v in self._dedup.items() if v[1]() is not None and not v[0].released}
 
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
-        # backward starts with the last layers: start bringing them back as soon as forward is over
-        offloaded = [i for i, a in enumerate(self.actions) if a in ("host", "ssd")]
-        for i in offloaded[-self.prefetch_depth :]:
-            self._prefetch_layer(i)
+        # backward starts with the last layer: bring back what its backward and the next prefetch_depth
+        # layers' need as soon as forward is over (the window the planner's cost model assumes: an offloaded
+        # layer further down is read later, so its bytes are not back on the device for the whole backward)
+        last = len(self.actions) - 1
+        for i in range(last, max(-1, last - 1 - self.prefetch_depth), -1):
+            if self.actions[i] in ("host", "ssd"):
+                self._prefetch_layer(i)
 
     def _make_pre(self, i: int) -> Any:
         def pre(module: nn.Module, args: Any) -> None:
