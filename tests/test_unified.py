@@ -6,8 +6,10 @@ import importlib
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -188,7 +190,19 @@ def _two_rank_job(tmp_path: Path, accelerator: str) -> None:
     """2 ranks via the deepspeed launcher (gloo): same pages (Pss = Rss / 2), then one rank is SIGKILLed."""
     out, shm_dir = tmp_path / "out", tmp_path / "shm"
     out.mkdir()
-    shm_dir.mkdir()
+    if accelerator == "cuda" and os.path.isdir("/dev/shm"):
+        # CUDA cannot pin pages of a file on a disk/overlay filesystem (tmp_path on the GPU host): use tmpfs.
+        shm_dir = Path(tempfile.mkdtemp(prefix="dsx-test-", dir="/dev/shm"))
+    else:
+        shm_dir.mkdir()
+    try:
+        _two_rank_job_in(tmp_path, out, shm_dir, accelerator)
+    finally:
+        if str(shm_dir).startswith("/dev/shm/"):
+            shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def _two_rank_job_in(tmp_path: Path, out: Path, shm_dir: Path, accelerator: str) -> None:
     env = launcher_env({"DS_ACCELERATOR": accelerator})
     if accelerator == "cuda":
         env.pop("CUDA_VISIBLE_DEVICES", None)

@@ -145,7 +145,14 @@ def register(ptr: int, nbytes: int) -> None:
             msg = rt.error_string(err)
             if err == _OUT_OF_MEMORY or "memory" in msg.lower():
                 raise PinningError(memlock_message(nbytes, msg))
-            raise PinningError(f"cudaHostRegister failed for {nbytes} bytes at {ptr:#x}: {msg}")
+            hint = ""
+            if "invalid argument" in msg.lower():
+                # Seen on an H200 host: pages of a file on a disk/overlay filesystem (not tmpfs) cannot be pinned.
+                hint = (
+                    ". If this memory maps a file (a shared segment), the file must live on a tmpfs such as "
+                    "/dev/shm: CUDA cannot pin pages of a disk-backed file (set dsx.unified.shared_memory_dir)"
+                )
+            raise PinningError(f"cudaHostRegister failed for {nbytes} bytes at {ptr:#x}: {msg}{hint}")
         _ranges[ptr] = [nbytes, 1, owned]
 
 
