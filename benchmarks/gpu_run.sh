@@ -107,6 +107,10 @@ case $stage in
       --models full,trim --pyg-workers 4,8,12 --pyg-batches 15 --batches 40 > "$OUT/bench-sage-h200.log" 2>&1
     tar czf "$OUT/results.tgz" benchmarks/results/gnn_sage_* benchmarks/results/bench_sage_h200*
     ;;
+  sage3)  # 1 GPU (H100): GraphSAGE end to end only: PyG (workers 4/8/12, full model) and dsx (gpu/unified, full + trim) in one run
+    log bench-sage; timeout 300 python benchmarks/bench_sage.py --out benchmarks/results --models full,trim \
+      --pyg-workers 4,8,12 --pyg-batches 20 --batches 60 > "$OUT/bench-sage.log" 2>&1
+    ;;
   two)  # 2 GPUs: ZeRO-3 + optimizer offload to NVMe, multi-GPU tests
     nvidia-smi -L | tee "$OUT/nvidia-smi.log"
     mkdir -p /tmp/nvme
