@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import math
 import os
@@ -85,6 +86,7 @@ def measure(fn, device: torch.device, repeats: int, slow_s: float = 2.0, residen
             res["host_ms"] = 1e3 * sorted(host)[len(host) // 2]
         if cuda:
             _sync(cuda)
+            gc.collect()  # garbage of earlier cases freed during the step would hide part of its peak
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             fn()
