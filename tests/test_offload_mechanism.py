@@ -172,16 +172,6 @@ def test_failed_read_names_path_and_offset(tmp_path):
         sched.close()
 
 
-def test_auto_without_planner_is_a_clear_error(tmp_path):
-    try:
-        import dsx.offload.plan  # noqa: F401
-    except ImportError:
-        with pytest.raises(RuntimeError, match="planner"):
-            ActivationOffload(TinyGPT(), _cfg(tmp_path, ["host"], policy="auto"), Scheduler())
-    else:
-        pytest.skip("dsx.offload.plan is present: the missing-planner error cannot occur")
-
-
 def test_recompute_all_bitwise(tmp_path):
     model, batches, want = _reference(2, 2)
     sched = Scheduler()

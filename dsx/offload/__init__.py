@@ -144,13 +144,8 @@ class ActivationOffload:
         self.ssd: SsdFile | None = None
         self.shared_ssd = False
         if cfg.policy == "auto":
-            try:
-                from dsx.offload import plan as _plan  # offload-plan's module
-            except ImportError as exc:
-                raise RuntimeError(
-                    "dsx activation offload: policy 'auto' needs the planner (dsx/offload/plan.py), which is "
-                    f"unavailable in this install ({exc}); use policy 'offload_all', 'recompute_all' or 'none'"
-                ) from exc
+            from dsx.offload import plan as _plan
+
             self._plan_mod = _plan
         if "ssd" in cfg.tiers and cfg.policy != "none":
             self.run_dir = RunDir(cfg.ssd_path, _rank())
