@@ -62,7 +62,9 @@ def measure(fn, device: torch.device, repeats: int, slow_s: float = 2.0, residen
       launching the step (Python, dispatch, launches); when ``host_ms`` ~ ``ms`` the step is launch-bound.
     * ``peak_mb``: peak allocated during one steady-state step above what was live before it, plus
       ``resident()`` bytes kept between steps for this layer (dsx: the prepared graph's index maps; PyG
-      layers keep none). Both implementations start the step with no gradients held.
+      layers keep none). ``base`` is read while the previous step's gradients (``x.grad``, parameter
+      grads: the same shapes for dsx and PyG) are still held, so both peaks leave them out; adding them to
+      both sides moves the dsx/PyG ratio towards 1 (see docs/rgnn-kernels.md).
     """
     cuda = device.type == "cuda"
     try:

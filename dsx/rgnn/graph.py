@@ -248,6 +248,12 @@ def _build(edge_index, edge_type, num_src, num_dst, num_relations) -> RelGraph:
     return graph
 
 
+def tensor_version(t: torch.Tensor) -> int | None:
+    """``t._version`` for the caches' in-place guard; None for inference tensors, which keep no version
+    counter (reading it raises) — their cache entries are matched by identity alone."""
+    return None if t.is_inference() else t._version
+
+
 def prepare(
     edge_index: torch.Tensor,
     edge_type: torch.Tensor,
@@ -273,15 +279,22 @@ def prepare(
         entry = _CACHE[key]
         # Identity is checked through the stored references (the cache keeps them alive, so ids cannot be
         # reused), the in-place version guards against edits of the same tensor.
-        if entry[0] is edge_index and entry[1] is edge_type and entry[2] == (edge_index._version,
-                                                                            edge_type._version):  # fmt: skip
+        if (
+            entry[0] is edge_index
+            and entry[1] is edge_type
+            and entry[2]
+            == (
+                tensor_version(edge_index),
+                tensor_version(edge_type),
+            )
+        ):
             _CACHE.move_to_end(key)
             graph = entry[3]
             return graph.require(*needs) if needs else graph
     _validate(edge_index, edge_type, num_src, num_dst, num_relations, index_dtype)
     graph = _build(edge_index, edge_type, num_src, num_dst, num_relations).require(*needs)
     if cache:
-        _CACHE[key] = (edge_index, edge_type, (edge_index._version, edge_type._version), graph)
+        _CACHE[key] = (edge_index, edge_type, (tensor_version(edge_index), tensor_version(edge_type)), graph)
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return graph

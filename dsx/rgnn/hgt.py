@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsx.rgnn._common import LayerOptions, run_program
-from dsx.rgnn.graph import prepare
+from dsx.rgnn.graph import prepare, tensor_version
 from dsx.rgnn.programs import hgt_program
 
 __all__ = ["HGTConv"]
@@ -100,7 +100,9 @@ class HGTConv(LayerOptions, nn.Module):
         offset, start = {}, 0
         for t, x in x_dict.items():
             offset[t], start = start, start + x.size(0)
-        key = tuple((e, id(ei), ei._version) for e, ei in edge_index_dict.items()) + tuple(offset.items())
+        key = tuple((e, id(ei), tensor_version(ei)) for e, ei in edge_index_dict.items()) + tuple(
+            offset.items()
+        )
         if self._graph_key is not None and self._graph_key[0] == key:
             return self._graph_key[1], offset, start
         parts, types = [], []

@@ -8,6 +8,7 @@ import weakref
 import torch
 
 from dsx.rgnn.codegen import generate_gather_gemm_source, load_source
+from dsx.rgnn.graph import tensor_version
 from dsx.rgnn.kernels.backend import resolve_backend
 from dsx.rgnn.kernels.reference import gather_gemm_ref
 from dsx.rgnn.kernels.validate import check_index, check_ptr
@@ -63,7 +64,7 @@ def cached_tile_map(rel_ptr: torch.Tensor, num_rows: int, rows_per_tile: int):
     A prepared graph passes the same ``rel_ptr`` every call, so its tile maps are built once per graph
     instead of twice per forward + backward (~10 small ops each). An entry dies with its ``rel_ptr``.
     """
-    key = (id(rel_ptr), rel_ptr._version, num_rows, rows_per_tile)
+    key = (id(rel_ptr), tensor_version(rel_ptr), num_rows, rows_per_tile)
     hit = _TILE_MAPS.get(key)
     if hit is not None and hit[0]() is rel_ptr:
         return hit[1]
