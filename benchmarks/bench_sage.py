@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res["targets"] = {}
     for v, suffix in variants:
         pyg = {k: r["epoch_s"] for k, r in res["runs"].items()
-               if k.startswith("pyg") and k.endswith(suffix) and (suffix or "_" not in k[7:]) and "epoch_s" in r}  # fmt: skip
+               if k.startswith("pyg") and k.endswith(suffix) and (suffix or "_" not in k[len("pyg_cpu_") :]) and "epoch_s" in r}  # fmt: skip
         u, gpu = res["runs"]["dsx_unified" + suffix]["epoch_s"], res["runs"]["dsx_gpu" + suffix]["epoch_s"]
         best = min(pyg, key=pyg.get) if pyg else None
         res[f"summary{suffix}"] = {

@@ -207,3 +207,27 @@ def test_loader_from_csr_tensors_matches_data_input():
         assert torch.equal(ba.x, bb.x) and ba.num_sampled_edges == bb.num_sampled_edges
         n += 1
     assert n == len(a) == 15
+
+
+def test_failed_hop_leaves_the_node_map_clean(monkeypatch):
+    """An error in the middle of a hop (after claims were written to the node map) must not leak into the
+    next call: the map is reset and the next sample equals a fresh sampler's."""
+    _, rowptr, col, _ = _graph()
+    seeds = torch.tensor([0, 5, 9])
+    s = NeighborSampler(rowptr, col, [4, 3], generator=torch.Generator().manual_seed(2))
+    real_take = s._take
+
+    def failing_take(nodes, k, *args, **kwargs):
+        if k == 3:  # sizing hop 1 happens after hop 0 wrote its claims and local ids to the map
+            raise RuntimeError("injected failure mid-hop")
+        return real_take(nodes, k, *args, **kwargs)
+
+    monkeypatch.setattr(s, "_take", failing_take)
+    with pytest.raises(RuntimeError, match="injected"):
+        s.sample(seeds)
+    monkeypatch.setattr(s, "_take", real_take)
+    assert (s._map == -1).all()
+    s.generator.manual_seed(7)
+    got = s.sample(seeds)
+    want = NeighborSampler(rowptr, col, [4, 3], generator=torch.Generator().manual_seed(7)).sample(seeds)
+    assert torch.equal(got.n_id, want.n_id) and torch.equal(got.edge_index, want.edge_index)

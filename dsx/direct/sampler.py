@@ -137,13 +137,15 @@ class NeighborSampler:
             lo, hi = (int(v) for v in torch.stack([seeds.min(), seeds.max()]).tolist())
             if lo < 0 or hi >= self.num_nodes:
                 raise IndexError(f"seed ids must lie in [0, {self.num_nodes}); got [{lo}, {hi}]")
-        seeds = seeds.to(self.device, torch.long, non_blocking=True)
+        # non_blocking only towards the GPU: a non-blocking copy to the host returns before the bytes land
+        seeds = seeds.to(self.device, torch.long, non_blocking=self.device.type == "cuda")
         m, dev = self._map, self.device
         m[seeds] = torch.arange(seeds.numel(), device=dev)
         n_ids, rows, cols, eids = [seeds], [], [], []
         n_nodes, n_edges = [seeds.numel()], []
         frontier, offset, count = seeds, 0, seeds.numel()
         total = int(self._take(seeds, self.num_neighbors[0])[1].sum()) if seeds.numel() else 0
+        touched = None
         try:
             for h, k in enumerate(self.num_neighbors):
                 owner, epos = self.sample_positions(frontier, k, total)
@@ -152,6 +154,7 @@ class NeighborSampler:
                 # Claim every unseen node for the first edge that reached it (scatter-min of -(e+2)+i; seen
                 # nodes keep their id >= 0, unseen ones hold -1 and take the smallest claim).
                 ar = torch.arange(e, device=dev)
+                touched = nbr  # claims written below are undone by the except clause if the hop fails
                 cur = m[nbr]
                 m.scatter_reduce_(0, nbr, torch.where(cur >= 0, cur, ar - (e + 2)), "amin")
                 claim = m[nbr]
@@ -176,7 +179,12 @@ class NeighborSampler:
                 n_nodes.append(n_new)
                 n_edges.append(e)
                 frontier, offset, count = new, count, count + n_new
+                touched = None
             n_id = torch.cat(n_ids)
+        except BaseException:
+            if touched is not None:  # a failed hop leaves claims (< -1) or local ids on its neighbors
+                m[touched] = -1
+            raise
         finally:
             m[torch.cat(n_ids)] = -1  # reset only the touched entries
         edge_index = (
