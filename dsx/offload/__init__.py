@@ -61,7 +61,13 @@ def _recompute_modules(layer: nn.Module, names: list[str]) -> list[nn.Module]:
 
 
 def _reentrant(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """torch's reentrant checkpoint of ``fn(*args, **kwargs)`` (it takes positional arguments only)."""
+    """torch's reentrant checkpoint of ``fn(*args, **kwargs)`` (it takes positional arguments only).
+
+    The reentrant form computes no parameter gradients when no input requires grad (e.g. frozen
+    embeddings feeding trainable layers), so such calls take the non-reentrant form instead.
+    """
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())):
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
     n, keys = len(args), tuple(kwargs)
 
     def run(*flat: Any) -> Any:
