@@ -86,8 +86,8 @@ def _checkpointed(
     was 44.7 GB against 47.1 GB without recompute, and micro-batch 16 ran out of memory (the small torch GPT
     shows no such retention; the cause inside megatron-core was not pinned down). DeepSpeed's reentrant
     checkpoint of the same layers held nothing between steps; reentrant recomputation frees what it
-    re-creates when the layer's backward ends. Sub-modules (``recompute_modules``) keep the non-reentrant form, which lets their
-    inputs be saved (and moved) like any other tensor.
+    re-creates when the layer's backward ends. Sub-modules (``recompute_modules``) keep the non-reentrant
+    form, which lets their inputs be saved (and moved) like any other tensor.
     """
     if on and key not in saved:
         orig = module.forward

@@ -275,26 +275,19 @@ def prepare(
     """
     num_src, num_dst = (num_nodes, num_nodes) if isinstance(num_nodes, int) else tuple(num_nodes)
     key = (id(edge_index), id(edge_type), num_src, num_dst, num_relations, index_dtype)
+    versions = (tensor_version(edge_index), tensor_version(edge_type))
     if cache and key in _CACHE:
         entry = _CACHE[key]
         # Identity is checked through the stored references (the cache keeps them alive, so ids cannot be
         # reused), the in-place version guards against edits of the same tensor.
-        if (
-            entry[0] is edge_index
-            and entry[1] is edge_type
-            and entry[2]
-            == (
-                tensor_version(edge_index),
-                tensor_version(edge_type),
-            )
-        ):
+        if entry[0] is edge_index and entry[1] is edge_type and entry[2] == versions:
             _CACHE.move_to_end(key)
             graph = entry[3]
             return graph.require(*needs) if needs else graph
     _validate(edge_index, edge_type, num_src, num_dst, num_relations, index_dtype)
     graph = _build(edge_index, edge_type, num_src, num_dst, num_relations).require(*needs)
     if cache:
-        _CACHE[key] = (edge_index, edge_type, (tensor_version(edge_index), tensor_version(edge_type)), graph)
+        _CACHE[key] = (edge_index, edge_type, versions, graph)
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return graph

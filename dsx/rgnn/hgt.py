@@ -100,9 +100,8 @@ class HGTConv(LayerOptions, nn.Module):
         offset, start = {}, 0
         for t, x in x_dict.items():
             offset[t], start = start, start + x.size(0)
-        key = tuple((e, id(ei), tensor_version(ei)) for e, ei in edge_index_dict.items()) + tuple(
-            offset.items()
-        )
+        edges = tuple((e, id(ei), tensor_version(ei)) for e, ei in edge_index_dict.items())
+        key = edges + tuple(offset.items())
         if self._graph_key is not None and self._graph_key[0] == key:
             return self._graph_key[1], offset, start
         parts, types = [], []

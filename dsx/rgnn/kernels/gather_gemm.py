@@ -54,7 +54,7 @@ def build_tile_map(
     return tile_rel.contiguous(), tile_row.contiguous()
 
 
-# (id(rel_ptr), rel_ptr._version, num_rows, rows_per_tile) -> (weakref to rel_ptr, (tile_rel, tile_row)).
+# (id(rel_ptr), tensor_version(rel_ptr), num_rows, rows_per_tile) -> (weakref to rel_ptr, (tile_rel, tile_row)).
 _TILE_MAPS: dict[tuple, tuple] = {}
 
 
