@@ -135,7 +135,9 @@ def test_inplace_after_save_raises(tmp_path):
 
 
 def test_corrupt_ssd_read_is_an_error(tmp_path):
-    model = OddModel(layers=2)
+    # Four layers: the end of forward already reads back the last layer and prefetch_depth more (3 and 2),
+    # so layer 0 is read only during backward, after the bytes below were flipped.
+    model = OddModel(layers=4)
     sched = Scheduler(SchedulerConfig(io_workers=2))
     off = ActivationOffload(model, _cfg(tmp_path, ["ssd"]), sched)
     try:
@@ -158,7 +160,7 @@ def test_corrupt_ssd_read_is_an_error(tmp_path):
 
 
 def test_failed_read_names_path_and_offset(tmp_path):
-    model = OddModel(layers=2)
+    model = OddModel(layers=4)  # layers 0 and 1 are read during backward, after the truncation
     sched = Scheduler(SchedulerConfig(io_workers=2))
     off = ActivationOffload(model, _cfg(tmp_path, ["ssd"], verify=False), sched)
     try:
