@@ -108,3 +108,47 @@ def test_gpu_memory_released_during_forward(tmp_path):
         off.close()
         sched.close()
     assert offloaded < 0.5 * plain, (plain, offloaded)
+
+
+def test_gpu_auto_plan_stays_under_its_budget(tmp_path):
+    """The budget is a promise about max_memory_allocated, not about saved bytes: the measured peak of the
+    planned steps stays under it (the profiled background and workspace, then calibration, see to that)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=256, d=512, layers=6, heads=8, seq=256).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randint(0, 256, (16, 256), device="cuda", generator=g)
+
+    def step(off=None) -> int:
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        if off is not None:
+            off.end_step()
+        return peak
+
+    step()
+    keep_peak = step()
+    budget = 0.55 * keep_peak / 2**30
+    cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="auto", host_pool_gb=2,
+                                  memory_budget_gb=budget, min_tensor_bytes=1 << 16)  # fmt: skip
+    sched = Scheduler(device=torch.device("cuda"))
+    off = ActivationOffload(model, cfg, sched)
+    try:
+        peaks = [step(off) for _ in range(6)]  # warm-up, profile, planned (+ up to 2 re-plans), settled
+        plan = off.plan
+    finally:
+        off.close()
+        sched.close()
+    assert plan is not None
+    assert peaks[-1] <= budget * 2**30, (
+        f"measured {peaks[-1] / 2**30:.3f} GiB > budget {budget:.3f} GiB (predicted {plan.peak_bytes / 2**30:.3f}, "
+        f"keep-all {keep_peak / 2**30:.3f}); plan {[a.value for a in plan.actions]}; peaks {peaks}"
+    )

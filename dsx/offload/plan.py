@@ -16,10 +16,15 @@ independent (host: PCIe, per-rank share; SSD: the drive, per-rank share). The hi
 ``B_write x T_fwd`` and ``B_read x T_bwd``: the model reproduces that bound when compute is the only thing
 to hide behind.
 
-Peak activation memory is the larger of the end of forward (kept bytes plus writes still in flight) and the
-start of each layer's backward (kept layers below it, prefetched offloaded layers, and a recomputed layer's
-own activations, or what its recomputed sub-modules re-create); a recomputed layer holds nothing between its forward and backward (its input, one hidden
-state, is small next to what the layer saves).
+Peak activation memory is the largest footprint at these points, each relative to the allocated memory when
+the step's first layer starts: during each layer's forward (its own forward peak on top of what earlier layers
+keep or still write), in the gap after each layer's forward (for the last layer: the head, the loss and the
+start of backward, with the last ``depth + 1`` layers' reads issued), and during each layer's backward (kept
+layers below it, offloaded layers prefetched into ``[i - depth, i]`` or still being written, what a recomputed
+layer or its recomputed sub-modules re-create, and its backward's workspace). On CUDA the profiling step
+measures, for each of these points, what is allocated beyond the saved bytes (gradients, hidden states, what
+the model outside the layers holds: LayerProfile's ``*_background_bytes``), so that with everything kept the
+model reproduces the measured peaks; a recomputed layer's re-run forward peaks at ``fwd_peak_bytes``.
 
 Search: exhaustive over all c^n assignments when c^n <= ``exhaustive_limit``, c being the number of actions
 (keep, recompute and one per tier; with ``recompute_modules`` also the ``+sel`` forms: 7 with two tiers) —
@@ -77,7 +82,10 @@ class LayerProfile:
     ``sel_saved_bytes`` is what the layer saves when its ``recompute_modules`` are recomputed (the bytes
     saved outside them plus their inputs, which checkpointing saves); ``sel_recompute_s`` is their forward
     time. ``None`` when the layer has no such sub-module. ``bwd_workspace_bytes`` is the peak its backward
-    allocates above the level at its start (CUDA only; 0 elsewhere).
+    allocates above the level at its start. ``fwd_peak_bytes`` is the peak its forward allocates above its
+    start (saved bytes included); the ``*_background_bytes`` are what is allocated beyond the saved bytes of
+    the layers holding them at the start of its forward, in the gap after it (peak) and at the start of its
+    backward (see the module docstring). All memory fields are measured on CUDA only (0 elsewhere).
     """
 
     index: int
@@ -88,6 +96,10 @@ class LayerProfile:
     sel_saved_bytes: int | None = None
     sel_recompute_s: float = 0.0
     bwd_workspace_bytes: int = 0
+    fwd_peak_bytes: int = 0
+    fwd_background_bytes: int = 0
+    gap_background_bytes: int = 0
+    bwd_background_bytes: int = 0
 
     def stored(self, a: Action) -> int:
         """Bytes kept on the device (keep) or moved (host, ssd) under ``a``."""
@@ -98,6 +110,19 @@ class LayerProfile:
         if a == Action.RECOMPUTE:
             return self.saved_bytes
         return self.saved_bytes - self.stored(a) if a.sel else 0
+
+    def bwd_own(self, a: Action) -> int:
+        """What the layer's backward adds on top of the bytes it stores: a recomputed layer first re-runs its
+        forward (peak ``fwd_peak_bytes``), then holds what it saves plus the backward's workspace."""
+        if a == Action.RECOMPUTE:
+            return max(self.fwd_peak_bytes, self.saved_bytes + self.bwd_workspace_bytes)
+        return self.transient(a) + self.bwd_workspace_bytes
+
+    def fwd_own(self, a: Action) -> int:
+        """The forward's own peak; a recomputed layer's first forward runs without saving anything."""
+        if a == Action.RECOMPUTE:
+            return max(0, self.fwd_peak_bytes - self.saved_bytes)
+        return self.fwd_peak_bytes
 
     def extra_bwd_s(self, a: Action) -> float:
         if a == Action.RECOMPUTE:
@@ -127,6 +152,7 @@ class Plan:
     profiles: list[LayerProfile] = field(default_factory=list, repr=False)
     peak_bytes: int = 0
     stall_s: float = 0.0
+    over_budget: bool = False  # best effort: no plan the model knows fits the budget; this one misses least
 
     def describe(self) -> str:
         b = self.bound
@@ -156,6 +182,11 @@ class Plan:
             f"{b['keep_all_bytes'] / GB:.2f} GiB kept, budget "
             + (f"{b['budget_bytes'] / GB:.2f} GiB" if b["budget_bytes"] is not None else "none (hide only)")
             + f"; prefetch depth {self.prefetch_depth}"
+            + (
+                " -- OVER BUDGET: the least-over plan the model found (best effort)"
+                if self.over_budget
+                else ""
+            )
         )
         return "\n".join(lines)
 
@@ -181,9 +212,33 @@ def simulate(
     profiles: list[LayerProfile], actions: list[Action], bw: dict[str, TierBandwidth], depth: int
 ) -> tuple[float, float, int]:
     """(step time, exposed stall, peak activation bytes) of one assignment under the cost model above."""
+    t, stall, footprints = _timeline(profiles, actions, bw, depth)
+    return t, stall, max(footprints)
+
+
+def _timeline(
+    profiles: list[LayerProfile], actions: list[Action], bw: dict[str, TierBandwidth], depth: int
+) -> tuple[float, float, list[int]]:
+    """(step time, exposed stall, the activation footprint at every point the module docstring lists)."""
     n = len(profiles)
     t, free, write_done = _forward(profiles, actions, bw)
-    t_fwd_end = t
+    size = [p.stored(a) for p, a in zip(profiles, actions)]
+    moved = [a.moved for a in actions]
+    keep = [a.base == Action.KEEP for a in actions]
+
+    def held(j: int, at: float) -> bool:  # kept, or offloaded and still being written at time ``at``
+        return keep[j] or (moved[j] and write_done[j] > at)
+
+    feet: list[int] = []
+    clock = 0.0
+    for i, p in enumerate(profiles):
+        below = sum(size[j] for j in range(i) if held(j, clock))
+        feet.append(p.fwd_background_bytes + below + p.fwd_own(actions[i]))
+        clock += p.fwd_s
+        after = sum(
+            size[j] for j in range(i + 1) if held(j, clock) or (i == n - 1 and moved[j] and j >= i - depth)
+        )
+        feet.append(p.gap_background_bytes + after)
     for k in free:
         free[k] = max(free[k], t)
     read_done: dict[int, float] = {}
@@ -202,32 +257,12 @@ def simulate(
         if i in read_done and read_done[i] > t:
             stall += read_done[i] - t
             t = read_done[i]
-        t += profiles[i].bwd_s + profiles[i].extra_bwd_s(actions[i])
-    return t, stall, max(_footprints(profiles, actions, write_done, t_fwd_end, depth))
-
-
-def _footprints(
-    profiles: list[LayerProfile], actions: list[Action], write_done: list[float], t_fwd: float, depth: int
-) -> int:
-    """Activation footprints at the end of forward and at the start of each layer's backward."""
-    size = [p.stored(a) for p, a in zip(profiles, actions)]
-    moved = [a.moved for a in actions]
-    keep = [a.base == Action.KEEP for a in actions]
-    # End of forward: everything kept plus offloaded layers whose write has not finished yet.
-    out = [
-        sum(s for s, k in zip(size, keep) if k)
-        + sum(s for i, s in enumerate(size) if moved[i] and write_done[i] > t_fwd)
-    ]
-    kept_below = sum(s for s, k in zip(size, keep) if k)
-    for i in range(len(profiles) - 1, -1, -1):
-        # Backward of layer i: kept layers <= i, offloaded layers prefetched into [i - depth, i], what a
-        # recomputed layer (or its recomputed sub-modules) re-creates, and its backward's own workspace.
-        inflight = sum(size[j] for j in range(max(0, i - depth), i + 1) if moved[j])
-        own = profiles[i].transient(actions[i]) + profiles[i].bwd_workspace_bytes
-        out.append(kept_below + inflight + own)
-        if keep[i]:
-            kept_below -= size[i]
-    return out
+        # kept layers <= i, offloaded ones prefetched into [i - depth, i] or still being written
+        resident = sum(size[j] for j in range(i + 1) if held(j, t) or (moved[j] and j >= i - depth))
+        p = profiles[i]
+        feet.append(p.bwd_background_bytes + resident + p.bwd_own(actions[i]))
+        t += p.bwd_s + p.extra_bwd_s(actions[i])
+    return t, stall, feet
 
 
 def _overflow(
@@ -239,10 +274,8 @@ def _overflow(
 ) -> tuple[float, float, int]:
     """(step time, summed footprint over budget, peak): the sum, unlike the peak, falls when any of several
     equal peaks falls, which keeps the descent off plateaus."""
-    t, _, peak = simulate(profiles, actions, bw, depth)
-    clock, _, write_done = _forward(profiles, actions, bw)
-    over = sum(max(0.0, m - budget) for m in _footprints(profiles, actions, write_done, clock, depth))
-    return t, over, peak
+    t, _, feet = _timeline(profiles, actions, bw, depth)
+    return t, sum(max(0.0, m - budget) for m in feet), max(feet)
 
 
 def _choices(
@@ -275,6 +308,7 @@ def make_plan(
     cfg: ActivationOffloadConfig,
     *,
     exhaustive_limit: int = 4**7,
+    best_effort: bool = False,
 ) -> Plan:
     """Pick an action per layer: least predicted step time under ``cfg.memory_budget_gb``.
 
@@ -285,6 +319,8 @@ def make_plan(
     ------
     PlanError
         If even the most memory-frugal plan exceeds the budget; the message gives the minimum reachable.
+        With ``best_effort`` the plan that exceeds the budget least is returned instead, with
+        ``over_budget`` set (training then measures whether the model's estimate was pessimistic).
     """
     bw = {b.tier: b for b in bandwidths if b.tier in cfg.tiers and b.write_Bps > 0 and b.read_Bps > 0}
     n = len(profiles)
@@ -308,7 +344,7 @@ def make_plan(
         found = []
         for d in depths:
             try:
-                acts, sc = _search(profiles, bw, cfg, d, base_t, exhaustive_limit)
+                acts, sc = _search(profiles, bw, cfg, d, base_t, exhaustive_limit, best_effort)
             except PlanError as exc:
                 found.append(((float("inf"),), d, None, exc))
                 continue
@@ -333,7 +369,9 @@ def make_plan(
         "budget_bytes": None if cfg.memory_budget_gb is None else int(cfg.memory_budget_gb * GB),
         "tiers": {k: {"write_Bps": v.write_Bps, "read_Bps": v.read_Bps} for k, v in bw.items()},
     }
-    return Plan(actions, depth, t, bound, profiles, peak, stall)
+    budget_bytes = bound["budget_bytes"]
+    over = cfg.policy == "auto" and budget_bytes is not None and peak > budget_bytes
+    return Plan(actions, depth, t, bound, profiles, peak, stall, over_budget=over)
 
 
 def _search(
@@ -343,6 +381,7 @@ def _search(
     depth: int,
     base_t: float,
     exhaustive_limit: int,
+    best_effort: bool = False,
 ) -> tuple[list[Action], tuple[float, ...]]:
     choices = _choices(cfg, bw, profiles)
     n = len(profiles)
@@ -379,7 +418,7 @@ def _search(
         best = min(ends, key=lambda e: e[0])[1]
     if budget is not None:
         _, _, peak = simulate(profiles, best, bw, depth)
-        if peak > budget:
+        if peak > budget and not best_effort:
             floor = min(
                 simulate(profiles, [a if _usable(a, p) else a.base for p in profiles], bw, depth)[2]
                 for a in choices

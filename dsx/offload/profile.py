@@ -9,9 +9,15 @@ layer's output arrives and ends when the gradient of its input is computed. Modu
 cannot do this: they see positional inputs only, and Megatron passes ``hidden_states`` by keyword, so they
 fire back to back and report ~0 ms.
 
-On CUDA each layer's backward workspace is measured too: the peak allocated memory above the level at its
-start (gradient buffers and temporaries; with everything kept, net of what the backward frees). The profiling
-step resets CUDA's peak-memory statistics to measure it.
+On CUDA the profiling step also measures memory, so that the planner predicts the peak
+``max_memory_allocated`` will see and not only the saved bytes (on the H100, a megatron-core plan counted on
+saved bytes alone peaked 4.6 GB above its prediction): per layer, the forward's peak above its start; what is
+allocated at the start of its forward and of its backward beyond the saved bytes of the layers still holding
+them (gradients, the layer's input and output, what the model outside the layers keeps); the peak in the gap
+after its forward (the next layer's start, or for the last layer the head, the loss and the start of
+backward) beyond the saved bytes so far; and its backward's workspace: the peak above the level at its start
+(gradient buffers and temporaries; with everything kept, net of what the backward frees). All are relative to
+the allocated memory when the step's first layer starts. The step resets CUDA's peak-memory statistics.
 """
 
 from __future__ import annotations
@@ -48,6 +54,11 @@ class Profiler:
         n = len(layers)
         self.fwd, self.bwd, self.sub = [0.0] * n, [0.0] * n, [0.0] * n
         self.workspace = [0] * n
+        # memory (CUDA): see the module docstring; base is the level when the first layer starts
+        self.fwd_peak, self.fwd_bg, self.gap_bg, self.bwd_bg = [0] * n, [0] * n, [0] * n, [0] * n
+        self._base: int | None = None
+        self._fwd_start = 0
+        self._gap: int | None = None  # the layer whose after-forward gap is being measured
         self._open: dict[int, int] = {}  # layers whose backward runs: memory allocated at its start
         self.has_sub = [False] * n
         self.enabled = True  # off during warm-up steps
@@ -72,21 +83,49 @@ class Profiler:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def _saved_upto(self, i: int) -> int:
+        return sum(self.hooks.profile_bytes[: i + 1])
+
+    def _close_gap(self) -> None:
+        """End the gap after layer ``self._gap``'s forward: its peak beyond the saved bytes so far."""
+        if self._gap is not None and self._base is not None:
+            peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            self.gap_bg[self._gap] = max(self.gap_bg[self._gap], peak - self._saved_upto(self._gap))
+        self._gap = None
+
     def _start(self, kind: str, i: int) -> None:
         if not self.enabled:
             return
         self._t[(kind, i)] = self._now()
-        if kind == "b" and self.device.type == "cuda":
+        if self.device.type != "cuda":
+            return
+        if kind == "f":
+            now = torch.cuda.memory_allocated(self.device)
+            if self._base is None:
+                self._base = now
+            self._close_gap()
+            self.fwd_bg[i] = now - self._base - self._saved_upto(i - 1)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._fwd_start = now
+        elif kind == "b":
+            self._close_gap()  # the last layer's gap: head, loss and the start of backward
             # another layer's backward may still be open (its end and this start are one gradient): fold the
             # peak so far into it before the reset
             self._fold_peaks()
+            now = torch.cuda.memory_allocated(self.device)
+            if self._base is not None:
+                self.bwd_bg[i] = now - self._base - self._saved_upto(i)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._open[i] = torch.cuda.memory_allocated(self.device)
+            self._open[i] = now
 
     def _stop(self, kind: str, i: int, into: list[float]) -> None:
         t0 = self._t.pop((kind, i), None)
         if t0 is not None:
             into[i] += self._now() - t0
+        if kind == "f" and t0 is not None and self.device.type == "cuda":
+            self.fwd_peak[i] = torch.cuda.max_memory_allocated(self.device) - self._fwd_start
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._gap = i
         if kind == "b" and i in self._open:
             self._fold_peaks()
             del self._open[i]
@@ -163,6 +202,10 @@ class Profiler:
                 sel_saved_bytes=self.hooks.sel_saved_bytes(i) if self.has_sub[i] else None,
                 sel_recompute_s=self.sub[i],
                 bwd_workspace_bytes=self.workspace[i],
+                fwd_peak_bytes=self.fwd_peak[i],
+                fwd_background_bytes=self.fwd_bg[i],
+                gap_background_bytes=self.gap_bg[i],
+                bwd_background_bytes=self.bwd_bg[i],
             )
             for i, m in enumerate(self.layers)
         ]
