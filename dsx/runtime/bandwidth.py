@@ -129,17 +129,47 @@ def measure_tier_bandwidth(
         elif tier == "ssd":
             if ssd_dir is None:
                 continue
-            res = measure_file_bandwidth(ssd_dir, mb)
-            w, r = res["write_GBps"] * 1e9, res["read_GBps"] * 1e9
+            # a small or nearly full drive gets a smaller probe (at least one 4 MiB block), never ENOSPC
+            st = os.statvfs(ssd_dir)
+            try:
+                res = measure_file_bandwidth(ssd_dir, max(4, min(mb, (st.f_bavail * st.f_frsize >> 20) // 8)))
+            except OSError as exc:  # e.g. ENOSPC: the tier still works (it falls back per layer when full)
+                logger.warning("dsx: could not measure the ssd tier in %s (%s); the planner will not use it",
+                               ssd_dir, exc)  # fmt: skip
+                w = r = 0.0
+            else:
+                w, r = res["write_GBps"] * 1e9, res["read_GBps"] * 1e9
         else:
             raise ValueError(f"unknown tier {tier!r}; expected 'host' or 'ssd'")
         out.append(TierBandwidth(tier, w, r))
-    rank = dist.get_rank() if distributed else 0
-    if rank == min(peers):
-        for b in out:
+    if distributed:
+        return _agree(out, peers)
+    for b in out:
+        logger.warning("dsx: %s measured write %.2f GB/s, read %.2f GB/s (one rank)", b.tier, b.write_Bps / 1e9,
+                       b.read_Bps / 1e9)  # fmt: skip
+    return out
+
+
+def _agree(measured: list[TierBandwidth], peers: list[int]) -> list[TierBandwidth]:
+    """Every rank of the node plans with the smallest share any of them measured (a collective call).
+
+    The shares differ by a few percent from rank to rank (PCIe switch, drive queue); planning every rank
+    with the same, slowest one keeps their plans, and so their step times, alike. Each node's first rank
+    logs every rank's measurement and the agreed share.
+    """
+    allm: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(allm, [(b.tier, b.write_Bps, b.read_Bps) for b in measured])
+    mine = [allm[r] for r in peers]
+    agreed = [
+        TierBandwidth(b.tier, min(m[k][1] for m in mine), min(m[k][2] for m in mine))
+        for k, b in enumerate(measured)
+    ]
+    if dist.get_rank() == min(peers):
+        for k, b in enumerate(agreed):
+            each = ", ".join(f"rank {r} {m[k][1] / 1e9:.2f}/{m[k][2] / 1e9:.2f}" for r, m in zip(peers, mine))
             logger.warning(
-                "dsx: node %s: %d rank(s) share %s: this rank measured write %.2f GB/s, read %.2f GB/s "
-                "(its share while all write at once)", socket.gethostname(), len(peers), b.tier,
+                "dsx: node %s: %d rank(s) share %s, measured all at once (write/read GB/s): %s; agreed per-rank "
+                "share: write %.2f GB/s, read %.2f GB/s", socket.gethostname(), len(peers), b.tier, each,
                 b.write_Bps / 1e9, b.read_Bps / 1e9,
             )  # fmt: skip
-    return out
+    return agreed
