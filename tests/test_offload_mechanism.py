@@ -430,3 +430,26 @@ def test_auto_replans_when_the_planned_step_peaks_over_the_budget(tmp_path):
     assert second is not first and second.peak_bytes <= keep_all // 2  # planned with the margin
     assert len(measured) == 2 and plans[2] is second and plans[4] is second  # within budget: no more re-plans
     _assert_same(want, got)
+
+
+def test_partial_layer_moves_up_to_its_cap_bitwise(tmp_path):
+    """The planner's partial layer: its first saved storages move, up to the cap; the rest stays; same grads."""
+
+    def run(model, batches, caps):
+        sched = Scheduler(SchedulerConfig(io_workers=2))
+        off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="none"), sched)
+        try:
+            off._apply(["host"] + ["keep"] * (len(off.layers) - 1), 1, caps)
+            grads = _train(model, batches, off)
+            return grads, [r.bytes_by_tier.get("host", 0) for r in sched.telemetry.history]
+        finally:
+            off.close()
+            sched.close()
+
+    sizing, batches, _ = _reference(5, 1)
+    whole = run(sizing, batches, None)[1][0]  # what layer 0 moves when it moves everything
+    cap = whole // 3
+    model, batches, want = _reference(5, 3)
+    got, moved = run(model, batches, {0: cap})
+    assert whole > 0 and len(moved) == 3 and all(0 < m <= cap for m in moved), (whole, cap, moved)
+    _assert_same(want, got)

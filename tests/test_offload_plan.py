@@ -273,3 +273,21 @@ def test_ranks_of_a_node_agree_on_the_smallest_share(caplog) -> None:
         p.join(60)
         assert p.exitcode == 0
     assert got[0] == got[1] == [("host", 10e9, 10e9)]
+
+
+def test_hide_only_fills_the_bound_with_partial_layers() -> None:
+    # 4 layers of 4 GiB, 12 ms forward, 20 ms backward, 55 GB/s: the bound (~2.5 GiB of writes) is less
+    # than one layer, so whole layers move nothing; parts of layers fill the bound without slowing
+    prof = [LayerProfile(i, f"L{i}", 4 * GiB, 0.012, 0.020) for i in range(4)]
+    bw = [TierBandwidth("host", 55e9, 55e9)]
+    plan = make_plan(prof, bw, ActivationOffloadConfig(tiers=["host"]))
+    assert plan.move_caps and all(plan.actions[i] == Action.HOST for i in plan.move_caps)
+    assert all(0 < c < 4 * GiB and c % (1 << 20) == 0 for c in plan.move_caps.values())
+    assert 0.9 <= plan.bound["fraction_of_bound"] <= 1.0 + 1e-9
+    assert plan.bound["planned_bytes"] == sum(plan.move_caps.values())
+    assert plan.predicted_step_s <= plan.bound["baseline_step_s"] * 1.005 + 1e-12
+    cap = next(iter(plan.move_caps.values()))
+    assert f"({cap >> 20}Mi of 4096Mi)" in plan.describe()
+    # with a budget no partial layer is made: the search itself moves and recomputes whole layers
+    budgeted = make_plan(prof, bw, ActivationOffloadConfig(tiers=["host"], memory_budget_gb=20))
+    assert not budgeted.move_caps

@@ -200,7 +200,7 @@ class ActivationOffload:
             self._profile_next(cfg.profile_warmup_steps == 0)
 
     # ------------------------------------------------------------------------------------ actions
-    def _apply(self, actions: list[str], depth: int) -> None:
+    def _apply(self, actions: list[str], depth: int, caps: dict[int, int] | None = None) -> None:
         """Install per-layer actions: ``keep``, ``host``, ``ssd``, ``recompute``, or ``<keep|host|ssd>+sel``."""
         for i, a in enumerate(actions):
             base, sel = a.split("+")[0], a.endswith("+sel")
@@ -209,6 +209,7 @@ class ActivationOffload:
                 _checkpointed(sub, sel, id(sub), self._orig_sub_forward)
         self.hooks.actions = ["keep" if a == "recompute" else a.split("+")[0] for a in actions]
         self.hooks.prefetch_depth = depth
+        self.hooks.move_caps = dict(caps or {})
 
     def _profile_next(self, on: bool) -> None:
         """Profile the coming step (``on``), or run it with everything kept (a warm-up step)."""
@@ -243,6 +244,7 @@ class ActivationOffload:
         self._apply(
             [a.value if hasattr(a, "value") else str(a) for a in plan.actions],
             self.cfg.prefetch_depth or plan.prefetch_depth,
+            plan.move_caps,
         )
 
     # ------------------------------------------------------------------------ budget calibration

@@ -66,6 +66,9 @@ class LayerHooks:
         self.model, self.layers, self.mover, self.min_bytes = model, layers, mover, min_bytes
         self.actions: list[str] = ["keep"] * len(layers)
         self.prefetch_depth = 1
+        # layer -> bytes it may move per step (the planner's partial layer); what is saved beyond stays
+        self.move_caps: dict[int, int] = {}
+        self._moved_bytes: dict[int, int] = {}
         self._ctx: list[Any] = []
         self._cur: int | None = None
         self._params: set[int] = set()
@@ -91,6 +94,7 @@ class LayerHooks:
             self._ctx.pop().__exit__(None, None, None)
         self._cur = None
         self._fetched_layers.clear()
+        self._moved_bytes.clear()
         with self._lock:  # forget storages that died or were released: the table stays one step long
             self._dedup = {k: v for k, v in self._dedup.items() if v[1]() is not None and not v[0].released}
 
@@ -150,6 +154,12 @@ class LayerHooks:
             # the weak reference proves the storage is still the same one: a freed address may be reused
             entry = hit[0] if hit is not None and hit[1]() is not None and not hit[0].released else None
             if entry is None:
+                cap = self.move_caps.get(i)
+                if cap is not None:  # a partial layer: its first saved storages move, up to the cap
+                    done = self._moved_bytes.get(i, 0)
+                    if done + key[1] > cap:
+                        return t
+                    self._moved_bytes[i] = done + key[1]
                 entry = self.mover.offload(st, i, self.actions[i], name=f"{tuple(t.shape)}:{t.dtype}")
                 if entry is None:  # no room in any tier: stays on the device (the mover warned once)
                     return t

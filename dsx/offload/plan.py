@@ -153,13 +153,15 @@ class Plan:
     peak_bytes: int = 0
     stall_s: float = 0.0
     over_budget: bool = False  # best effort: no plan the model knows fits the budget; this one misses least
+    # layer -> bytes it moves when it moves only part of what it saves (the rest stays on the device)
+    move_caps: dict[int, int] = field(default_factory=dict)
 
     def describe(self) -> str:
         b = self.bound
         sel = any(p.sel_saved_bytes is not None for p in self.profiles)
         extra = f" {'+sel':>10} {'sub ms':>7}" if sel else ""
         lines = [f"{'layer':<22} {'saved':>10} {'fwd ms':>8} {'bwd ms':>8}{extra}  action"]
-        for p, a in zip(self.profiles, self.actions):
+        for i, (p, a) in enumerate(zip(self.profiles, self.actions)):
             col = ""
             if sel:
                 col = (
@@ -170,6 +172,11 @@ class Plan:
             lines.append(
                 f"{p.name:<22} {p.saved_bytes / 2**20:>8.1f}Mi {p.fwd_s * 1e3:>8.2f} {p.bwd_s * 1e3:>8.2f}{col}  "
                 f"{a.value}"
+                + (
+                    f" ({self.move_caps[i] / 2**20:.0f}Mi of {p.stored(a) / 2**20:.0f}Mi)"
+                    if i in self.move_caps
+                    else ""
+                )
             )
         lines.append(
             f"bound: hideable writes {b['hideable_write_bytes'] / GB:.2f} GiB (B_w x T_fwd), reads "
@@ -191,10 +198,27 @@ class Plan:
         return "\n".join(lines)
 
 
+def _split(
+    profiles: list[LayerProfile], actions: list[Action], caps: dict[int, int] | None
+) -> tuple[list[int], list[int]]:
+    """(bytes moved, bytes kept on the device) per layer; ``caps`` limits what a moved layer moves."""
+    moved, kept = [], []
+    for i, (p, a) in enumerate(zip(profiles, actions)):
+        s = p.stored(a)
+        m = min(s, (caps or {}).get(i, s)) if a.moved else 0
+        moved.append(m)
+        kept.append(s - m if a.base in (Action.KEEP, Action.HOST, Action.SSD) else 0)
+    return moved, kept
+
+
 def _forward(
-    profiles: list[LayerProfile], actions: list[Action], bw: dict[str, TierBandwidth]
+    profiles: list[LayerProfile],
+    actions: list[Action],
+    bw: dict[str, TierBandwidth],
+    caps: dict[int, int] | None = None,
 ) -> tuple[float, dict[str, float], list[float]]:
     """Forward pass of the cost model: (end time, when each tier's channel frees, when each write is done)."""
+    moved, _ = _split(profiles, actions, caps)
     free = dict.fromkeys(bw, 0.0)
     write_done = [0.0] * len(profiles)
     t = 0.0
@@ -204,40 +228,47 @@ def _forward(
         if a.moved:
             tier = a.base.value
             start = max(t, free[tier])
-            free[tier] = write_done[i] = start + p.stored(a) / bw[tier].write_Bps
+            free[tier] = write_done[i] = start + moved[i] / bw[tier].write_Bps
     return t, free, write_done
 
 
 def simulate(
-    profiles: list[LayerProfile], actions: list[Action], bw: dict[str, TierBandwidth], depth: int
+    profiles: list[LayerProfile],
+    actions: list[Action],
+    bw: dict[str, TierBandwidth],
+    depth: int,
+    caps: dict[int, int] | None = None,
 ) -> tuple[float, float, int]:
-    """(step time, exposed stall, peak activation bytes) of one assignment under the cost model above."""
-    t, stall, footprints = _timeline(profiles, actions, bw, depth)
+    """(step time, exposed stall, peak activation bytes) of one assignment under the cost model above;
+    ``caps[i]`` bounds the bytes an offloaded layer ``i`` moves (the rest of its saved bytes stays)."""
+    t, stall, footprints = _timeline(profiles, actions, bw, depth, caps)
     return t, stall, max(footprints)
 
 
 def _timeline(
-    profiles: list[LayerProfile], actions: list[Action], bw: dict[str, TierBandwidth], depth: int
+    profiles: list[LayerProfile],
+    actions: list[Action],
+    bw: dict[str, TierBandwidth],
+    depth: int,
+    caps: dict[int, int] | None = None,
 ) -> tuple[float, float, list[int]]:
     """(step time, exposed stall, the activation footprint at every point the module docstring lists)."""
     n = len(profiles)
-    t, free, write_done = _forward(profiles, actions, bw)
-    size = [p.stored(a) for p, a in zip(profiles, actions)]
-    moved = [a.moved for a in actions]
-    keep = [a.base == Action.KEEP for a in actions]
+    t, free, write_done = _forward(profiles, actions, bw, caps)
+    moved, kept = _split(profiles, actions, caps)
 
-    def held(j: int, at: float) -> bool:  # kept, or offloaded and still being written at time ``at``
-        return keep[j] or (moved[j] and write_done[j] > at)
+    def held(j: int, at: float, window: bool) -> int:
+        """Layer j's bytes on the device at time ``at``: what it keeps, plus what it moves while that is
+        still being written or (``window``) has been read back."""
+        return kept[j] + (moved[j] if moved[j] and (window or write_done[j] > at) else 0)
 
     feet: list[int] = []
     clock = 0.0
     for i, p in enumerate(profiles):
-        below = sum(size[j] for j in range(i) if held(j, clock))
+        below = sum(held(j, clock, False) for j in range(i))
         feet.append(p.fwd_background_bytes + below + p.fwd_own(actions[i]))
         clock += p.fwd_s
-        after = sum(
-            size[j] for j in range(i + 1) if held(j, clock) or (i == n - 1 and moved[j] and j >= i - depth)
-        )
+        after = sum(held(j, clock, i == n - 1 and j >= i - depth) for j in range(i + 1))
         feet.append(p.gap_background_bytes + after)
     for k in free:
         free[k] = max(free[k], t)
@@ -251,14 +282,14 @@ def _timeline(
             if a.moved:
                 tier = a.base.value
                 start = max(t, free[tier], write_done[j])
-                free[tier] = start + profiles[j].stored(a) / bw[tier].read_Bps
+                free[tier] = start + moved[j] / bw[tier].read_Bps
                 read_done[j] = free[tier]
             next_issue -= 1
         if i in read_done and read_done[i] > t:
             stall += read_done[i] - t
             t = read_done[i]
-        # kept layers <= i, offloaded ones prefetched into [i - depth, i] or still being written
-        resident = sum(size[j] for j in range(i + 1) if held(j, t) or (moved[j] and j >= i - depth))
+        # kept bytes of layers <= i, moved ones prefetched into [i - depth, i] or still being written
+        resident = sum(held(j, t, j >= i - depth) for j in range(i + 1))
         p = profiles[i]
         feet.append(p.bwd_background_bytes + resident + p.bwd_own(actions[i]))
         t += p.bwd_s + p.extra_bwd_s(actions[i])
@@ -352,12 +383,22 @@ def make_plan(
         sc, depth, actions, err = min(found, key=lambda f: f[0])
         if actions is None:
             raise err
-    t, stall, peak = simulate(profiles, actions, bw, depth)
     t_fwd = sum(p.fwd_s for p in profiles)
     t_bwd = sum(p.bwd_s for p in profiles)
     w = sum(b.write_Bps for b in bw.values())
     r = sum(b.read_Bps for b in bw.values())
-    planned = sum(p.stored(a) for p, a in zip(profiles, actions) if a.moved)
+    caps: dict[int, int] = {}
+    if cfg.policy == "auto" and cfg.memory_budget_gb is None and bw:
+        # no further than the bound: past it the model's optimism (writes spilling into backward) is untested
+        # the partial layer's read may need a deeper prefetch than the whole-layer plan chose: try each depth
+        room = int(min(w * t_fwd, r * t_bwd) - sum(_split(profiles, actions, None)[0]))
+        limit = base_t * 1.005
+        fills = [(*_fill_bound(profiles, actions, bw, d, limit, room), d) for d in depths]  # one depth each
+        fills = [f for f in fills if f[1] and simulate(profiles, f[0], bw, f[2], f[1])[0] <= limit]
+        if fills:
+            actions, caps, depth = max(fills, key=lambda f: (sum(f[1].values()), -f[2]))
+    t, stall, peak = simulate(profiles, actions, bw, depth, caps)
+    planned = sum(_split(profiles, actions, caps)[0])
     hide_w, hide_r = w * t_fwd, r * t_bwd
     bound = {
         "hideable_write_bytes": hide_w,
@@ -371,7 +412,49 @@ def make_plan(
     }
     budget_bytes = bound["budget_bytes"]
     over = cfg.policy == "auto" and budget_bytes is not None and peak > budget_bytes
-    return Plan(actions, depth, t, bound, profiles, peak, stall, over_budget=over)
+    return Plan(actions, depth, t, bound, profiles, peak, stall, over_budget=over, move_caps=caps)
+
+
+def _fill_bound(
+    profiles: list[LayerProfile],
+    actions: list[Action],
+    bw: dict[str, TierBandwidth],
+    depth: int,
+    limit_s: float,
+    room: int,
+) -> tuple[list[Action], dict[int, int]]:
+    """Hide-only plans move whole layers, so they stop short of the bound by up to one layer (on the H100 a
+    megatron-core layer is 4 GiB of a 4.9 GiB bound). Move part of more kept layers, one at a time: each
+    time the most bytes any single kept layer can move, up to the ``room`` left under the bound, while the
+    step stays within ``limit_s`` (bisection on the byte count), until no layer adds a MiB."""
+    actions, caps = list(actions), {}
+    tier = next(iter(bw))
+    while room >= 1 << 20:
+        best: tuple[int, int, int, Action] | None = None
+        for i, a in enumerate(actions):
+            if a.base != Action.KEEP:
+                continue
+            act = Action(f"{tier}+sel") if a.sel else Action(tier)
+            cand = [*actions[:i], act, *actions[i + 1 :]]
+            lo, hi = 0, min(profiles[i].stored(act), room)
+            while hi - lo > max(1 << 20, hi // 256):
+                mid = (lo + hi) // 2
+                if simulate(profiles, cand, bw, depth, {**caps, i: mid})[0] <= limit_s:
+                    lo = mid
+                else:
+                    hi = mid
+            lo &= ~((1 << 20) - 1)  # whole MiB
+            if lo == 0:
+                continue
+            peak = simulate(profiles, cand, bw, depth, {**caps, i: lo})[2]
+            if best is None or (lo, -peak) > (best[0], -best[1]):
+                best = (lo, peak, i, act)
+        if best is None:
+            break
+        lo, _, i, act = best
+        actions[i], caps[i] = act, lo
+        room -= lo
+    return actions, caps
 
 
 def _search(
