@@ -6,7 +6,8 @@ dsx host tier; dsx SSD tier; dsx ``auto`` with a budget equal to full recompute'
 with no budget (hide only); and the dsx configs again with ``recompute_modules`` (``_sel``: the core
 attention recomputed, the rest kept or moved per layer). Each config runs in its own process (a fresh
 ``dsx.initialize`` engine; in one process, memory the earlier engines held made later configs run out);
-step time is the median over ``--steps`` after ``--warmup``; activation peak is ``max_memory_allocated``
+step time is the median over ``--steps`` after ``--warmup`` (``dsx_auto`` configs warm up longer: through their
+profiled step and the re-plans after a measured overshoot); activation peak is ``max_memory_allocated``
 during the steps minus the memory held before the first measured forward, and ``peak_allocated_gb`` the
 absolute maximum (model, optimizer and whatever a strategy keeps between steps included: torch checkpointing
 of megatron-core layers was seen to keep ~3.8 GB per layer allocated between steps, see
@@ -131,10 +132,17 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     base = peak = peak_total = 0
     per_step: list[tuple[float, float]] = []  # (allocated at the step's start, its peak above that), GB
     n_steps = min(args.steps, 2) if name in SLOW else args.steps
-    for step in range(args.warmup + n_steps):
+    # policy auto: the warm-up also covers the profiled step and the re-plans after a measured overshoot,
+    # so that the measured steps run the plan that settled
+    warmup = args.warmup
+    if name.startswith("dsx_auto"):
+        from dsx.offload import MAX_CALIBRATIONS
+
+        warmup += 1 + MAX_CALIBRATIONS
+    for step in range(warmup + n_steps):
         if dev.type == "cuda":
             torch.cuda.synchronize()
-            if step == args.warmup:
+            if step == warmup:
                 base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
@@ -146,14 +154,19 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         if dev.type == "cuda":
             torch.cuda.synchronize()
             per_step.append((start / 1e9, (torch.cuda.max_memory_allocated() - start) / 1e9))
-            if step >= args.warmup:
+            if step >= warmup:
                 peak = max(peak, torch.cuda.max_memory_allocated() - base)
                 peak_total = max(peak_total, torch.cuda.max_memory_allocated())
-        if step >= args.warmup:
+        if step >= warmup:
             times.append(time.perf_counter() - t0)
             losses.append(float(loss))
     rt = dsx.runtime_of(engine)
     telemetry = rt.scheduler.telemetry.summary() if rt and rt.scheduler else {}
+    if rt and rt.scheduler:  # bytes written per measured step (the summary averages warm-up steps in)
+        telemetry["written_gb_per_measured_step"] = [
+            sum(v for k, v in r.bytes_by_tier.items() if not k.endswith("_read")) / 1e9
+            for r in rt.scheduler.telemetry.history[-n_steps:]
+        ]
     plan = None
     if rt and "activation_offload" in rt.features:
         off = rt.features["activation_offload"].offload
@@ -235,7 +248,7 @@ def _child(name: str, argv: list[str], budget: float | None, timeout_s: float) -
             # the planner prints its plan on stderr: keep it with the result
             plan_at = proc.stderr.find("dsx activation offload plan")
             if plan_at >= 0:
-                res["plan_log"] = proc.stderr[plan_at : plan_at + 3000]
+                res["plan_log"] = proc.stderr[plan_at : plan_at + 8000]
             return res
     tail = (proc.stdout + proc.stderr)[-800:]
     return {"config": name, "error": f"child exited {proc.returncode} without a result", "where": tail}
@@ -250,6 +263,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--micro-batches", nargs="+", default=None, metavar="[CONFIG=]N[,N...]",
+                   help="micro-batches to run (rows named config@mbN), for every config or for one "
+                        "(e.g. none=14,15,16 recompute=32,48): the largest that trains without dsx against the "
+                        "largest dsx makes room for")  # fmt: skip
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--name", default="bench_offload", help="JSON/PNG file name (several runs side by side)")
@@ -275,12 +292,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return {}
         if args.in_process:
             _init_distributed()
+        sizes = _micro_batches(args)
         runs = [
-            (name, scale)
+            (name, scale, mb)
             for name in args.configs
+            for mb in sizes[name]
             for scale in (args.budget_scales if name in NEEDS_BUDGET else [1.0])
         ]
-        for name, scale in runs:
+        for name, scale, mb in runs:
             budget: float | None = None
             if name in NEEDS_BUDGET:
                 rec = next((r for r in results if r["config"] == "recompute" and "error" not in r), None)
@@ -289,11 +308,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     continue
                 budget = scale * rec["activation_peak_gb"] * 1e9 / 2**30
             if args.in_process:
-                res = _guarded(name, args, ssd, budget)
+                res = _guarded(name, _with_mb(args, mb), ssd, budget)
             else:
-                res = _child(name, argv if argv is not None else sys.argv[1:], budget, args.child_timeout)
+                child_argv = [*(argv if argv is not None else sys.argv[1:]), "--micro-batch", str(mb)]
+                # bandwidth-bound configs (SSD on a slow disk, synchronous copies) get twice the time
+                res = _child(name, child_argv, budget, args.child_timeout * (2 if name in SLOW else 1))
             if scale != 1.0:
                 res["config"] = f"{name}@{scale:g}x"
+            res["micro_batch"] = mb
+            if args.micro_batches:
+                res["config"] = f"{res['config']}@mb{mb}"
             if budget is not None:
                 res["budget_gb"] = budget * 2**30 / 1e9
             results.append(res)
@@ -304,6 +328,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
     out = _write(results, args)
     _plot(results, args.out, args.name)
+    return out
+
+
+def _micro_batches(args: argparse.Namespace) -> dict[str, list[int]]:
+    """``--micro-batches`` per config (ascending), ``--micro-batch`` where it names none."""
+    every: list[int] = []
+    per: dict[str, list[int]] = {}
+    for item in args.micro_batches or []:
+        name, _, sizes = item.rpartition("=")
+        if name and name not in CONFIGS:
+            raise SystemExit(f"--micro-batches: unknown config {name!r}; choose from {CONFIGS}")
+        (per.setdefault(name, []) if name else every).extend(int(v) for v in sizes.split(","))
+    return {c: sorted(per.get(c) or every or [args.micro_batch]) for c in CONFIGS}
+
+
+def _with_mb(args: argparse.Namespace, mb: int) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "micro_batch": mb})
+
+
+def _largest_micro_batch(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per config (the part of the name before ``@mb``): the largest micro-batch that trained, its
+    tokens/s, and the ratio of each dsx config's to no offload's."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in results:
+        if "error" in r or "@mb" not in r["config"]:
+            continue
+        name = r["config"].split("@mb")[0]
+        if name not in best or r["micro_batch"] > best[name]["micro_batch"]:
+            best[name] = {"micro_batch": r["micro_batch"], "tokens_per_s": r["tokens_per_s"]}
+    out: dict[str, Any] = {"largest": best}
+    if "none" in best:
+        for name, b in best.items():
+            if name != "none":
+                out[f"{name}_vs_none_tokens_per_s"] = b["tokens_per_s"] / best["none"]["tokens_per_s"]
     return out
 
 
@@ -328,6 +386,8 @@ def _write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
                 best["tokens_per_s"] / ok[base]["tokens_per_s"]
             )
             ratios[f"best_dsx_within_{base}_peak_config"] = best["config"]  # type: ignore[assignment]
+    if args.micro_batches:
+        ratios["largest_micro_batch"] = _largest_micro_batch(results)  # type: ignore[assignment]
     for r in ok.values():
         if r["config"].startswith("dsx_auto_hide") and r.get("plan"):
             ratios[f"{r['config']}_fraction_of_bound"] = r["plan"]["bound"]["fraction_of_bound"]

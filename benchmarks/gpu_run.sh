@@ -77,6 +77,26 @@ case $stage in
       --micro-batch 16 --configs none recompute dsx_auto_budget_sel --name bench_offload_mb16 --out benchmarks/results \
       > "$OUT/bench-offload-mb16.log" 2>&1
     ;;
+  offload7)  # 1 GPU: the committed run at hidden 2048 (auto at recompute's peak and at 0.95x, i.e. under save_on_cpu's)
+    nvidia-smi -L | tee "$OUT/nvidia-smi.log"
+    log bench-offload; timeout 560 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 --child-timeout 75 \
+      --configs none recompute dsx_auto_budget_sel dsx_auto_hide dsx_auto_hide_sel save_on_cpu ds_cpu_ckpt dsx_host_sel \
+      dsx_ssd_sel megatron_selective --budget-scales 1 0.95 --out benchmarks/results > "$OUT/bench-offload.log" 2>&1
+    ;;
+  offload8)  # 1 GPU: hidden 4096 (micro-batch 4), then the offload GPU tests
+    log bench-offload-h4096; timeout 430 python benchmarks/bench_offload.py --hidden 4096 --heads 32 --micro-batch 4 \
+      --warmup 2 --steps 3 --pool-gb 20 --child-timeout 75 --configs none recompute dsx_auto_budget_sel dsx_auto_hide_sel \
+      save_on_cpu ds_cpu_ckpt dsx_host_sel dsx_ssd_sel --budget-scales 1 \
+      --name bench_offload_h4096 --out benchmarks/results > "$OUT/bench-offload-h4096.log" 2>&1
+    cp benchmarks/results/bench_offload_h4096.* "$OUT/"
+    log offload-gpu-tests; timeout 140 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
+    ;;
+  offload9)  # 1 GPU: ZeRO-2 + optimizer offload to CPU: the largest micro-batch with and without dsx
+    log bench-offload-zero-cpu; timeout 570 python benchmarks/bench_offload.py --offload-optimizer --warmup 2 --steps 3 \
+      --pool-gb 20 --child-timeout 150 --configs none recompute --micro-batches none=14,15,16 recompute=32,48 \
+      --name bench_offload_zero_cpu --out benchmarks/results > "$OUT/bench-offload-zero-cpu.log" 2>&1
+    ;;
   sage1)  # 1 GPU (H100): unified/sampler GPU tests, gather benchmark, GraphSAGE end to end + a feature table beyond GPU memory
     nvidia-smi -L | tee "$OUT/nvidia-smi.log"
     log build-ops; timeout 120 python -m dsx.cli build-ops > "$OUT/build-ops.log" 2>&1
@@ -119,6 +139,32 @@ case $stage in
       --seq-len 1024 --steps 40 --no-progress --log-json benchmarks/results/main_job_megatron_zero3_nvme_2gpu.json \
       > "$OUT/main-job-2gpu.log" 2>&1
     log multigpu-tests; timeout 200 python -m pytest -q -rs -m multigpu -p no:cacheprovider tests/ > "$OUT/multigpu-tests.log" 2>&1
+    ;;
+  offload10)  # 1 GPU: hide-only plans with the partial layer (hidden 2048), auto at recompute's peak again (hidden 4096)
+    log bench-offload-hide; timeout 230 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 --child-timeout 70 \
+      --configs none dsx_auto_hide dsx_auto_hide_sel --name bench_offload_hide --out benchmarks/results > "$OUT/bench-offload-hide.log" 2>&1
+    log bench-offload-h4096-budget; timeout 300 python benchmarks/bench_offload.py --hidden 4096 --heads 32 --micro-batch 4 \
+      --warmup 2 --steps 3 --pool-gb 20 --child-timeout 75 --configs none recompute dsx_auto_budget_sel dsx_auto_hide_sel \
+      --name bench_offload_h4096_rerun --out benchmarks/results > "$OUT/bench-offload-h4096-rerun.log" 2>&1
+    cp benchmarks/results/bench_offload_hide.* benchmarks/results/bench_offload_h4096_rerun.* "$OUT/"
+    ;;
+  offload11)  # 1 GPU: hide-only plans filling the bound with several partial layers (hidden 2048 and 4096)
+    log bench-offload-hide; timeout 230 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 --child-timeout 70 \
+      --configs none dsx_auto_hide dsx_auto_hide_sel --name bench_offload_hide --out benchmarks/results > "$OUT/bench-offload-hide.log" 2>&1
+    log bench-offload-hide-h4096; timeout 200 python benchmarks/bench_offload.py --hidden 4096 --heads 32 --micro-batch 4 \
+      --warmup 2 --steps 3 --pool-gb 20 --child-timeout 75 --configs none dsx_auto_hide_sel \
+      --name bench_offload_hide_h4096 --out benchmarks/results > "$OUT/bench-offload-hide-h4096.log" 2>&1
+    cp benchmarks/results/bench_offload_hide* "$OUT/"
+    ;;
+  two2)  # 2 GPUs: ZeRO-3 + optimizer offload to NVMe + activation offload to SSD (same drive), the main job
+    nvidia-smi -L | tee "$OUT/nvidia-smi.log"
+    mkdir -p /tmp/dsx_act
+    log main-job-2gpu-actssd; timeout 420 deepspeed --num_gpus 2 examples/gpt/train.py \
+      --deepspeed_config configs/gpt_megatron_zero3_nvme_actssd.json --model megatron --layers 8 --hidden 1024 --heads 16 \
+      --seq-len 1024 --steps 20 --no-progress --log-json benchmarks/results/main_job_megatron_zero3_nvme_actssd_2gpu.json \
+      > "$OUT/main-job-2gpu-actssd.log" 2>&1
+    ls -la /tmp/dsx_act >> "$OUT/main-job-2gpu-actssd.log" 2>&1
+    cp benchmarks/results/main_job_megatron_zero3_nvme_actssd_2gpu.json "$OUT/" 2>/dev/null
     ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac

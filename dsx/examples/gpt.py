@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if runtime is not None:
         if runtime.scheduler is not None:
             summary["dsx_telemetry"] = runtime.scheduler.telemetry.summary()
+            summary["dsx_gate_pauses"] = dict(runtime.scheduler.gate_pauses)
         runtime.close()
     if rank == 0:
         print(
@@ -206,6 +207,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{losses[-1]:.3f} | val loss {val:.3f} | peak memory {summary['peak_memory_gb']:.2f} GB | "
             f"{summary['wall_s']:.1f} s"
         )
+        tel = summary.get("dsx_telemetry")
+        if tel:
+            moved = ", ".join(f"{t} {b / 1e9:.2f} GB" for t, b in tel["bytes_by_tier"].items()) or "nothing"
+            print(
+                f"dsx: per step {moved} moved, transfer {tel['transfer_s'] * 1e3:.0f} ms, exposed stall "
+                f"{tel['stall_s'] * 1e3:.0f} ms; I/O gate pauses {summary.get('dsx_gate_pauses') or 'none'}"
+            )
         if args.log_json:
             with open(args.log_json, "w") as f:
                 json.dump({"losses": losses, "evals": evals, "summary": summary}, f, indent=1)
