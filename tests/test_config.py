@@ -166,3 +166,22 @@ def test_random_json_gives_only_config_errors(section: object) -> None:
         assert lines[0] == "invalid dsx config:"
         for line in lines[1:]:
             assert _LINE.match(line), line
+
+
+def test_every_shipped_config_parses():
+    """configs/*.json are what the README tells users to run: each must pass dsx's validation (directories
+    they name are created here, as the README's commands do)."""
+    import json
+    from pathlib import Path
+
+    from dsx.config import split_config
+
+    found = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.json"))
+    assert found
+    for path in found:
+        cfg = json.loads(path.read_text())
+        off = cfg.get("dsx", {}).get("activation_offload", {})
+        if off.get("ssd_path"):
+            Path(off["ssd_path"]).mkdir(parents=True, exist_ok=True)
+        _, section = split_config(str(path))
+        assert section is not None, path
