@@ -66,7 +66,7 @@ class LayerHooks:
         self.model, self.layers, self.mover, self.min_bytes = model, layers, mover, min_bytes
         self.actions: list[str] = ["keep"] * len(layers)
         self.prefetch_depth = 1
-        # layer -> bytes it may move per step (the planner's partial layer); what is saved beyond stays
+        # layer -> bytes it may move per step (the planner's partial layers); what is saved beyond stays
         self.move_caps: dict[int, int] = {}
         self._moved_bytes: dict[int, int] = {}
         self._ctx: list[Any] = []
