@@ -155,14 +155,15 @@ class LayerHooks:
             entry = hit[0] if hit is not None and hit[1]() is not None and not hit[0].released else None
             if entry is None:
                 cap = self.move_caps.get(i)
-                if cap is not None:  # a partial layer: its first saved storages move, up to the cap
-                    done = self._moved_bytes.get(i, 0)
-                    if done + key[1] > cap:
-                        return t
-                    self._moved_bytes[i] = done + key[1]
+                done = self._moved_bytes.get(i, 0)
+                if (
+                    cap is not None and done + key[1] > cap
+                ):  # a partial layer: its first storages move, to the cap
+                    return t
                 entry = self.mover.offload(st, i, self.actions[i], name=f"{tuple(t.shape)}:{t.dtype}")
                 if entry is None:  # no room in any tier: stays on the device (the mover warned once)
                     return t
+                self._moved_bytes[i] = done + key[1]
                 self._dedup[key] = (entry, weakref.ref(base))
             entry.refs += 1
         h = _Handle(entry, i, t)

@@ -389,12 +389,12 @@ def make_plan(
     r = sum(b.read_Bps for b in bw.values())
     caps: dict[int, int] = {}
     if cfg.policy == "auto" and cfg.memory_budget_gb is None and bw:
-        # no further than the bound: past it the model's optimism (writes spilling into backward) is untested
-        # the partial layer's read may need a deeper prefetch than the whole-layer plan chose: try each depth
+        # Fill no further than the bound (past it, writes spilling into backward are the model's guess, not
+        # measured), at each prefetch depth: a partial layer's read may need a deeper one than the whole-layer
+        # plan chose. _fill_bound only keeps caps whose plan stays within the limit.
         room = int(min(w * t_fwd, r * t_bwd) - sum(_split(profiles, actions, None)[0]))
-        limit = base_t * 1.005
-        fills = [(*_fill_bound(profiles, actions, bw, d, limit, room), d) for d in depths]  # one depth each
-        fills = [f for f in fills if f[1] and simulate(profiles, f[0], bw, f[2], f[1])[0] <= limit]
+        fills = [(*_fill_bound(profiles, actions, bw, d, base_t * 1.005, room), d) for d in depths]
+        fills = [f for f in fills if f[1]]
         if fills:
             actions, caps, depth = max(fills, key=lambda f: (sum(f[1].values()), -f[2]))
     t, stall, peak = simulate(profiles, actions, bw, depth, caps)
