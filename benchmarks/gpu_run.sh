@@ -166,6 +166,13 @@ case $stage in
     ls -la /tmp/dsx_act >> "$OUT/main-job-2gpu-actssd.log" 2>&1
     cp benchmarks/results/main_job_megatron_zero3_nvme_actssd_2gpu.json "$OUT/" 2>/dev/null
     ;;
+  offload12)  # 1 GPU: ZeRO-2 + optimizer offload to CPU at hidden 4096 (CPU Adam is a larger share of the step)
+    log bench-offload-zero-cpu-h4096; timeout 560 python benchmarks/bench_offload.py --offload-optimizer --hidden 4096 \
+      --heads 32 --warmup 2 --steps 3 --pool-gb 20 --child-timeout 150 --configs none recompute \
+      --micro-batches none=6,7 recompute=16,20,24 --name bench_offload_zero_cpu_h4096 --out benchmarks/results \
+      > "$OUT/bench-offload-zero-cpu-h4096.log" 2>&1
+    cp benchmarks/results/bench_offload_zero_cpu_h4096.* "$OUT/"
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
