@@ -279,6 +279,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="ZeRO-2 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam)")  # fmt: skip
     p.add_argument("--child-timeout", type=float, default=120.0, help="seconds per config (own process)")
     p.add_argument("--one", choices=CONFIGS, help=argparse.SUPPRESS)  # a child: run one config, print JSON
+    p.add_argument("--auto-budget-gb", type=float, default=None,
+                   help="activation budget (GB) for the dsx_auto_budget configs, times --budget-scales, instead of "
+                        "full recompute's peak at the same micro-batch (a micro-batch sweep past what fits)")  # fmt: skip
     p.add_argument("--budget-gb", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -301,10 +304,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ]
         for name, scale, mb in runs:
             budget: float | None = None
-            if name in NEEDS_BUDGET:
-                rec = next((r for r in results if r["config"] == "recompute" and "error" not in r), None)
+            if name in NEEDS_BUDGET and args.auto_budget_gb is not None:
+                budget = scale * args.auto_budget_gb * 1e9 / 2**30
+            elif name in NEEDS_BUDGET:
+                rec = next((r for r in results if r["config"].split("@")[0] == "recompute"
+                            and r.get("micro_batch") == mb and "error" not in r), None)  # fmt: skip
                 if rec is None or rec["activation_peak_gb"] <= 0:
-                    results.append({"config": name, "error": "needs a measured 'recompute' peak (GPU run)"})
+                    results.append({"config": name, "micro_batch": mb,
+                                    "error": f"needs a measured 'recompute' peak at micro-batch {mb} (GPU run)"})  # fmt: skip
                     continue
                 budget = scale * rec["activation_peak_gb"] * 1e9 / 2**30
             if args.in_process:

@@ -168,10 +168,20 @@ case $stage in
     ;;
   offload12)  # 1 GPU: ZeRO-2 + optimizer offload to CPU at hidden 4096 (CPU Adam is a larger share of the step)
     log bench-offload-zero-cpu-h4096; timeout 560 python benchmarks/bench_offload.py --offload-optimizer --hidden 4096 \
-      --heads 32 --warmup 2 --steps 3 --pool-gb 20 --child-timeout 150 --configs none recompute \
-      --micro-batches none=6,7 recompute=16,20,24 --name bench_offload_zero_cpu_h4096 --out benchmarks/results \
+      --heads 32 --warmup 2 --steps 3 --pool-gb 20 --child-timeout 150 \
+      --micro-batches none=6,7 recompute=16,20 dsx_auto_budget_sel=16,20 --auto-budget-gb 62 \
+      --configs none recompute dsx_auto_budget_sel --name bench_offload_zero_cpu_h4096 --out benchmarks/results \
       > "$OUT/bench-offload-zero-cpu-h4096.log" 2>&1
     cp benchmarks/results/bench_offload_zero_cpu_h4096.* "$OUT/"
+    ;;
+  offload13)  # 1 GPU: offload GPU tests (profile under recompute), then hidden 2048 at recompute's and save_on_cpu's
+              # peak (recompute+host can go under recompute's)
+    log offload-gpu-tests; timeout 150 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
+    log bench-offload-equal-memory; timeout 420 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 75 --configs none recompute save_on_cpu dsx_auto_budget_sel --budget-scales 1 0.95 \
+      --name bench_offload_equal_memory --out benchmarks/results > "$OUT/bench-offload-equal-memory.log" 2>&1
+    cp benchmarks/results/bench_offload_equal_memory.* "$OUT/"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac

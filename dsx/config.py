@@ -72,6 +72,10 @@ class ActivationOffloadConfig(_Section):
     # policy auto: steps run with everything kept before the profiled one (the first step pays for lazy
     # initialisation and allocator growth, which would make forward look slower and writes easier to hide)
     profile_warmup_steps: int = Field(default=1, ge=0)
+    # policy auto: how the warm-up and profiling steps run. "keep" keeps everything (exact, but the
+    # micro-batch must fit without dsx); "recompute" recomputes every layer and profiles the recomputation
+    # (a micro-batch that fits only with dsx); "auto": "recompute" when memory_budget_gb is set
+    profile_mode: Literal["auto", "keep", "recompute"] = "auto"
     io_backend: Literal["auto", "kvikio", "aio", "posix"] = "auto"
     min_tensor_bytes: int = Field(default=1 << 20, ge=0)
     verify: bool = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -27,6 +28,21 @@ def _train(model, batches, off=None):
         if off is not None:
             off.end_step()
     return grads
+
+
+def _measured_step(model, opt, x, off=None) -> int:
+    """One training step; its activation peak (max_memory_allocated above the level it started at)."""
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    if off is not None:
+        off.end_step()
+    return peak
 
 
 @pytest.mark.parametrize(
@@ -110,45 +126,77 @@ def test_gpu_memory_released_during_forward(tmp_path):
     assert offloaded < 0.5 * plain, (plain, offloaded)
 
 
-def test_gpu_auto_plan_stays_under_its_budget(tmp_path):
-    """The budget is a promise about max_memory_allocated, not about saved bytes: the measured peak of the
-    planned steps stays under it (the profiled background and workspace, then calibration, see to that)."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+def _gpt_step(batch: int, seed: int):
+    """A small GPT on the GPU, its optimizer and a step function returning the step's activation peak."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=256, d=512, layers=6, heads=8, seq=256).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    x = torch.randint(0, 256, (16, 256), device="cuda", generator=g)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randint(0, 256, (batch, 256), device="cuda", generator=g)
+    return model, opt, lambda off=None: _measured_step(model, opt, x, off)
 
-    def step(off=None) -> int:
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        model(x).float().pow(2).mean().backward()
-        opt.step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        if off is not None:
-            off.end_step()
-        return peak
 
-    step()
-    keep_peak = step()
-    budget = 0.55 * keep_peak / 2**30
+def _auto_peaks(model, step, budget: float, **kw):
+    """Peaks of six steps under policy auto at ``budget`` GiB (warm-up, profile, planned, up to two re-plans,
+    settled) and the plan in force at the end."""
     cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="auto", host_pool_gb=2,
-                                  memory_budget_gb=budget, min_tensor_bytes=1 << 16)  # fmt: skip
+                                  memory_budget_gb=budget, min_tensor_bytes=1 << 16, **kw)  # fmt: skip
     sched = Scheduler(device=torch.device("cuda"))
     off = ActivationOffload(model, cfg, sched)
     try:
-        peaks = [step(off) for _ in range(6)]  # warm-up, profile, planned (+ up to 2 re-plans), settled
-        plan = off.plan
+        return [step(off) for _ in range(6)], off.plan
     finally:
         off.close()
         sched.close()
+
+
+@pytest.mark.parametrize("profile_mode", ["keep", "recompute"])
+def test_gpu_auto_plan_stays_under_its_budget(tmp_path, profile_mode):
+    """The budget is a promise about max_memory_allocated, not about saved bytes: the measured peak of the
+    planned steps stays under it (the profiled background and workspace, then calibration, see to that),
+    whether the profiling step kept everything or recomputed every layer."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model, _, step = _gpt_step(16, 2)
+    step()
+    keep_peak = step()
+    budget = 0.55 * keep_peak / 2**30
+    peaks, plan = _auto_peaks(model, step, budget, profile_mode=profile_mode)
     assert plan is not None
     assert peaks[-1] <= budget * 2**30, (
         f"measured {peaks[-1] / 2**30:.3f} GiB > budget {budget:.3f} GiB (predicted {plan.peak_bytes / 2**30:.3f}, "
         f"keep-all {keep_peak / 2**30:.3f}); plan {[a.value for a in plan.actions]}; peaks {peaks}"
     )
+
+
+def test_gpu_auto_trains_a_micro_batch_that_fits_only_with_it(tmp_path):
+    """With a budget, policy auto profiles under recomputation: under a memory cap where a step that keeps
+    everything runs out of memory, the warm-up and profiling steps still fit, and the planned steps train
+    under the budget."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model, opt, step = _gpt_step(32, 3)
+    step()
+    keep_peak = step()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 0.7 * keep_peak) / total)
+    try:
+        # the cap bites: keeping everything no longer fits (no pytest.raises: its traceback would hold the
+        # step's tensors)
+        oom = False
+        try:
+            step()
+        except torch.OutOfMemoryError:
+            oom = True
+        assert oom, "the memory cap did not make the keep-everything step run out of memory"
+        gc.collect()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        budget = 0.45 * keep_peak / 2**30
+        peaks, plan = _auto_peaks(model, step, budget)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert plan is not None and all(not p.recompute_only for p in plan.profiles)
+    assert peaks[-1] <= budget * 2**30, (peaks, budget, [a.value for a in plan.actions])

@@ -453,3 +453,118 @@ def test_partial_layer_moves_up_to_its_cap_bitwise(tmp_path):
     got, moved = run(model, batches, {0: cap})
     assert whole > 0 and len(moved) == 3 and all(0 < m <= cap for m in moved), (whole, cap, moved)
     _assert_same(want, got)
+
+
+@pytest.mark.parametrize(
+    "actions", [["recompute+host"] * 3, ["recompute+ssd"] * 3, ["recompute+host", "host", "keep"]]
+)
+def test_recompute_with_its_inputs_moved_bitwise(tmp_path, actions):
+    """recompute+<tier>: what the layer's checkpoint keeps (its input hidden state) moves and comes back for
+    the recomputation; gradients stay bitwise equal and the inputs are all a recomputed layer moves."""
+    model, batches, want = _reference(8, 3)
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    off = ActivationOffload(model, _cfg(tmp_path, ["host", "ssd"], policy="recompute_all"), sched)
+    try:
+        off._apply(actions, 1)
+        got = _train(model, batches, off)
+        hist = sched.telemetry.history
+        tier = actions[0].split("+")[1]  # (an SSD write also counts its staging copy under host)
+        moved = [r.bytes_by_tier.get(tier, 0) for r in hist]
+        read = [r.bytes_by_tier.get(f"{tier}_read", 0) for r in hist]
+    finally:
+        off.close()
+        sched.close()
+    assert moved == read  # everything written came back
+    hidden = batches[0].numel() * model.tok.embedding_dim * 4  # one float32 hidden state
+    n_rc = sum(a.startswith("recompute+") for a in actions)
+    if actions[1] == "host":  # a layer that moves everything it saves: more than its input
+        assert all(m > (n_rc + 1) * hidden for m in moved), (moved, hidden)
+    else:
+        assert moved == [n_rc * hidden] * len(batches), (moved, hidden)
+    _assert_same(want, got)
+
+
+def _calls_per_step(model, batches, off, sched):
+    calls = [0]
+    for blk in model.blocks:
+        blk.attn.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    per_step, seen = [], 0
+    orig_end = off.end_step
+
+    def end_step() -> None:
+        nonlocal seen
+        per_step.append(calls[0] - seen)
+        seen = calls[0]
+        orig_end()
+
+    off.end_step = end_step  # type: ignore[method-assign]
+    got, plans = _train_with_plans(model, batches, off, sched)
+    return got, plans, per_step
+
+
+@pytest.mark.parametrize("budget", [None, 1.0])
+def test_profile_under_recompute_sees_what_keeping_sees(tmp_path, budget):
+    """profile_mode recompute (the default with a budget): the warm-up and profiling steps recompute every
+    layer (the attention runs twice a step) and the profile counts the same bytes as a step that keeps
+    everything: saved, saved with the recompute modules recomputed, inputs; gradients stay bitwise."""
+    runs = {}
+    for mode in ("keep", "recompute" if budget is None else "auto"):
+        model, batches, want = _reference(9, 4, make=lambda: TinyGPT(by_keyword=True))
+        sched = Scheduler(SchedulerConfig(io_workers=2))
+        cfg = _cfg(tmp_path, ["host"], policy="auto", recompute_modules=["CoreAttention"],
+                   profile_warmup_steps=1, profile_mode=mode, memory_budget_gb=budget if mode != "keep" else None)  # fmt: skip
+        off = ActivationOffload(model, cfg, sched)
+        got, plans, calls = _calls_per_step(model, batches, off, sched)
+        _assert_same(want, got)
+        runs[mode] = (plans, calls)
+    (kp, kcalls), (rp, rcalls) = runs["keep"], runs["recompute" if budget is None else "auto"]
+    n = len(kp[1].profiles)
+    assert kp[0] is None and rp[0] is None and kp[1] is not None and rp[1] is not None
+    assert kcalls[:2] == [n, n] and rcalls[:2] == [2 * n, 2 * n], (kcalls, rcalls)
+    hidden = 2 * 16 * 32 * 4
+    for a, b in zip(rp[1].profiles, kp[1].profiles):
+        assert a.saved_bytes == b.saved_bytes > a.input_bytes
+        assert a.sel_saved_bytes == b.sel_saved_bytes and 0 < a.sel_saved_bytes < a.saved_bytes
+        assert a.input_bytes == b.input_bytes == hidden
+        assert a.fwd_s > 0 and a.bwd_s > 0 and a.sel_recompute_s > 0 and not a.recompute_only
+
+
+def test_profile_under_recompute_with_frozen_embeddings(tmp_path):
+    """A layer whose input needs no grad runs through the non-reentrant checkpoint, where the profile cannot
+    count its saved tensors: it is timed, marked recompute_only and recomputed by the plan; the gradients
+    of every trainable parameter stay bitwise equal."""
+
+    def train(model, batches, off=None):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        out, plans = [], []
+        for x in batches:
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            out.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+            opt.step()
+            if off is not None:
+                off.end_step()
+                plans.append(off.plan)
+        return out, plans
+
+    torch.manual_seed(3)
+    ref = TinyGPT()
+    ref.tok.requires_grad_(False)
+    ref.pos.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    batches = _batches("gpt", 3, seed=5)
+    want, _ = train(ref, batches)
+    sched = Scheduler()
+    cfg = _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0, profile_mode="recompute")
+    off = ActivationOffload(model, cfg, sched)
+    try:
+        got, plans = train(model, batches, off)
+    finally:
+        off.close()
+        sched.close()
+    prof = plans[0].profiles
+    assert prof[0].recompute_only and prof[0].fwd_s > 0
+    assert all(not p.recompute_only and p.saved_bytes > 0 for p in prof[1:])
+    assert plans[0].actions[0].recomputed
+    assert len(got) == len(want) and all(len(g) > 0 for g in got)
+    _assert_same(want, got)

@@ -291,3 +291,40 @@ def test_hide_only_fills_the_bound_with_partial_layers() -> None:
     # with a budget no partial layer is made: the search itself moves and recomputes whole layers
     budgeted = make_plan(prof, bw, ActivationOffloadConfig(tiers=["host"], memory_budget_gb=20))
     assert not budgeted.move_caps
+
+
+def test_recompute_moving_its_inputs_lowers_the_floor() -> None:
+    """A recomputed layer keeps its inputs (what its checkpoint starts from); ``recompute+<tier>`` moves them,
+    so a budget under full recompute's peak has a plan, and the moved inputs are all the plan writes."""
+    rng = random.Random(11)
+    n = 6
+    prof = _with_background(rng, n)
+    for p in prof:
+        p.input_bytes = p.saved_bytes // 8
+    bw = {b.tier: b for b in BW}
+    rc_t, _, rc_peak = simulate(prof, [Action.RECOMPUTE] * n, bw, 1)
+    mv_t, _, mv_peak = simulate(prof, [Action.RECOMPUTE_HOST] * n, bw, 1)
+    assert mv_peak < rc_peak and mv_t >= rc_t
+    # the same model without the inputs counted: full recompute would look cheaper than it is
+    bare = [LayerProfile(**{**vars(p), "input_bytes": 0}) for p in prof]
+    assert simulate(bare, [Action.RECOMPUTE] * n, bw, 1)[2] < rc_peak
+    budget = (rc_peak + mv_peak) / 2 / GiB
+    plan = make_plan(prof, BW, _cfg(memory_budget_gb=budget))
+    assert plan.peak_bytes <= budget * GiB and not plan.over_budget
+    assert any(a.recomputed and a.moved for a in plan.actions)
+    assert Action.RECOMPUTE_SSD.tier == Action.SSD and Action.RECOMPUTE_HOST.base == Action.RECOMPUTE
+    assert Action.HOST_SEL.tier == Action.HOST and Action.KEEP_SEL.tier is None
+    moved = sum(p.input_bytes for p, a in zip(prof, plan.actions) if a.recomputed and a.moved)
+    moved += sum(p.stored(a) for p, a in zip(prof, plan.actions) if a.moved and not a.recomputed)
+    assert plan.bound["planned_bytes"] == moved
+    # with no tier to move them to, the floor is full recompute's
+    with pytest.raises(PlanError, match="cannot be met"):
+        make_plan(prof, [], _cfg(memory_budget_gb=budget))
+
+
+def test_layers_profiled_only_as_recomputed_are_recomputed() -> None:
+    prof = _profiles(random.Random(4), 4)
+    prof[0].recompute_only = True
+    for budget in (None, 1e6):
+        plan = make_plan(prof, BW, _cfg(memory_budget_gb=budget))
+        assert plan.actions[0].recomputed, plan.actions

@@ -60,14 +60,17 @@ def _recompute_modules(layer: nn.Module, names: list[str]) -> list[nn.Module]:
     return out
 
 
-def _reentrant(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _reentrant(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], wrap: Any = None) -> Any:
     """torch's reentrant checkpoint of ``fn(*args, **kwargs)`` (it takes positional arguments only).
 
     The reentrant form computes no parameter gradients when no input requires grad (e.g. frozen
-    embeddings feeding trainable layers), so such calls take the non-reentrant form instead.
+    embeddings feeding trainable layers), so such calls take the non-reentrant form instead. ``wrap``
+    (the profiler's) wraps ``fn``, told which form runs it.
     """
     if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())):
+        fn = wrap(fn, count_saved=False) if wrap else fn
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    fn = wrap(fn) if wrap else fn
     n, keys = len(args), tuple(kwargs)
 
     def run(*flat: Any) -> Any:
@@ -77,7 +80,7 @@ def _reentrant(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _checkpointed(
-    module: nn.Module, on: bool, key: int, saved: dict[int, Any], reentrant: bool = False
+    module: nn.Module, on: bool, key: int, saved: dict[int, Any], reentrant: bool = False, wrap: Any = None
 ) -> None:
     """Run ``module`` under torch checkpointing (``on``) or restore its own forward.
 
@@ -97,7 +100,7 @@ def _checkpointed(
             if not torch.is_grad_enabled():
                 return _orig(*args, **kwargs)
             if reentrant:
-                return _reentrant(_orig, args, kwargs)
+                return _reentrant(_orig, args, kwargs, wrap)
             return checkpoint(_orig, *args, use_reentrant=False, **kwargs)
 
         module.forward = fwd
@@ -189,6 +192,7 @@ class ActivationOffload:
         self._peak_base = 0
         self.step = 0
         self.profiler: Profiler | None = None
+        self._profile_rc = False  # policy auto profiles under recomputation (set below)
         offload_tier = "ssd" if "ssd" in cfg.tiers else "host"
         if cfg.policy == "offload_all":
             sel = [f"{offload_tier}+sel" if subs else offload_tier for subs in self._subs]
@@ -196,26 +200,49 @@ class ActivationOffload:
         elif cfg.policy == "recompute_all":
             self._apply(["recompute"] * len(self.layers), 1)
         elif cfg.policy == "auto":
-            self.profiler = Profiler(self.layers, self.hooks, self.device, cfg.recompute_modules)
+            # a budget means the micro-batch may fit only with dsx: profile under recomputation then
+            self._profile_rc = cfg.profile_mode == "recompute" or (
+                cfg.profile_mode == "auto" and cfg.memory_budget_gb is not None
+            )
+            self.profiler = Profiler(
+                self.layers, self.hooks, self.device, cfg.recompute_modules, under_recompute=self._profile_rc
+            )
             self._profile_next(cfg.profile_warmup_steps == 0)
 
     # ------------------------------------------------------------------------------------ actions
     def _apply(self, actions: list[str], depth: int, caps: dict[int, int] | None = None) -> None:
-        """Install per-layer actions: ``keep``, ``host``, ``ssd``, ``recompute``, or ``<keep|host|ssd>+sel``."""
+        """Install per-layer actions: ``keep``, ``host``, ``ssd``, ``recompute``, ``<keep|host|ssd>+sel`` or
+        ``recompute+<host|ssd>`` (recomputed, with the inputs the checkpoint keeps moved to the tier)."""
+        tiers = []
         for i, a in enumerate(actions):
-            base, sel = a.split("+")[0], a.endswith("+sel")
-            _checkpointed(self.layers[i], base == "recompute", i, self._orig_forward, reentrant=True)
+            parts = a.split("+")
+            _checkpointed(self.layers[i], parts[0] == "recompute", i, self._orig_forward, reentrant=True)
             for sub in self._subs[i]:
-                _checkpointed(sub, sel, id(sub), self._orig_sub_forward)
-        self.hooks.actions = ["keep" if a == "recompute" else a.split("+")[0] for a in actions]
+                _checkpointed(sub, parts[-1] == "sel", id(sub), self._orig_sub_forward)
+            # the reentrant checkpoint saves its inputs with save_for_backward, inside the layer's hooks
+            tiers.append(next((t for t in parts if t in ("host", "ssd")), "keep"))
+        self.hooks.actions = tiers
         self.hooks.prefetch_depth = depth
         self.hooks.move_caps = dict(caps or {})
 
     def _profile_next(self, on: bool) -> None:
-        """Profile the coming step (``on``), or run it with everything kept (a warm-up step)."""
-        assert self.profiler is not None
-        self.profiler.enabled = on
-        self.hooks.actions = ["profile" if on else "keep"] * len(self.layers)
+        """Profile the coming step (``on``), or run it as the profiling step will, unprofiled (a warm-up
+        step): everything kept, or every layer recomputed (``profile_mode``)."""
+        profiler = self.profiler
+        assert profiler is not None
+        profiler.enabled = on
+        if not self._profile_rc:
+            self.hooks.actions = ["profile" if on else "keep"] * len(self.layers)
+            return
+        self.hooks.actions = ["keep"] * len(self.layers)  # the profiler counts inside the recomputation
+        self._uncheckpoint_layers()
+        for i, layer in enumerate(self.layers):
+            wrap = (lambda fn, count_saved=True, i=i: profiler.wrap(i, fn, count_saved)) if on else None
+            _checkpointed(layer, True, i, self._orig_forward, reentrant=True, wrap=wrap)
+
+    def _uncheckpoint_layers(self) -> None:
+        for i in list(self._orig_forward):
+            _checkpointed(self.layers[i], False, i, self._orig_forward)
 
     def end_step(self) -> None:
         """Mark an optimizer-step boundary: after the profiling step of policy 'auto', plan and apply."""
@@ -225,6 +252,7 @@ class ActivationOffload:
         elif self.profiler is not None and self.step == warmup:
             profiles = self.profiler.finish()
             self.profiler = None
+            self._uncheckpoint_layers()  # the profiler's wrappers go; the plan checkpoints what it recomputes
             self._install(self._plan_mod.make_plan(profiles, self._bws, self.cfg, best_effort=True))
             if self.cfg.memory_budget_gb is not None:
                 self._model_budget = self.cfg.memory_budget_gb * GB
@@ -280,7 +308,7 @@ class ActivationOffload:
         try:
             plan = self._plan_mod.make_plan(self.plan.profiles, self._bws, cfg)
         except self._plan_mod.PlanError as exc:
-            if self._calibrations_left > 0 and any(a.value != "recompute" for a in self.plan.actions):
+            if self._calibrations_left > 0 and any(not a.recomputed for a in self.plan.actions):
                 # the model has no plan with that margin, but its error runs both ways (on the H100 at hidden
                 # 4096 a mixed plan peaked 1.1 GiB over its prediction while full recompute's was
                 # overestimated): fall back to recomputing every layer and measure that
@@ -321,8 +349,7 @@ class ActivationOffload:
             self.mover.drain()
         finally:
             self.hooks.remove()
-            for i in list(self._orig_forward):
-                _checkpointed(self.layers[i], False, i, self._orig_forward)
+            self._uncheckpoint_layers()
             for sub in [s for subs in self._subs for s in subs]:
                 _checkpointed(sub, False, id(sub), self._orig_sub_forward)
             if self.ssd is not None:

@@ -14,8 +14,10 @@ its data is dropped) and unpack raises autograd's own error when the version mov
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -77,6 +79,7 @@ class LayerHooks:
         self._fetched_layers: set[int] = set()
         self.profile_bytes = [0] * len(layers)
         self._profile_seen: set[tuple[int, int]] = set()
+        self._scope_profile = False  # inside profile_scope(): pack counts, whatever the layer's action
         # what each layer would still save with its recompute_modules recomputed: storages saved outside
         # them, plus their inputs (checkpointing saves those); sub_depth > 0 while one of them runs
         self.sub_depth = 0
@@ -112,8 +115,7 @@ class LayerHooks:
             if self.actions[i] == "keep" or not torch.is_grad_enabled():
                 return
             self._cur = i
-            # ZeRO-3 gathers parameters in its own pre-hooks (registered earlier, so they ran already)
-            self._params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+            self._note_params()
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             ctx.__enter__()
             self._ctx.append(ctx)
@@ -128,6 +130,40 @@ class LayerHooks:
 
         return post
 
+    def _note_params(self) -> None:
+        # ZeRO-3 gathers parameters in its own pre-hooks (registered earlier, so they ran already)
+        self._params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+
+    @contextlib.contextmanager
+    def profile_scope(self, i: int) -> Iterator[None]:
+        """Count what is saved inside the block as layer ``i``'s saved bytes: a recomputation, which the
+        layer's forward hooks do not see (the profiling step under recomputation).
+
+        Storages are deduplicated within the block only: between two layers' recomputations the caching
+        allocator hands the same addresses out again, so a step-long table would miss bytes.
+        """
+        prev = self._cur
+        self._cur, self._scope_profile = i, True
+        self._profile_seen = set()
+        self._note_params()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._cur, self._scope_profile = prev, False
+
+    def storages(self, values: Any) -> dict[tuple[int, int], int]:
+        """The storages pack would move among ``values`` (tensors, one level into tuples, lists and dicts):
+        (address, bytes) -> bytes."""
+        out: dict[tuple[int, int], int] = {}
+        for v in values:
+            inner = v.values() if isinstance(v, dict) else v if isinstance(v, (tuple, list)) else (v,)
+            for t in inner:
+                if isinstance(t, torch.Tensor) and not self._keep(t):
+                    st = t.untyped_storage()
+                    out[(st.data_ptr(), st.nbytes())] = st.nbytes()
+        return out
+
     # -------------------------------------------------------------------------------------- pack
     def _keep(self, t: torch.Tensor) -> bool:
         if t.device != self.mover.device or isinstance(t, nn.Parameter) or t.layout != torch.strided:
@@ -141,7 +177,7 @@ class LayerHooks:
             return t
         st = t.untyped_storage()
         key = (st.data_ptr(), st.nbytes())
-        if self.actions[i] == "profile":
+        if self._scope_profile or self.actions[i] == "profile":
             if key not in self._profile_seen:
                 self._profile_seen.add(key)
                 self.profile_bytes[i] += key[1]
@@ -172,10 +208,7 @@ class LayerHooks:
 
     def note_sub_inputs(self, i: int, values: list[Any]) -> None:
         """Record the storages a recompute module of layer ``i`` takes as input (profiling step)."""
-        for t in values:
-            if isinstance(t, torch.Tensor) and not self._keep(t):
-                st = t.untyped_storage()
-                self._sub_in[i][(st.data_ptr(), st.nbytes())] = st.nbytes()
+        self._sub_in[i].update(self.storages(values))
 
     def sel_saved_bytes(self, i: int) -> int:
         """Bytes layer ``i`` saves with its recompute modules recomputed (measured in the profiling step)."""

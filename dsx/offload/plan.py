@@ -59,10 +59,13 @@ class Action(str, Enum):
     KEEP_SEL = "keep+sel"
     HOST_SEL = "host+sel"
     SSD_SEL = "ssd+sel"
+    # recomputed, and the inputs recomputation starts from (what the checkpoint keeps) moved to a tier
+    RECOMPUTE_HOST = "recompute+host"
+    RECOMPUTE_SSD = "recompute+ssd"
 
     @property
     def base(self) -> Action:
-        """What happens to the bytes the layer still saves: keep, host, ssd or recompute."""
+        """What happens to the layer's saved bytes: keep, host, ssd or recompute."""
         return Action(self.value.split("+")[0])
 
     @property
@@ -71,8 +74,20 @@ class Action(str, Enum):
         return self.value.endswith("+sel")
 
     @property
+    def tier(self) -> Action | None:
+        """The tier what the layer stores moves to (host or ssd), or None if it stays on the device."""
+        for part in self.value.split("+"):
+            if part in ("host", "ssd"):
+                return Action(part)
+        return None
+
+    @property
     def moved(self) -> bool:
-        return self.base in (Action.HOST, Action.SSD)
+        return self.tier is not None
+
+    @property
+    def recomputed(self) -> bool:
+        return self.base == Action.RECOMPUTE
 
 
 @dataclass
@@ -81,7 +96,11 @@ class LayerProfile:
 
     ``sel_saved_bytes`` is what the layer saves when its ``recompute_modules`` are recomputed (the bytes
     saved outside them plus their inputs, which checkpointing saves); ``sel_recompute_s`` is their forward
-    time. ``None`` when the layer has no such sub-module. ``bwd_workspace_bytes`` is the peak its backward
+    time. ``None`` when the layer has no such sub-module. ``input_bytes`` is what a recomputed layer keeps
+    to start from: the storages of its tensor inputs (the hidden states; not parameters, not tensors under
+    ``min_tensor_bytes``). ``recompute_only`` marks a layer the profiling step could only time, not see
+    save (profiled under recomputation through the non-reentrant checkpoint); plans recompute it.
+    ``bwd_workspace_bytes`` is the peak its backward
     allocates above the level at its start. ``fwd_peak_bytes`` is the peak its forward allocates above its
     start (saved bytes included); the ``*_background_bytes`` are what is allocated beyond the saved bytes of
     the layers holding them at the start of its forward, in the gap after it (peak) and at the start of its
@@ -100,32 +119,37 @@ class LayerProfile:
     fwd_background_bytes: int = 0
     gap_background_bytes: int = 0
     bwd_background_bytes: int = 0
+    input_bytes: int = 0
+    recompute_only: bool = False
 
     def stored(self, a: Action) -> int:
-        """Bytes kept on the device (keep) or moved (host, ssd) under ``a``."""
+        """Bytes kept on the device or moved to ``a.tier`` between the layer's forward and its backward."""
+        if a.recomputed:
+            return self.input_bytes
         return self.sel_saved_bytes if a.sel and self.sel_saved_bytes is not None else self.saved_bytes
 
     def transient(self, a: Action) -> int:
         """Bytes the layer re-creates in its own backward (recomputed layer or sub-modules)."""
-        if a == Action.RECOMPUTE:
+        if a.recomputed:
             return self.saved_bytes
         return self.saved_bytes - self.stored(a) if a.sel else 0
 
     def bwd_own(self, a: Action) -> int:
         """What the layer's backward adds on top of the bytes it stores: a recomputed layer first re-runs its
         forward (peak ``fwd_peak_bytes``), then holds what it saves plus the backward's workspace."""
-        if a == Action.RECOMPUTE:
-            return max(self.fwd_peak_bytes, self.saved_bytes + self.bwd_workspace_bytes)
+        if a.recomputed:
+            # on top of its inputs, which it stores (they are among its saved bytes, not in its forward peak)
+            return max(self.fwd_peak_bytes, self.saved_bytes - self.input_bytes + self.bwd_workspace_bytes)
         return self.transient(a) + self.bwd_workspace_bytes
 
     def fwd_own(self, a: Action) -> int:
         """The forward's own peak; a recomputed layer's first forward runs without saving anything."""
-        if a == Action.RECOMPUTE:
-            return max(0, self.fwd_peak_bytes - self.saved_bytes)
+        if a.recomputed:  # the inputs were allocated before the forward started
+            return max(0, self.fwd_peak_bytes - (self.saved_bytes - self.input_bytes))
         return self.fwd_peak_bytes
 
     def extra_bwd_s(self, a: Action) -> float:
-        if a == Action.RECOMPUTE:
+        if a.recomputed:
             return self.fwd_s
         return self.sel_recompute_s if a.sel else 0.0
 
@@ -207,7 +231,7 @@ def _split(
         s = p.stored(a)
         m = min(s, (caps or {}).get(i, s)) if a.moved else 0
         moved.append(m)
-        kept.append(s - m if a.base in (Action.KEEP, Action.HOST, Action.SSD) else 0)
+        kept.append(s - m)
     return moved, kept
 
 
@@ -226,7 +250,7 @@ def _forward(
         t += p.fwd_s
         a = actions[i]
         if a.moved:
-            tier = a.base.value
+            tier = a.tier.value
             start = max(t, free[tier])
             free[tier] = write_done[i] = start + moved[i] / bw[tier].write_Bps
     return t, free, write_done
@@ -280,7 +304,7 @@ def _timeline(
             j = next_issue
             a = actions[j]
             if a.moved:
-                tier = a.base.value
+                tier = a.tier.value
                 start = max(t, free[tier], write_done[j])
                 free[tier] = start + moved[j] / bw[tier].read_Bps
                 read_done[j] = free[tier]
@@ -312,15 +336,26 @@ def _overflow(
 def _choices(
     cfg: ActivationOffloadConfig, bw: dict[str, TierBandwidth], profiles: list[LayerProfile]
 ) -> list[Action]:
-    out = [Action.KEEP, Action.RECOMPUTE]
-    out += [Action(t) for t in cfg.tiers if t in bw]
+    tiers = [t for t in cfg.tiers if t in bw]
+    out = [Action.KEEP, Action.RECOMPUTE, *(Action(t) for t in tiers)]
     if any(p.sel_saved_bytes is not None for p in profiles):
         out += [Action(f"{a.value}+sel") for a in out if a != Action.RECOMPUTE]
+    if any(p.input_bytes for p in profiles):
+        out += [Action(f"recompute+{t}") for t in tiers]
     return out
 
 
 def _usable(a: Action, p: LayerProfile) -> bool:
+    if p.recompute_only:
+        return a.recomputed
     return not a.sel or p.sel_saved_bytes is not None
+
+
+def _fit(a: Action, p: LayerProfile) -> Action:
+    """``a`` where the layer can take it, else the nearest it can: drop ``+sel``; recompute if it must."""
+    if _usable(a, p):
+        return a
+    return Action.RECOMPUTE if p.recompute_only else a.base
 
 
 def _depth(profiles: list[LayerProfile], bw: dict[str, TierBandwidth]) -> int:
@@ -485,7 +520,7 @@ def _search(
         # point: from "keep all" alone a tight budget can leave the descent in a local minimum.
         ends = []
         for start in choices:
-            cur_plan = [start if _usable(start, p) else start.base for p in profiles]
+            cur_plan = [_fit(start, p) for p in profiles]
             cur = score(cur_plan)
             while True:  # steepest descent over single-layer changes
                 cand = min(
@@ -502,10 +537,7 @@ def _search(
     if budget is not None:
         _, _, peak = simulate(profiles, best, bw, depth)
         if peak > budget and not best_effort:
-            floor = min(
-                simulate(profiles, [a if _usable(a, p) else a.base for p in profiles], bw, depth)[2]
-                for a in choices
-            )
+            floor = min(simulate(profiles, [_fit(a, p) for p in profiles], bw, depth)[2] for a in choices)
             raise PlanError(
                 f"memory_budget_gb={cfg.memory_budget_gb} cannot be met: the most frugal plan found keeps "
                 f"{floor / GB:.2f} GiB of activations (raise the budget, add a tier, or lower the micro-batch)"

@@ -18,6 +18,16 @@ after its forward (the next layer's start, or for the last layer the head, the l
 backward) beyond the saved bytes so far; and its backward's workspace: the peak above the level at its start
 (gradient buffers and temporaries; with everything kept, net of what the backward frees). All are relative to
 the allocated memory when the step's first layer starts. The step resets CUDA's peak-memory statistics.
+
+Under recomputation (``profile_mode`` ``"recompute"``: the micro-batch may fit only with dsx) every layer runs
+through the reentrant checkpoint and :meth:`Profiler.wrap` sees its recomputation in backward: the saved
+bytes are counted there, the forward time and peak are the recomputation's (a forward that saves, as a kept
+layer's does), and the backward time is the layer's backward interval less it. What layers hold between
+their forward and backward is then only their inputs (``input_bytes``), which the memory points subtract
+instead of the saved bytes; the backward's workspace is measured from the end of the recomputation, above
+what it re-saved. A layer whose checkpoint falls back to the non-reentrant form (no input requires grad)
+cannot have its saved tensors counted there (the checkpoint's own hooks take them); it is timed and
+marked ``recompute_only``.
 """
 
 from __future__ import annotations
@@ -48,11 +58,22 @@ class Profiler:
     """Times each layer (and its ``recompute_modules``) during one step; ``finish()`` gives the profiles."""
 
     def __init__(
-        self, layers: list[nn.Module], hooks: Any, device: torch.device, recompute_modules: Iterable[str] = ()
+        self,
+        layers: list[nn.Module],
+        hooks: Any,
+        device: torch.device,
+        recompute_modules: Iterable[str] = (),
+        under_recompute: bool = False,
     ) -> None:
         self.layers, self.hooks, self.device = layers, hooks, device
+        self.under_recompute = under_recompute
         n = len(layers)
         self.fwd, self.bwd, self.sub = [0.0] * n, [0.0] * n, [0.0] * n
+        self.in_bytes = [0] * n
+        self.rc = [0.0] * n  # recomputation time (under recompute)
+        self._rc_calls = [0] * n
+        self._rc_counted = [False] * n
+        self._rc_level = 0
         self.workspace = [0] * n
         # memory (CUDA): see the module docstring; base is the level when the first layer starts
         self.fwd_peak, self.fwd_bg, self.gap_bg, self.bwd_bg = [0] * n, [0] * n, [0] * n, [0] * n
@@ -84,7 +105,8 @@ class Profiler:
         return time.perf_counter()
 
     def _saved_upto(self, i: int) -> int:
-        return sum(self.hooks.profile_bytes[: i + 1])
+        """What layers 0..i hold between their forward and backward: all they save, or their inputs."""
+        return sum((self.in_bytes if self.under_recompute else self.hooks.profile_bytes)[: i + 1])
 
     def _close_gap(self) -> None:
         """End the gap after layer ``self._gap``'s forward: its peak beyond the saved bytes so far."""
@@ -130,10 +152,44 @@ class Profiler:
             self._fold_peaks()
             del self._open[i]
 
-    def _fold_peaks(self) -> None:
+    def _fold_peaks(self, skip: int | None = None) -> None:
         peak = torch.cuda.max_memory_allocated(self.device)
         for j, base in self._open.items():
-            self.workspace[j] = max(self.workspace[j], peak - base)
+            if j != skip:
+                self.workspace[j] = max(self.workspace[j], peak - base)
+
+    def wrap(self, i: int, fn: Any, count_saved: bool = True) -> Any:
+        """``fn`` (layer ``i``'s forward, as its checkpoint calls it) such that its second call of each
+        micro-batch, the recomputation in backward, is timed, measured and (``count_saved``) has its saved
+        tensors counted. The non-reentrant checkpoint must pass ``count_saved=False``: saved-tensor hooks
+        entered inside its recomputation would take the tensors from the checkpoint's own."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self._rc_calls[i] += 1
+            if not self.enabled or self._rc_calls[i] % 2:  # the forward, not the recomputation
+                return fn(*args, **kwargs)
+            t0 = self._now()
+            if self.device.type == "cuda":
+                self._fold_peaks()
+                self._rc_level = torch.cuda.memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+            if count_saved:
+                self._rc_counted[i] = True
+                with self.hooks.profile_scope(i):
+                    out = fn(*args, **kwargs)
+            else:
+                out = fn(*args, **kwargs)
+            self.rc[i] += self._now() - t0
+            if self.device.type == "cuda":
+                self.fwd_peak[i] = torch.cuda.max_memory_allocated(self.device) - self._rc_level
+                # the rest of the backward's peak is its workspace, above what the recomputation re-saved
+                self._fold_peaks(skip=i)
+                if i in self._open:
+                    self._open[i] += self.hooks.profile_bytes[i] - self.in_bytes[i]
+                torch.cuda.reset_peak_memory_stats(self.device)
+            return out
+
+        return run
 
     def _fwd_pre(self, i: int) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -141,6 +197,7 @@ class Profiler:
                 return
             x = first_grad_tensor([*args, *kwargs.values()])
             self._has_input = x is not None
+            self.in_bytes[i] = sum(self.hooks.storages([*args, *kwargs.values()]).values())
             if x is not None:
                 x.register_hook(lambda _g: self._stop("b", i, self.bwd))
             self._start("f", i)
@@ -192,13 +249,16 @@ class Profiler:
 
         for h in self._handles:
             h.remove()
+        rc = self.under_recompute
         return [
             LayerProfile(
                 index=i,
                 name=f"{type(m).__name__}[{i}]",
                 saved_bytes=self.hooks.profile_bytes[i],
-                fwd_s=self.fwd[i],
-                bwd_s=self.bwd[i],
+                fwd_s=self.rc[i] if rc and self.rc[i] else self.fwd[i],
+                bwd_s=max(0.0, self.bwd[i] - self.rc[i]) if rc else self.bwd[i],
+                input_bytes=self.in_bytes[i],
+                recompute_only=rc and not self._rc_counted[i],
                 sel_saved_bytes=self.hooks.sel_saved_bytes(i) if self.has_sub[i] else None,
                 sel_recompute_s=self.sub[i],
                 bwd_workspace_bytes=self.workspace[i],
