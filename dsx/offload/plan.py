@@ -42,7 +42,16 @@ from typing import Any
 
 from dsx.config import ActivationOffloadConfig
 
-__all__ = ["Action", "LayerProfile", "Plan", "PlanError", "TierBandwidth", "make_plan", "simulate"]
+__all__ = [
+    "Action",
+    "LayerProfile",
+    "Plan",
+    "PlanError",
+    "TierBandwidth",
+    "floor_bytes",
+    "make_plan",
+    "simulate",
+]
 
 GB = 1 << 30
 # Deepest prefetch the search tries. A layer's read must be issued this many layers ahead when it takes
@@ -450,6 +459,24 @@ def make_plan(
     return Plan(actions, depth, t, bound, profiles, peak, stall, over_budget=over, move_caps=caps)
 
 
+def _floor(
+    profiles: list[LayerProfile], bw: dict[str, TierBandwidth], choices: list[Action], depth: int
+) -> int:
+    """The peak of the most frugal uniform plan (every layer the same action, where it can take it)."""
+    return min(simulate(profiles, [_fit(a, p) for p in profiles], bw, depth)[2] for a in choices)
+
+
+def floor_bytes(
+    profiles: list[LayerProfile], bandwidths: list[TierBandwidth], cfg: ActivationOffloadConfig
+) -> int:
+    """The lowest activation peak a uniform plan reaches (what the budget error reports), over prefetch
+    depths 1..``MAX_DEPTH`` (or ``cfg.prefetch_depth``): budgets below it have no plan."""
+    bw = {b.tier: b for b in bandwidths if b.tier in cfg.tiers and b.write_Bps > 0 and b.read_Bps > 0}
+    choices = _choices(cfg, bw, profiles)
+    depths = [cfg.prefetch_depth] if cfg.prefetch_depth else range(1, min(len(profiles), MAX_DEPTH) + 1)
+    return min(_floor(profiles, bw, choices, d) for d in depths)
+
+
 def _fill_bound(
     profiles: list[LayerProfile],
     actions: list[Action],
@@ -537,7 +564,7 @@ def _search(
     if budget is not None:
         _, _, peak = simulate(profiles, best, bw, depth)
         if peak > budget and not best_effort:
-            floor = min(simulate(profiles, [_fit(a, p) for p in profiles], bw, depth)[2] for a in choices)
+            floor = _floor(profiles, bw, choices, depth)
             raise PlanError(
                 f"memory_budget_gb={cfg.memory_budget_gb} cannot be met: the most frugal plan found keeps "
                 f"{floor / GB:.2f} GiB of activations (raise the budget, add a tier, or lower the micro-batch)"

@@ -1,0 +1,192 @@
+"""The planner's frontier on measured profiles: its best step time at each activation budget.
+
+Reads a ``bench_offload`` JSON from a GPU run, takes the per-layer profiles and the tier bandwidths that run's
+dsx ``auto`` config measured, and asks the planner (``dsx.offload.plan.make_plan``) for its best plan at each
+budget from the lowest any plan reaches up to keeping everything, once with the tiers the run had and once
+with none (keep / recompute / selective recompute only: what offload adds is the gap between the two). The
+PNG draws both frontiers with the measured points of the same run (no offload, full recompute,
+``save_on_cpu``, the dsx configs).
+
+The frontier is the cost model's prediction on measured inputs, not a measurement. The model's step covers
+the layers' forward and backward only; the rest of the step (embedding, head, loss, optimizer: the same in
+every plan) is taken as the measured no-offload step less the model's keep-everything step and added to every
+predicted time (``predicted_step_with_rest_s``), so that the model's full-recompute step can be set beside the
+measured one (``predicted_recompute_step_s``) and ratios read against the measurements. The question it
+answers: how far from a target the best plan the model knows lands, and what budget would reach it.
+
+    python benchmarks/plan_frontier.py benchmarks/results/bench_offload.json --input-mib 64
+
+``--input-mib``: what a recomputed layer keeps to start from (its input hidden state: micro-batch x sequence
+x hidden x 2 bytes in bf16, 64 MiB at 8 x 2048 x 2048), for profiles taken before dsx profiled it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_common_args, environment, save_png, write_json
+
+from dsx.config import ActivationOffloadConfig
+from dsx.offload.plan import LayerProfile, PlanError, TierBandwidth, floor_bytes, make_plan
+
+GB = 1e9  # the unit bench_offload reports memory in
+
+
+def load_run(path: str, config: str | None) -> tuple[dict[str, Any], list[LayerProfile], list[TierBandwidth]]:
+    """The run, the profiles and bandwidths of its first dsx config with a profiled plan (or ``config``)."""
+    run = json.loads(Path(path).read_text())
+    fields = {f.name for f in dataclasses.fields(LayerProfile)}
+    for r in run["results"]:
+        plan = r.get("plan") or {}
+        if plan.get("profiles") and (config is None or r["config"] == config):
+            profiles = [LayerProfile(**{k: v for k, v in p.items() if k in fields}) for p in plan["profiles"]]
+            tiers = plan["bound"]["tiers"]
+            return run, profiles, [TierBandwidth(t, v["write_Bps"], v["read_Bps"]) for t, v in tiers.items()]
+    raise SystemExit(
+        f"{path}: no result{f' {config!r}' if config else ''} with a profiled plan (a GPU run of auto)"
+    )
+
+
+def frontier(
+    profiles: list[LayerProfile],
+    bandwidths: list[TierBandwidth],
+    tiers: list[str],
+    points: int,
+    also_gb: list[float] = (),
+) -> list[dict[str, Any]]:
+    """Best plan at ``points`` budgets from the floor to keeping everything (denser near the floor, where
+    the targets are) and at ``also_gb``, with ``tiers`` (may be empty)."""
+    cfg = ActivationOffloadConfig(tiers=tiers or ["host"], policy="auto")
+    bws = bandwidths if tiers else []
+    lo = floor_bytes(profiles, bws, cfg)
+    hi = make_plan(profiles, bws, cfg.model_copy(update={"policy": "none"})).peak_bytes
+    grid = [lo + (hi - lo) * (k / (points - 1)) ** 2 for k in range(points)]
+    out = []
+    for budget in sorted({*grid, *(g * GB for g in also_gb if lo <= g * GB <= hi)}):
+        try:
+            plan = make_plan(
+                profiles, bws, cfg.model_copy(update={"memory_budget_gb": budget / 2**30 + 1e-9})
+            )
+        except PlanError:
+            continue
+        out.append({"budget_gb": budget / GB, "predicted_step_s": plan.predicted_step_s,
+                    "predicted_peak_gb": plan.peak_bytes / GB, "actions": [a.value for a in plan.actions],
+                    "move_bytes": plan.bound["planned_bytes"]})  # fmt: skip
+    return out
+
+
+def best_within(front: list[dict[str, Any]], peak_gb: float) -> dict[str, Any] | None:
+    fits = [f for f in front if f["predicted_peak_gb"] <= peak_gb]
+    return min(fits, key=lambda f: f["predicted_step_s"]) if fits else None
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run", help="a bench_offload JSON with a dsx auto result (GPU run)")
+    p.add_argument("--config", default=None, help="the result whose profiles to use (default: the first)")
+    p.add_argument("--input-mib", type=float, default=0.0,
+                   help="a recomputed layer's input, where the profiles lack input_bytes")  # fmt: skip
+    p.add_argument("--points", type=int, default=12)
+    p.add_argument("--name", default=None, help="JSON/PNG name (default: plan_frontier_<run's name>)")
+    add_common_args(p)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.points = 4
+    run, profiles, bandwidths = load_run(args.run, args.config)
+    for prof in profiles:
+        if not prof.input_bytes:
+            prof.input_bytes = int(args.input_mib * 2**20)
+    tiers = [b.tier for b in bandwidths]
+    measured = {
+        r["config"]: r for r in run["results"] if "error" not in r and r.get("activation_peak_gb", 0) > 0
+    }
+    also = [measured[b]["activation_peak_gb"] for b in ("recompute", "save_on_cpu") if b in measured]
+    fronts = {"offload": frontier(profiles, bandwidths, tiers, args.points, also),
+              "recompute_only": frontier(profiles, bandwidths, [], args.points, also)}  # fmt: skip
+    # the model's step covers the layers' forward and backward, not the embedding, head, loss and optimizer:
+    # add what the measured no-offload step spends beyond the model's keep-all step, the same in every plan
+    keep_model = make_plan(profiles, [], ActivationOffloadConfig(policy="none"))
+    rc_model = make_plan(profiles, [], ActivationOffloadConfig(policy="recompute_all"))
+    rest = measured["none"]["step_s"] - keep_model.predicted_step_s if "none" in measured else 0.0
+    for front in fronts.values():
+        for f in front:
+            f["predicted_step_with_rest_s"] = f["predicted_step_s"] + rest
+    targets: dict[str, Any] = {
+        "rest_of_step_s": rest,
+        "predicted_keep_all_step_s": keep_model.predicted_step_s + rest,
+        "predicted_recompute_step_s": rc_model.predicted_step_s + rest,
+    }
+    for base in ("recompute", "save_on_cpu"):
+        if base not in measured:
+            continue
+        peak = measured[base]["activation_peak_gb"]
+        best = best_within(fronts["offload"], peak)
+        only = best_within(fronts["recompute_only"], peak)
+        targets[f"at_{base}_peak"] = {
+            "measured_peak_gb": peak,
+            "measured_step_s": measured[base]["step_s"],
+            "predicted_best_step_s": best and best["predicted_step_with_rest_s"],
+            "predicted_best_actions": best and best["actions"],
+            "predicted_best_recompute_only_step_s": only and only["predicted_step_with_rest_s"],
+            f"measured_{base}_over_predicted_best": best and measured[base]["step_s"] / best["predicted_step_with_rest_s"],
+        }  # fmt: skip
+    if "recompute" in measured:
+        goal = measured["recompute"]["step_s"] / 1.15
+        reach = [f for f in fronts["offload"] if f["predicted_step_with_rest_s"] <= goal]
+        targets["budget_for_1.15x_recompute_gb"] = min((f["budget_gb"] for f in reach), default=None)
+    name = args.name or f"plan_frontier_{Path(args.run).stem}"
+    out = {"name": "plan_frontier", "env": environment(), "config": vars(args), "source": args.run,
+           "source_env": run.get("env"), "kind": "cost-model prediction on measured profiles",
+           "frontiers": fronts, "targets": targets,
+           "measured": {k: {"activation_peak_gb": r["activation_peak_gb"], "step_s": r["step_s"]}
+                        for k, r in measured.items()}}  # fmt: skip
+    write_json(out, args.out, name)
+    _plot(out, args.out, name)
+    print(json.dumps(targets, indent=1))
+    return out
+
+
+def _plot(out: dict[str, Any], where: str, name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = {"offload": ("tab:blue", "planner, with the run's tiers (+ rest of step)"),
+              "recompute_only": ("tab:orange", "planner, keep / recompute only (+ rest of step)")}  # fmt: skip
+    for key, front in out["frontiers"].items():
+        colour, label = styles[key]
+        xs = [f["predicted_peak_gb"] for f in front]
+        ys = [f["predicted_step_with_rest_s"] * 1e3 for f in front]
+        ax.step(xs, ys, where="post", color=colour, label=label)
+    for cfg, r in out["measured"].items():
+        dsx_cfg = cfg.startswith("dsx")
+        ax.scatter(r["activation_peak_gb"], r["step_s"] * 1e3, color="tab:green" if dsx_cfg else "tab:gray",
+                   marker="o" if dsx_cfg else "s", zorder=3)  # fmt: skip
+        ax.annotate(cfg, (r["activation_peak_gb"], r["step_s"] * 1e3), fontsize=7, xytext=(4, 3),
+                    textcoords="offset points")  # fmt: skip
+    rc = out["measured"].get("recompute")
+    if rc:  # the issue's target at recompute's budget: 1.15x its throughput
+        ax.axhline(rc["step_s"] * 1e3 / 1.15, color="tab:red", ls="--", lw=0.8,
+                   label="1.15x full recompute's throughput (measured / 1.15)")  # fmt: skip
+        ax.axvline(rc["activation_peak_gb"], color="tab:gray", ls=":", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("activation peak (GB)")
+    ax.set_ylabel("step time (ms)")
+    src = out["source_env"] or {}
+    ax.set_title(f"planner frontier on profiles measured on {src.get('device', '?')} ({Path(out['source']).name})",
+                 fontsize=9)  # fmt: skip
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    save_png(fig, where, name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""benchmarks/plan_frontier.py: the planner's frontier over budgets, on a run file like bench_offload's."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+from benchmarks import plan_frontier
+from dsx.offload.plan import LayerProfile
+
+GiB = 1 << 30
+
+
+def _run_file(tmp_path, n: int = 4) -> str:
+    rng = random.Random(5)
+    profiles = []
+    for i in range(n):
+        saved = rng.randint(4, 16) << 26
+        p = LayerProfile(i, f"L{i}", saved, rng.uniform(0.004, 0.02), rng.uniform(0.008, 0.04),
+                         sel_saved_bytes=saved // 4, sel_recompute_s=0.002, fwd_peak_bytes=saved + (1 << 26),
+                         bwd_workspace_bytes=1 << 27, bwd_background_bytes=1 << 27,
+                         gap_background_bytes=(4 << 30) if i == n - 1 else 1 << 28)  # fmt: skip
+        profiles.append(vars(p))
+    tiers = {"host": {"write_Bps": 20e9, "read_Bps": 20e9}, "ssd": {"write_Bps": 2e9, "read_Bps": 2e9}}
+    plan = {"profiles": profiles, "bound": {"tiers": tiers}}
+    rc_peak = (4 << 30) * 1.2 / 1e9
+    results = [
+        {"config": "none", "step_s": 0.1, "activation_peak_gb": 3.0},
+        {"config": "recompute", "step_s": 0.14, "activation_peak_gb": rc_peak},
+        {"config": "save_on_cpu", "step_s": 0.9, "activation_peak_gb": 0.5},
+        {"config": "dsx_auto_budget_sel", "step_s": 0.12, "activation_peak_gb": rc_peak, "plan": plan},
+        {"config": "dsx_ssd", "error": "timed out"},
+    ]
+    path = tmp_path / "bench_offload_x.json"
+    path.write_text(json.dumps({"env": {"device": "test"}, "results": results}))
+    return str(path)
+
+
+def test_frontier_is_exact_monotone_and_offload_never_worse(tmp_path) -> None:
+    out = plan_frontier.main(
+        [_run_file(tmp_path), "--input-mib", "16", "--points", "6", "--out", str(tmp_path)]
+    )
+    assert (tmp_path / "plan_frontier_bench_offload_x.json").exists()
+    assert (tmp_path / "plan_frontier_bench_offload_x.png").stat().st_size > 0
+    fronts = out["frontiers"]
+    for front in fronts.values():
+        assert len(front) >= 4
+        budgets = [f["budget_gb"] for f in front]
+        assert budgets == sorted(budgets)
+        # 4 layers: the planner searches exhaustively, so more budget never predicts a slower step
+        steps = [f["predicted_step_s"] for f in front]
+        assert all(b <= a + 1e-12 for a, b in itertools.pairwise(steps)), steps
+        assert all(f["predicted_peak_gb"] <= f["budget_gb"] + 1e-9 for f in front)
+    # offload adds choices: at any budget both frontiers reach, it is never predicted slower
+    only = {round(f["budget_gb"], 9): f["predicted_step_s"] for f in fronts["recompute_only"]}
+    common = [(f["predicted_step_s"], only[round(f["budget_gb"], 9)]) for f in fronts["offload"]
+              if round(f["budget_gb"], 9) in only]  # fmt: skip
+    assert common and all(a <= b + 1e-12 for a, b in common)
+    # the last layer's gap (head and loss, 4 GiB here) is the floor's point: moving the inputs recomputed
+    # layers keep reaches lower than any keep / recompute plan
+    assert fronts["offload"][0]["predicted_peak_gb"] < fronts["recompute_only"][0]["predicted_peak_gb"]
+    at_rc = out["targets"]["at_recompute_peak"]
+    assert at_rc["predicted_best_step_s"] <= out["targets"]["predicted_recompute_step_s"]
+    assert "dsx_ssd" not in out["measured"]
+
+
+def test_best_within_picks_the_fastest_plan_that_fits() -> None:
+    front = [{"predicted_peak_gb": 1.0, "predicted_step_s": 3.0}, {"predicted_peak_gb": 2.0, "predicted_step_s": 2.0},
+             {"predicted_peak_gb": 3.0, "predicted_step_s": 1.0}]  # fmt: skip
+    assert plan_frontier.best_within(front, 2.5)["predicted_step_s"] == 2.0
+    assert plan_frontier.best_within(front, 0.5) is None
