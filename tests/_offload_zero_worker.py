@@ -1,7 +1,8 @@
 """One rank of the launcher test: plain DeepSpeed, then dsx with activation offload to SSD, same data.
 
 Prints ``OFFLOAD-OK rank=<r> ...`` when the losses of the two runs are bitwise equal and the SSD tier moved
-bytes; exits non-zero otherwise.
+bytes (``--policy offload_all``) or the plan was made from a profile taken under recomputation (``--policy
+auto``, with a budget); exits non-zero otherwise.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import dsx
 from tests._offload_models import TinyGPT
 
 
-def _config(nvme: str, stage: int, with_dsx: bool, ssd: str) -> dict:
+def _config(nvme: str, stage: int, with_dsx: bool, ssd: str, policy: str = "offload_all") -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
@@ -30,7 +31,7 @@ def _config(nvme: str, stage: int, with_dsx: bool, ssd: str) -> dict:
                 "enabled": True,
                 "tiers": ["host", "ssd"],
                 "ssd_path": ssd,
-                "policy": "offload_all",
+                "policy": policy,
                 "host_pool_gb": 0.05,
                 "ssd_capacity_gb": 0.05,
                 "min_tensor_bytes": 0,
@@ -38,6 +39,8 @@ def _config(nvme: str, stage: int, with_dsx: bool, ssd: str) -> dict:
                 "verify": True,
             }
         }
+        if policy == "auto":  # a budget: the warm-up and profiling steps recompute every layer
+            cfg["dsx"]["activation_offload"]["memory_budget_gb"] = 1.0
     return cfg
 
 
@@ -56,6 +59,7 @@ def main() -> None:
     ap.add_argument("--nvme", required=True)
     ap.add_argument("--ssd", required=True)
     ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--policy", choices=["offload_all", "auto"], default="offload_all")
     ap.add_argument("--local_rank", type=int, default=0)
     a = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -63,7 +67,9 @@ def main() -> None:
     torch.manual_seed(0)
     base = TinyGPT()
     g = torch.Generator().manual_seed(100 + rank)
-    batches = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(3)]
+    batches = [
+        torch.randint(0, 64, (2, 16), generator=g) for _ in range(3 if a.policy == "offload_all" else 4)
+    ]
     ref_model = copy.deepcopy(base)
     e0, *_ = deepspeed.initialize(
         model=ref_model,
@@ -75,16 +81,23 @@ def main() -> None:
     e1, *_ = dsx.initialize(
         model=model,
         model_parameters=model.parameters(),
-        config=_config(os.path.join(a.nvme, "dsx"), a.stage, True, a.ssd),
+        config=_config(os.path.join(a.nvme, "dsx"), a.stage, True, a.ssd, a.policy),
     )
     got = _train(e1, batches)
     sched = e1.dsx.scheduler
     ssd_bytes = sum(r.bytes_by_tier.get("ssd", 0) for r in sched.telemetry.history)
     handle = e1.dsx.features["activation_offload"]
     shared, pauses = handle.offload.shared_ssd, sched.gate_pauses.get("ssd", 0)
+    plan, under_rc = handle.offload.plan, handle.offload._profile_rc
     e1.dsx.close()
     assert want == got, f"rank {rank}: losses differ with activation offload: {want} vs {got}"
-    assert ssd_bytes > 0, f"rank {rank}: the SSD tier moved nothing"
+    if a.policy == "auto":
+        assert plan is not None and under_rc, f"rank {rank}: no plan, or not profiled under recomputation"
+        assert all(p.saved_bytes > p.input_bytes > 0 and not p.recompute_only for p in plan.profiles), (
+            plan.profiles
+        )
+    else:
+        assert ssd_bytes > 0, f"rank {rank}: the SSD tier moved nothing"
     assert shared and pauses == len(batches), f"rank {rank}: shared={shared} gate pauses={pauses}"
     print(f"OFFLOAD-OK rank={rank} losses={got} ssd_bytes={ssd_bytes} gate_pauses={pauses}", flush=True)
 

@@ -568,3 +568,29 @@ def test_profile_under_recompute_with_frozen_embeddings(tmp_path):
     assert plans[0].actions[0].recomputed
     assert len(got) == len(want) and all(len(g) > 0 for g in got)
     _assert_same(want, got)
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_profile_counts_bytes_per_micro_batch_under_gradient_accumulation(tmp_path, mode):
+    """Two micro-batches per step recompute (or save) twice: the profile still counts one micro-batch's
+    bytes, the same as a step of one micro-batch."""
+    runs = []
+    for accumulate in (1, 2):
+        torch.manual_seed(10)
+        model = TinyGPT(by_keyword=True)
+        sched = Scheduler()
+        cfg = _cfg(tmp_path, ["host"], policy="auto", recompute_modules=["CoreAttention"],
+                   profile_warmup_steps=0, profile_mode=mode)  # fmt: skip
+        off = ActivationOffload(model, cfg, sched)
+        try:
+            for x in _batches("gpt", accumulate, seed=3):
+                model(x).float().pow(2).mean().backward()
+            off.end_step()
+            runs.append(off.plan.profiles)
+        finally:
+            off.close()
+            sched.close()
+    for one, two in zip(*runs):
+        assert one.saved_bytes == two.saved_bytes > 0
+        assert one.input_bytes == two.input_bytes > 0
+        assert one.sel_saved_bytes == two.sel_saved_bytes > 0

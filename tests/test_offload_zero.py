@@ -61,6 +61,23 @@ def test_zero2_nvme_optimizer_plus_ssd_activations_two_ranks(tmp_path):
     assert not os.listdir(ssd), f"run dirs left behind: {os.listdir(ssd)}"
 
 
+def test_zero2_auto_with_a_budget_profiles_under_recomputation_two_ranks(tmp_path):
+    """policy auto with memory_budget_gb through DeepSpeed's engine on two ranks: the warm-up and profiling
+    steps run every layer under the reentrant checkpoint beside ZeRO-2's gradient hooks, the plan comes from
+    that profile, and the losses stay bitwise equal to plain DeepSpeed's."""
+    nvme, ssd = tmp_path / "nvme", tmp_path / "ssd"
+    nvme.mkdir()
+    ssd.mkdir()
+    rc, out = _launch(
+        REPO / "tests" / "_offload_zero_worker.py",
+        ["--nvme", str(nvme), "--ssd", str(ssd), "--policy", "auto"],
+    )
+    tail = "\n".join(out.splitlines()[-60:])
+    assert rc == 0, tail
+    assert out.count("OFFLOAD-OK") == 2, tail
+    assert not os.listdir(ssd), f"run dirs left behind: {os.listdir(ssd)}"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_zero3_nvme_optimizer_plus_ssd_activations_two_ranks(tmp_path):

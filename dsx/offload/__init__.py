@@ -231,6 +231,8 @@ class ActivationOffload:
         profiler = self.profiler
         assert profiler is not None
         profiler.enabled = on
+        if on:
+            self.hooks.start_profile()
         if not self._profile_rc:
             self.hooks.actions = ["profile" if on else "keep"] * len(self.layers)
             return

@@ -80,6 +80,10 @@ class LayerHooks:
         self.profile_bytes = [0] * len(layers)
         self._profile_seen: set[tuple[int, int]] = set()
         self._scope_profile = False  # inside profile_scope(): pack counts, whatever the layer's action
+        # bytes are per micro-batch: with gradient accumulation the profiled step has several forwards (and
+        # recomputations); only the first one's are counted
+        self._forwards = 0
+        self._profile_from = 0
         # what each layer would still save with its recompute_modules recomputed: storages saved outside
         # them, plus their inputs (checkpointing saves those); sub_depth > 0 while one of them runs
         self.sub_depth = 0
@@ -93,6 +97,7 @@ class LayerHooks:
 
     # -------------------------------------------------------------------------------- layer scoping
     def _root_pre(self, module: nn.Module, args: Any) -> None:
+        self._forwards += 1
         while self._ctx:  # a forward that raised left a layer context open: close it now
             self._ctx.pop().__exit__(None, None, None)
         self._cur = None
@@ -129,6 +134,14 @@ class LayerHooks:
                 self._cur = None
 
         return post
+
+    def start_profile(self) -> None:
+        """The coming step is profiled: count the bytes of its first micro-batch."""
+        self._profile_from = self._forwards
+
+    def counting(self) -> bool:
+        """Whether bytes saved now belong to the profiled step's first micro-batch (forward or recompute)."""
+        return self._forwards - self._profile_from <= 1
 
     def _note_params(self) -> None:
         # ZeRO-3 gathers parameters in its own pre-hooks (registered earlier, so they ran already)
@@ -178,6 +191,8 @@ class LayerHooks:
         st = t.untyped_storage()
         key = (st.data_ptr(), st.nbytes())
         if self._scope_profile or self.actions[i] == "profile":
+            if not self.counting():
+                return t
             if key not in self._profile_seen:
                 self._profile_seen.add(key)
                 self.profile_bytes[i] += key[1]

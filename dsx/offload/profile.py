@@ -230,7 +230,8 @@ class Profiler:
             if not (self.enabled and torch.is_grad_enabled()):
                 return
             self.hooks.sub_depth += 1
-            self.hooks.note_sub_inputs(i, [*args, *kwargs.values()])
+            if self.hooks.counting():
+                self.hooks.note_sub_inputs(i, [*args, *kwargs.values()])
             self._start(f"s{id(module)}", i)
 
         return hook
