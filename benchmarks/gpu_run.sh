@@ -169,7 +169,7 @@ case $stage in
   offload12)  # 1 GPU: ZeRO-2 + optimizer offload to CPU at hidden 4096 (CPU Adam is a larger share of the step)
     log bench-offload-zero-cpu-h4096; timeout 560 python benchmarks/bench_offload.py --offload-optimizer --hidden 4096 \
       --heads 32 --warmup 2 --steps 3 --pool-gb 20 --child-timeout 150 \
-      --micro-batches none=6,7 recompute=16,20 dsx_auto_budget_sel=16,20 --auto-budget-gb 62 \
+      --micro-batches none=6,7 recompute=16,20 dsx_auto_budget_sel=16,20 --auto-budget-gb 66 \
       --configs none recompute dsx_auto_budget_sel --name bench_offload_zero_cpu_h4096 --out benchmarks/results \
       > "$OUT/bench-offload-zero-cpu-h4096.log" 2>&1
     cp benchmarks/results/bench_offload_zero_cpu_h4096.* "$OUT/"
