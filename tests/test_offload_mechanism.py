@@ -594,3 +594,27 @@ def test_profile_counts_bytes_per_micro_batch_under_gradient_accumulation(tmp_pa
         assert one.saved_bytes == two.saved_bytes > 0
         assert one.input_bytes == two.input_bytes > 0
         assert one.sel_saved_bytes == two.sel_saved_bytes > 0
+
+
+def test_auto_falls_back_to_recomputing_every_layer_when_no_plan_has_the_margin(tmp_path):
+    """A planned step measured far over the budget (more than any plan could save): dsx recomputes every
+    layer, measures that, and keeps it once it is within the budget; gradients stay bitwise equal. The peak
+    is stubbed as in the re-plan test (CPU has none to read)."""
+    model, batches, want = _reference(12, 5)
+    sched = Scheduler()
+    cfg = _cfg(
+        tmp_path, ["host"], policy="auto", profile_warmup_steps=0, memory_budget_gb=1.0, host_pool_gb=0.2
+    )
+    off = ActivationOffload(model, cfg, sched)
+    measured: list[int] = []
+
+    def fake_peak() -> int:
+        measured.append(50 << 30 if not measured else 1 << 29)  # 49 GiB over, then half the budget
+        return measured[-1]
+
+    off._peak_since_mark = fake_peak  # type: ignore[method-assign]
+    got, plans = _train_with_plans(model, batches, off, sched)
+    assert not all(a.recomputed for a in plans[0].actions)  # the tiny model's plan recomputes little
+    assert all(a.value == "recompute" for a in plans[1].actions), plans[1].actions
+    assert len(measured) == 2 and plans[4] is plans[1]
+    _assert_same(want, got)
