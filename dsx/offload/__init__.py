@@ -270,7 +270,8 @@ class ActivationOffload:
     def _install(self, plan: Any) -> None:
         self.plan = plan
         if _rank() == 0:
-            logger.warning("dsx activation offload plan:\n%s", plan.describe())
+            how = "every layer recomputed" if self._profile_rc else "everything kept"
+            logger.warning("dsx activation offload plan (profiled with %s):\n%s", how, plan.describe())
         self._apply(
             [a.value if hasattr(a, "value") else str(a) for a in plan.actions],
             self.cfg.prefetch_depth or plan.prefetch_depth,
