@@ -328,3 +328,65 @@ def test_layers_profiled_only_as_recomputed_are_recomputed() -> None:
     for budget in (None, 1e6):
         plan = make_plan(prof, BW, _cfg(memory_budget_gb=budget))
         assert plan.actions[0].recomputed, plan.actions
+
+
+def _timeline_reference(profiles, actions, bw, depth, caps=None):
+    """The cost model's footprints written the plain way, O(layers) per point: the reference for the
+    planner's prefix-sum version."""
+    from dsx.offload.plan import _forward, _split
+
+    n = len(profiles)
+    t, free, write_done = _forward(profiles, actions, bw, caps)
+    moved, kept = _split(profiles, actions, caps)
+
+    def held(j, at, window):
+        return kept[j] + (moved[j] if moved[j] and (window or write_done[j] > at) else 0)
+
+    feet, clock = [], 0.0
+    for i, p in enumerate(profiles):
+        feet.append(
+            p.fwd_background_bytes + sum(held(j, clock, False) for j in range(i)) + p.fwd_own(actions[i])
+        )
+        clock += p.fwd_s
+        feet.append(
+            p.gap_background_bytes + sum(held(j, clock, i == n - 1 and j >= i - depth) for j in range(i + 1))
+        )
+    for k in free:
+        free[k] = max(free[k], t)
+    read_done, nxt = {}, n - 1
+    for i in range(n - 1, -1, -1):
+        while nxt >= max(0, i - depth):
+            a = actions[nxt]
+            if a.moved:
+                tier = a.tier.value
+                start = max(t, free[tier], write_done[nxt])
+                free[tier] = read_done[nxt] = start + moved[nxt] / bw[tier].read_Bps
+            nxt -= 1
+        if i in read_done and read_done[i] > t:
+            t = read_done[i]
+        p = profiles[i]
+        feet.append(
+            p.bwd_background_bytes
+            + sum(held(j, t, j >= i - depth) for j in range(i + 1))
+            + p.bwd_own(actions[i])
+        )
+        t += p.bwd_s + p.extra_bwd_s(actions[i])
+    return t, feet
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 10), seed=st.integers(0, 10**6), depth=st.integers(1, 8))
+def test_timeline_matches_the_plain_reference(n: int, seed: int, depth: int) -> None:
+    from dsx.offload.plan import _timeline
+
+    rng = random.Random(seed)
+    prof = _with_background(rng, n)
+    for p in prof:
+        p.sel_saved_bytes, p.sel_recompute_s = p.saved_bytes // 4, 0.003
+        p.input_bytes = p.saved_bytes // 16
+    bw = {b.tier: b for b in BW}
+    actions = [rng.choice(list(Action)) for _ in range(n)]
+    caps = {i: rng.randint(1, 1 << 28) for i in range(n) if actions[i].moved and rng.random() < 0.3}
+    t, _, feet = _timeline(prof, actions, bw, depth, caps)
+    t_ref, feet_ref = _timeline_reference(prof, actions, bw, depth, caps)
+    assert feet == feet_ref and t == pytest.approx(t_ref, rel=1e-12)
