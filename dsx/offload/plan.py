@@ -376,8 +376,8 @@ def _choices(
 
 
 def _usable(a: Action, p: LayerProfile) -> bool:
-    if p.recompute_only:
-        return a.recomputed
+    if p.recompute_only:  # its inputs cannot move either: the non-reentrant checkpoint holds them itself
+        return a == Action.RECOMPUTE
     return not a.sel or p.sel_saved_bytes is not None
 
 
