@@ -254,6 +254,8 @@ class ActivationOffload:
         elif self.profiler is not None and self.step == warmup:
             profiles = self.profiler.finish()
             self.profiler = None
+            if _rank() == 0 and len(profiles) > 16:  # tens of seconds from 32 layers on (plan.py's notes)
+                logger.warning("dsx activation offload: planning %d layers ...", len(profiles))
             self._uncheckpoint_layers()  # the profiler's wrappers go; the plan checkpoints what it recomputes
             self._install(self._plan_mod.make_plan(profiles, self._bws, self.cfg, best_effort=True))
             if self.cfg.memory_budget_gb is not None:
