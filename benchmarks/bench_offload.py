@@ -163,9 +163,10 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     rt = dsx.runtime_of(engine)
     telemetry = rt.scheduler.telemetry.summary() if rt and rt.scheduler else {}
     if rt and rt.scheduler:  # bytes written per measured step (the summary averages warm-up steps in)
+        # every device-to-host copy counts under "host", an SSD tier's too ("ssd" counts those a second time,
+        # when the file write lands): "host" alone is what left the device
         telemetry["written_gb_per_measured_step"] = [
-            sum(v for k, v in r.bytes_by_tier.items() if not k.endswith("_read")) / 1e9
-            for r in rt.scheduler.telemetry.history[-n_steps:]
+            r.bytes_by_tier.get("host", 0) / 1e9 for r in rt.scheduler.telemetry.history[-n_steps:]
         ]
     plan = None
     if rt and "activation_offload" in rt.features:

@@ -173,7 +173,7 @@ class Profiler:
                 self._fold_peaks()
                 self._rc_level = torch.cuda.memory_allocated(self.device)
                 torch.cuda.reset_peak_memory_stats(self.device)
-            if count_saved and not self._rc_counted[i]:  # bytes per micro-batch: count the first one
+            if count_saved:  # (the hooks count the profiled step's first micro-batch only)
                 self._rc_counted[i] = True
                 with self.hooks.profile_scope(i):
                     out = fn(*args, **kwargs)
