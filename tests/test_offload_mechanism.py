@@ -573,9 +573,10 @@ def test_profile_under_recompute_with_frozen_embeddings(tmp_path):
 @pytest.mark.parametrize("mode", ["keep", "recompute"])
 def test_profile_counts_bytes_per_micro_batch_under_gradient_accumulation(tmp_path, mode):
     """Two micro-batches per step recompute (or save) twice: the profile still counts one micro-batch's
-    bytes, the same as a step of one micro-batch."""
+    bytes, the same as a step of one micro-batch; an evaluation forward under no_grad before the first
+    micro-batch's backward does not end the count (its recomputation happens after it)."""
     runs = []
-    for accumulate in (1, 2):
+    for accumulate in (1, 2, 0):
         torch.manual_seed(10)
         model = TinyGPT(by_keyword=True)
         sched = Scheduler()
@@ -583,17 +584,25 @@ def test_profile_counts_bytes_per_micro_batch_under_gradient_accumulation(tmp_pa
                    profile_warmup_steps=0, profile_mode=mode)  # fmt: skip
         off = ActivationOffload(model, cfg, sched)
         try:
-            for x in _batches("gpt", accumulate, seed=3):
-                model(x).float().pow(2).mean().backward()
+            if accumulate:
+                for x in _batches("gpt", accumulate, seed=3):
+                    model(x).float().pow(2).mean().backward()
+            else:  # one micro-batch with an evaluation forward between its forward and its backward
+                (x,) = _batches("gpt", 1, seed=3)
+                loss = model(x).float().pow(2).mean()
+                with torch.no_grad():
+                    model(x)
+                loss.backward()
             off.end_step()
             runs.append(off.plan.profiles)
         finally:
             off.close()
             sched.close()
-    for one, two in zip(*runs):
-        assert one.saved_bytes == two.saved_bytes > 0
-        assert one.input_bytes == two.input_bytes > 0
-        assert one.sel_saved_bytes == two.sel_saved_bytes > 0
+    for one, *others in zip(*runs):
+        for two in others:
+            assert one.saved_bytes == two.saved_bytes > 0
+            assert one.input_bytes == two.input_bytes > 0
+            assert one.sel_saved_bytes == two.sel_saved_bytes > 0
 
 
 def test_auto_falls_back_to_recomputing_every_layer_when_no_plan_has_the_margin(tmp_path):

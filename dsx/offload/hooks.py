@@ -97,6 +97,10 @@ class LayerHooks:
 
     # -------------------------------------------------------------------------------- layer scoping
     def _root_pre(self, module: nn.Module, args: Any) -> None:
+        # a forward under no_grad (an evaluation between micro-batches) saves nothing and is no micro-batch:
+        # counting it would end the profiled step's byte count before its recomputations run
+        if not torch.is_grad_enabled():
+            return
         self._forwards += 1
         while self._ctx:  # a forward that raised left a layer context open: close it now
             self._ctx.pop().__exit__(None, None, None)
@@ -107,6 +111,8 @@ class LayerHooks:
             self._dedup = {k: v for k, v in self._dedup.items() if v[1]() is not None and not v[0].released}
 
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
+        if not torch.is_grad_enabled():  # no backward follows
+            return
         # backward starts with the last layer: bring back what its backward and the next prefetch_depth
         # layers' need as soon as forward is over (the window the planner's cost model assumes: an offloaded
         # layer further down is read later, so its bytes are not back on the device for the whole backward)
