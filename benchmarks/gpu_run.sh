@@ -183,6 +183,15 @@ case $stage in
       --name bench_offload_equal_memory --out benchmarks/results > "$OUT/bench-offload-equal-memory.log" 2>&1
     cp benchmarks/results/bench_offload_equal_memory.* "$OUT/"
     ;;
+  offload14)  # 1 GPU: offload12 again now that plans fit the host pool (offload12's dsx plans moved 20-30 GiB
+              # into a 20 GiB pool, the rest stayed on the device and ran out of memory); a larger pool
+    log bench-offload-zero-cpu-h4096; timeout 560 python benchmarks/bench_offload.py --offload-optimizer --hidden 4096 \
+      --heads 32 --warmup 2 --steps 3 --pool-gb 40 --child-timeout 150 \
+      --micro-batches none=7,8 recompute=20 dsx_auto_budget_sel=20,24 --auto-budget-gb 62 \
+      --configs none recompute dsx_auto_budget_sel --name bench_offload_zero_cpu_h4096 --out benchmarks/results \
+      > "$OUT/bench-offload-zero-cpu-h4096.log" 2>&1
+    cp benchmarks/results/bench_offload_zero_cpu_h4096.* "$OUT/"
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

@@ -10,7 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsx.config import ActivationOffloadConfig
-from dsx.offload.plan import Action, LayerProfile, PlanError, TierBandwidth, make_plan, simulate
+from dsx.offload.plan import (
+    Action,
+    LayerProfile,
+    PlanError,
+    TierBandwidth,
+    make_plan,
+    simulate,
+    tier_capacity,
+    tier_usage,
+)
 from dsx.runtime.bandwidth import measure_file_bandwidth, measure_host_bandwidth, measure_tier_bandwidth
 
 GiB = 1 << 30
@@ -291,6 +300,62 @@ def test_hide_only_fills_the_bound_with_partial_layers() -> None:
     # with a budget no partial layer is made: the search itself moves and recomputes whole layers
     budgeted = make_plan(prof, bw, ActivationOffloadConfig(tiers=["host"], memory_budget_gb=20))
     assert not budgeted.move_caps
+
+
+def test_tier_usage_counts_host_bytes_and_the_ssd_backlog_staged_in_the_pool() -> None:
+    # two layers of 1 GiB, 1 s forward each. SSD at 0.5 GiB/s: layer 0's write runs 1-3 s, layer 1's 3-5 s,
+    # so after layer 1's forward (2 s) both sit in the pool as staging; at 10 GiB/s only layer 1 does
+    p = [LayerProfile(0, "a", GiB, 1.0, 1.0), LayerProfile(1, "b", GiB, 1.0, 1.0)]
+    slow = {"ssd": TierBandwidth("ssd", GiB / 2, GiB / 2), "host": TierBandwidth("host", 8 * GiB, 8 * GiB)}
+    assert tier_usage(p, [Action.SSD, Action.SSD], slow) == {"host": 2 * GiB, "ssd": 2 * GiB}
+    fast = {**slow, "ssd": TierBandwidth("ssd", 10 * GiB, 10 * GiB)}
+    assert tier_usage(p, [Action.SSD, Action.SSD], fast) == {"host": GiB, "ssd": 2 * GiB}
+    assert tier_usage(p, [Action.HOST, Action.SSD], slow) == {"host": 2 * GiB, "ssd": GiB}
+    assert tier_usage(p, [Action.HOST, Action.RECOMPUTE], slow) == {"host": GiB, "ssd": 0}
+    assert tier_usage(p, [Action.HOST, Action.HOST], slow, {1: GiB // 4}) == {
+        "host": GiB + GiB // 4,
+        "ssd": 0,
+    }
+
+
+@pytest.mark.parametrize("budget_gb", [None, 8.0])
+def test_plans_fit_the_tiers_capacity(budget_gb: float | None) -> None:
+    """A plan never moves more than ``host_pool_gb`` holds: the mover would leave the rest on the device,
+    over the plan's peak (a hidden-4096 run ran out of memory so). The pool binds: a larger one moves more."""
+    # 8 layers of 2 GiB, slow enough that most of them hide behind compute at 55 GB/s
+    prof = [LayerProfile(i, f"L{i}", 2 * GiB, 0.08, 0.16) for i in range(8)]
+    bw = [TierBandwidth("host", 55e9, 55e9)]
+    moved = {}
+    for pool in (3.0, 64.0):
+        cfg = ActivationOffloadConfig(tiers=["host"], host_pool_gb=pool, memory_budget_gb=budget_gb)
+        plan = make_plan(prof, bw, cfg)
+        held = plan.bound["tier_bytes"]["host"]
+        assert held == tier_usage(prof, plan.actions, {"host": bw[0]}, plan.move_caps)["host"]
+        assert 0 < held <= tier_capacity(cfg)["host"] == plan.bound["tier_capacity_bytes"]["host"]
+        assert budget_gb is None or plan.peak_bytes <= budget_gb * GiB
+        assert f"host holds {held / GiB:.2f} of" in plan.describe()
+        moved[pool] = held
+    assert moved[64.0] > 4 * GiB > moved[3.0]
+    # offload_all asks for every layer: the printed plan says the pool cannot hold it
+    cfg = ActivationOffloadConfig(tiers=["host"], host_pool_gb=3.0, policy="offload_all")
+    assert "OVER host_pool_gb" in make_plan(prof, bw, cfg).describe()
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 9), seed=st.integers(0, 10**6), pool=st.floats(0.1, 6.0), frac=st.floats(0.3, 1.0))
+def test_auto_plans_stay_within_both_tiers(n: int, seed: int, pool: float, frac: float) -> None:
+    rng = random.Random(seed)
+    prof = _profiles(rng, n)
+    keep = sum(p.saved_bytes for p in prof)
+    for budget in (None, keep * frac / GiB):
+        cfg = _cfg(host_pool_gb=pool, ssd_capacity_gb=pool / 2, memory_budget_gb=budget)
+        try:
+            plan = make_plan(prof, BW, cfg, exhaustive_limit=0)
+        except PlanError:
+            continue
+        cap = tier_capacity(cfg)
+        usage = tier_usage(prof, plan.actions, {b.tier: b for b in BW}, plan.move_caps)
+        assert usage["host"] <= cap["host"] and usage["ssd"] <= cap["ssd"], (plan.actions, usage, cap)
 
 
 def test_recompute_moving_its_inputs_lowers_the_floor() -> None:

@@ -40,6 +40,7 @@ takes ~2-3 s and for 32 layers ~11 s (steepest descent, evaluating every single-
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ __all__ = [
     "floor_bytes",
     "make_plan",
     "simulate",
+    "tier_capacity",
+    "tier_usage",
 ]
 
 GB = 1 << 30
@@ -229,6 +232,16 @@ class Plan:
             f"bound: hideable writes {b['hideable_write_bytes'] / GB:.2f} GiB (B_w x T_fwd), reads "
             f"{b['hideable_read_bytes'] / GB:.2f} GiB (B_r x T_bwd) per step; planned to move "
             f"{b['planned_bytes'] / GB:.2f} GiB ({b['fraction_of_bound']:.0%} of the bound)"
+            + "".join(
+                f"; {t} holds {used / GB:.2f} of {b['tier_capacity_bytes'][t] / GB:.2f} GiB"
+                + (
+                    f" -- OVER {_CAPACITY_KEY[t]}: the rest stays on the device"
+                    if used > b["tier_capacity_bytes"][t]
+                    else ""
+                )
+                for t, used in b.get("tier_bytes", {}).items()
+                if used
+            )
         )
         lines.append(
             f"predicted step {self.predicted_step_s * 1e3:.1f} ms vs {b['baseline_step_s'] * 1e3:.1f} ms keeping "
@@ -243,6 +256,9 @@ class Plan:
             )
         )
         return "\n".join(lines)
+
+
+_CAPACITY_KEY = {"host": "host_pool_gb", "ssd": "ssd_capacity_gb"}
 
 
 def _split(
@@ -277,6 +293,35 @@ def _forward(
             start = max(t, free[tier])
             free[tier] = write_done[i] = start + moved[i] / bw[tier].write_Bps
     return t, free, write_done
+
+
+def tier_usage(
+    profiles: list[LayerProfile],
+    actions: list[Action],
+    bw: dict[str, TierBandwidth],
+    caps: dict[int, int] | None = None,
+) -> dict[str, int]:
+    """Peak bytes each tier holds in a step: every moved byte stays there until its layer's backward, and
+    the host pool also stages the SSD writes not yet on the drive (a slot is the aligned O_DIRECT buffer
+    until its write completes), so a drive slower than the forward pass fills the pool with its backlog."""
+    moved, _ = _split(profiles, actions, caps)
+    _, _, write_done = _forward(profiles, actions, bw, caps)
+    host = ssd = staged = peak_host = 0
+    pending: collections.deque[int] = collections.deque()  # SSD writes in order: one channel, FIFO
+    clock = 0.0
+    for i, (p, a) in enumerate(zip(profiles, actions)):
+        clock += p.fwd_s
+        if a.tier == Action.HOST:
+            host += moved[i]
+        elif a.tier == Action.SSD:
+            ssd += moved[i]
+            staged += moved[i]
+            pending.append(i)
+        while pending and write_done[pending[0]] <= clock:
+            staged -= moved[pending.popleft()]
+        peak_host = max(peak_host, host + staged)
+    # after the forward the drive drains the backlog: the pool then holds the host layers only
+    return {"host": peak_host, "ssd": ssd}
 
 
 def simulate(
@@ -400,6 +445,19 @@ def _depth(profiles: list[LayerProfile], bw: dict[str, TierBandwidth]) -> int:
     return int(min(MAX_DEPTH, max(1, -(-read_s // bwd))))
 
 
+def tier_capacity(cfg: ActivationOffloadConfig) -> dict[str, int]:
+    """Bytes a plan may keep in each tier: ``host_pool_gb`` and ``ssd_capacity_gb`` less 1/128, the room
+    for each storage's 4 KiB alignment in the pool and the file and for the SSD reads' staging in the pool."""
+    return {
+        tier: int(gb * GB) - int(gb * GB) // 128
+        for tier, gb in (("host", cfg.host_pool_gb), ("ssd", cfg.ssd_capacity_gb))
+    }
+
+
+def _over_capacity(usage: dict[str, int], capacity: dict[str, int]) -> int:
+    return sum(max(0, usage[t] - capacity[t]) for t in usage)
+
+
 def make_plan(
     profiles: list[LayerProfile],
     bandwidths: list[TierBandwidth],
@@ -466,12 +524,14 @@ def make_plan(
         # measured), at each prefetch depth: a partial layer's read may need a deeper one than the whole-layer
         # plan chose. _fill_bound only keeps caps whose plan stays within the limit.
         room = int(min(w * t_fwd, r * t_bwd) - sum(_split(profiles, actions, None)[0]))
-        fills = [(*_fill_bound(profiles, actions, bw, d, base_t * 1.005, room), d) for d in depths]
+        capacity = tier_capacity(cfg)
+        fills = [(*_fill_bound(profiles, actions, bw, d, base_t * 1.005, room, capacity), d) for d in depths]
         fills = [f for f in fills if f[1]]
         if fills:
             actions, caps, depth = max(fills, key=lambda f: (sum(f[1].values()), -f[2]))
     t, stall, peak = simulate(profiles, actions, bw, depth, caps)
     planned = sum(_split(profiles, actions, caps)[0])
+    usage = tier_usage(profiles, actions, bw, caps)
     hide_w, hide_r = w * t_fwd, r * t_bwd
     bound = {
         "hideable_write_bytes": hide_w,
@@ -482,6 +542,8 @@ def make_plan(
         "keep_all_bytes": keep_bytes,
         "budget_bytes": None if cfg.memory_budget_gb is None else int(cfg.memory_budget_gb * GB),
         "tiers": {k: {"write_Bps": v.write_Bps, "read_Bps": v.read_Bps} for k, v in bw.items()},
+        "tier_bytes": {k: usage[k] for k in bw},
+        "tier_capacity_bytes": {k: tier_capacity(cfg)[k] for k in bw},
     }
     budget_bytes = bound["budget_bytes"]
     over = cfg.policy == "auto" and budget_bytes is not None and peak > budget_bytes
@@ -490,10 +552,20 @@ def make_plan(
 
 
 def _floor(
-    profiles: list[LayerProfile], bw: dict[str, TierBandwidth], choices: list[Action], depth: int
+    profiles: list[LayerProfile],
+    bw: dict[str, TierBandwidth],
+    choices: list[Action],
+    depth: int,
+    capacity: dict[str, int],
 ) -> int:
-    """The peak of the most frugal uniform plan (every layer the same action, where it can take it)."""
-    return min(simulate(profiles, [_fit(a, p) for p in profiles], bw, depth)[2] for a in choices)
+    """The peak of the most frugal uniform plan (every layer the same action, where it can take it) that
+    its tiers can hold."""
+    plans = ([_fit(a, p) for p in profiles] for a in choices)
+    return min(
+        simulate(profiles, plan, bw, depth)[2]
+        for plan in plans
+        if not _over_capacity(tier_usage(profiles, plan, bw), capacity)
+    )
 
 
 def floor_bytes(
@@ -504,7 +576,7 @@ def floor_bytes(
     bw = {b.tier: b for b in bandwidths if b.tier in cfg.tiers and b.write_Bps > 0 and b.read_Bps > 0}
     choices = _choices(cfg, bw, profiles)
     depths = [cfg.prefetch_depth] if cfg.prefetch_depth else range(1, min(len(profiles), MAX_DEPTH) + 1)
-    return min(_floor(profiles, bw, choices, d) for d in depths)
+    return min(_floor(profiles, bw, choices, d, tier_capacity(cfg)) for d in depths)
 
 
 def _fill_bound(
@@ -514,13 +586,16 @@ def _fill_bound(
     depth: int,
     limit_s: float,
     room: int,
+    capacity: dict[str, int],
 ) -> tuple[list[Action], dict[int, int]]:
     """Hide-only plans move whole layers, so they stop short of the bound by up to one layer (on the H100 a
     megatron-core layer is 4 GiB of a 4.9 GiB bound). Move part of more kept layers, one at a time: each
     time the most bytes any single kept layer can move, up to the ``room`` left under the bound, while the
-    step stays within ``limit_s`` (bisection on the byte count), until no layer adds a MiB."""
+    step stays within ``limit_s`` (bisection on the byte count) and the tier within ``capacity``, until no
+    layer adds a MiB."""
     actions, caps = list(actions), {}
     tier = next(iter(bw))
+    room = min(room, capacity[tier] - tier_usage(profiles, actions, bw)[tier])
     while room >= 1 << 20:
         best: tuple[int, int, int, Action] | None = None
         for i, a in enumerate(actions):
@@ -531,7 +606,10 @@ def _fill_bound(
             lo, hi = 0, min(profiles[i].stored(act), room)
             while hi - lo > max(1 << 20, hi // 256):
                 mid = (lo + hi) // 2
-                if simulate(profiles, cand, bw, depth, {**caps, i: mid})[0] <= limit_s:
+                trial = {**caps, i: mid}
+                if simulate(profiles, cand, bw, depth, trial)[0] <= limit_s and not _over_capacity(
+                    tier_usage(profiles, cand, bw, trial), capacity
+                ):
                     lo = mid
                 else:
                     hi = mid
@@ -561,13 +639,16 @@ def _search(
     choices = _choices(cfg, bw, profiles)
     n = len(profiles)
     budget = None if cfg.memory_budget_gb is None else cfg.memory_budget_gb * GB
+    capacity = tier_capacity(cfg)
 
     def score(actions: list[Action]) -> tuple[float, ...]:
+        # first what no tier can hold (the mover would leave those bytes on the device, over the plan)
+        full = _over_capacity(tier_usage(profiles, actions, bw), capacity)
         if budget is None:  # hide only: no slower than baseline, then least memory, then least time
             t, _, peak = simulate(profiles, actions, bw, depth)
-            return (max(0.0, t - base_t * 1.005), peak, t)
+            return (full, max(0.0, t - base_t * 1.005), peak, t)
         t, over, peak = _overflow(profiles, actions, bw, depth, budget)
-        return (over, t, peak)
+        return (full, over, t, peak)
 
     if len(choices) ** n <= exhaustive_limit:
         plans = (list(c) for c in itertools.product(choices, repeat=n))
@@ -598,7 +679,7 @@ def _search(
     if budget is not None:
         _, _, peak = simulate(profiles, best, bw, depth)
         if peak > budget and not best_effort:
-            floor = _floor(profiles, bw, choices, depth)
+            floor = _floor(profiles, bw, choices, depth, capacity)
             raise PlanError(
                 f"memory_budget_gb={cfg.memory_budget_gb} cannot be met: the most frugal plan found keeps "
                 f"{floor / GB:.2f} GiB of activations (raise the budget, add a tier, or lower the micro-batch)"
