@@ -192,6 +192,14 @@ case $stage in
       > "$OUT/bench-offload-zero-cpu-h4096.log" 2>&1
     cp benchmarks/results/bench_offload_zero_cpu_h4096.* "$OUT/"
     ;;
+  offload15)  # 1 GPU: where auto's plans at hidden 4096 + ZeRO-2 CPU offload overshoot (offload14: mb20 ran out of
+              # memory at a plan predicted 53.4 GiB of activations): a lower budget, two micro-batches
+    log bench-offload-zero-cpu-h4096-auto; timeout 400 python benchmarks/bench_offload.py --offload-optimizer \
+      --hidden 4096 --heads 32 --warmup 2 --steps 3 --pool-gb 40 --child-timeout 150 \
+      --micro-batches dsx_auto_budget_sel=16,20 --auto-budget-gb 52 --configs dsx_auto_budget_sel \
+      --name bench_offload_zero_cpu_h4096_auto --out benchmarks/results > "$OUT/bench-offload-zero-cpu-h4096-auto.log" 2>&1
+    cp benchmarks/results/bench_offload_zero_cpu_h4096_auto.* "$OUT/"
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
