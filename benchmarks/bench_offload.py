@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _memory_trace
 from _common import add_common_args, environment, save_png, write_json
 
 import dsx
@@ -144,6 +145,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             torch.cuda.synchronize()
             if step == warmup:
                 base = torch.cuda.memory_allocated()
+                if args.memory_history:
+                    _memory_trace.start()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
@@ -160,6 +163,11 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         if step >= warmup:
             times.append(time.perf_counter() - t0)
             losses.append(float(loss))
+    memory = None
+    if args.memory_history and dev.type == "cuda":
+        path = Path(args.memory_history) / f"memory_{name}_mb{args.micro_batch}.json"
+        memory = _memory_trace.stop_and_write(str(path), f"{name} micro-batch {args.micro_batch}")
+        memory = {"path": str(path), "peak_bytes_since_recording": memory["peak_bytes_since_recording"]}
     rt = dsx.runtime_of(engine)
     telemetry = rt.scheduler.telemetry.summary() if rt and rt.scheduler else {}
     if rt and rt.scheduler:  # bytes written per measured step (the summary averages warm-up steps in)
@@ -184,7 +192,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     step_s = statistics.median(times)
     return {"config": name, "step_s": step_s, "tokens_per_s": args.micro_batch * args.seq_len / step_s,
             "activation_peak_gb": peak / 1e9, "peak_allocated_gb": peak_total / 1e9,
-            "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan}  # fmt: skip
+            "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan,
+            **({"memory_trace": memory} if memory else {})}  # fmt: skip
 
 
 def _deepspeed_checkpointing(model: torch.nn.Module) -> None:
@@ -284,6 +293,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="activation budget (GB) for the dsx_auto_budget configs, times --budget-scales, instead of "
                         "full recompute's peak at the same micro-batch (a micro-batch sweep past what fits)")  # fmt: skip
     p.add_argument("--budget-gb", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--memory-history", default=None, metavar="DIR",
+                   help="record the allocator over the measured steps (CUDA) and write what is live at their "
+                        "peak, by allocating line, to DIR/memory_<config>_mb<N>.json (slows the steps)")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.heads, args.seq_len, args.micro_batch = 64, 2, 2, 32, 2

@@ -200,6 +200,13 @@ case $stage in
       --name bench_offload_zero_cpu_h4096_auto --out benchmarks/results > "$OUT/bench-offload-zero-cpu-h4096-auto.log" 2>&1
     cp benchmarks/results/bench_offload_zero_cpu_h4096_auto.* "$OUT/"
     ;;
+  offload16)  # 1 GPU: what is live at the peak of a plan that moves bytes (predicted 36.8 GB, measured 39.9 at
+              # hidden 2048 with +sel): the allocator's history over one measured step
+    log bench-offload-memory-trace; timeout 200 python benchmarks/bench_offload.py --warmup 1 --steps 1 --pool-gb 20 \
+      --child-timeout 120 --configs dsx_auto_hide_sel --memory-history "$OUT/memory" \
+      --name bench_offload_memory_trace --out benchmarks/results > "$OUT/bench-offload-memory-trace.log" 2>&1
+    cp benchmarks/results/bench_offload_memory_trace.* "$OUT/"
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
