@@ -399,6 +399,9 @@ def test_auto_profiles_after_warmup_steps(tmp_path):
     got, plans = _train_with_plans(model, batches, off, sched)
     assert plans[0] is None and plans[1] is None and plans[2] is not None
     assert all(p.saved_bytes > 0 and p.fwd_s > 0 for p in plans[2].profiles)
+    # the plan's write barrier is what the hooks wait by
+    assert len(plans[2].write_barrier) == len(plans[2].actions) + 1
+    assert off.hooks.write_barrier == plans[2].write_barrier
     _assert_same(want, got)
 
 
@@ -627,3 +630,48 @@ def test_auto_falls_back_to_recomputing_every_layer_when_no_plan_has_the_margin(
     assert all(a.value == "recompute" for a in plans[1].actions), plans[1].actions
     assert len(measured) == 2 and plans[4] is plans[1]
     _assert_same(want, got)
+
+
+@pytest.mark.parametrize("barrier", [True, False])
+def test_write_barrier_holds_the_forward_until_earlier_layers_left_the_device(tmp_path, barrier):
+    """With the plan's write barrier, layer j's forward starts only once the bytes layers <= j - 2 moved have
+    left the device (the allocator then sees them freed before j allocates); the single I/O thread is kept
+    busy for 0.5 s so that the writes are late. Without the barrier the forward runs ahead of them (this
+    check can fail). Gradients stay bitwise equal either way."""
+    import threading
+
+    model, batches, want = _reference(21, 2)
+    sched = Scheduler(SchedulerConfig(io_workers=1))
+    off = ActivationOffload(model, _cfg(tmp_path, ["host"]), sched)
+    n = len(off.hooks.layers)
+    assert n >= 3
+    if barrier:
+        off.hooks.write_barrier = [max(-1, j - 2) for j in range(n)] + [n - 1]
+    seen: list[bool] = []
+
+    def probe(j):
+        def hook(module, args):
+            if torch.is_grad_enabled() and j >= 2:
+                entries = [e for i in range(j - 1) for e in off.mover.entries_of(i)]
+                seen.append(bool(entries) and all(e.off_device.is_set() and e.src is None for e in entries))
+
+        return hook
+
+    handles = [layer.register_forward_pre_hook(probe(j)) for j, layer in enumerate(off.hooks.layers)]
+    busy = threading.Event()
+    sched.submit(busy.wait)  # the I/O thread is taken: layer 0's write waits behind this
+    threading.Timer(0.5, busy.set).start()
+    try:
+        got = _train(model, batches, off)
+    finally:
+        busy.set()
+        for h in handles:
+            h.remove()
+        off.close()
+        sched.close()
+    _assert_same(want, got)
+    assert len(seen) == 2 * (n - 2)
+    if barrier:
+        assert all(seen), seen
+    else:
+        assert not seen[0], "the forward ran ahead of the writes: the check above can fail"

@@ -19,6 +19,7 @@ from dsx.offload.plan import (
     simulate,
     tier_capacity,
     tier_usage,
+    write_barrier,
 )
 from dsx.runtime.bandwidth import measure_file_bandwidth, measure_host_bandwidth, measure_tier_bandwidth
 
@@ -316,6 +317,25 @@ def test_tier_usage_counts_host_bytes_and_the_ssd_backlog_staged_in_the_pool() -
         "host": GiB + GiB // 4,
         "ssd": 0,
     }
+
+
+def test_write_barrier_waits_where_the_model_has_the_writes_done() -> None:
+    # three layers of 1 s forward; layer 0 moves 1 GiB. At 0.5 GiB/s its write runs 1-3 s: no forward
+    # starts after it, only backward (at 3 s) waits for it. At 4 GiB/s it is done at 1.25 s: layer 2 (2 s)
+    p = [LayerProfile(i, f"L{i}", GiB, 1.0, 1.0) for i in range(3)]
+    acts = [Action.HOST, Action.KEEP, Action.KEEP]
+    assert write_barrier(p, acts, {"host": TierBandwidth("host", GiB / 2, GiB / 2)}) == [-1, -1, -1, 2]
+    assert write_barrier(p, acts, {"host": TierBandwidth("host", 4 * GiB, 4 * GiB)}) == [-1, -1, 1, 2]
+    # a later moved layer whose write is not done holds the barrier at the layer before it
+    acts = [Action.HOST, Action.HOST, Action.KEEP]
+    assert write_barrier(p, acts, {"host": TierBandwidth("host", 4 * GiB, 4 * GiB)}) == [-1, -1, 0, 2]
+    assert write_barrier(p, [Action.KEEP] * 3, {}) == [-1, 0, 1, 2]
+    # make_plan hands it over, monotone, one entry per layer and one for the start of backward
+    prof = _profiles(random.Random(3), 7)
+    plan = make_plan(prof, BW, _cfg())
+    b = plan.write_barrier
+    assert len(b) == 8 and b == sorted(b) and all(k < j for j, k in enumerate(b))
+    assert b == write_barrier(prof, plan.actions, {t.tier: t for t in BW}, plan.move_caps)
 
 
 @pytest.mark.parametrize("budget_gb", [None, 8.0])

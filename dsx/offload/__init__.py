@@ -224,6 +224,7 @@ class ActivationOffload:
         self.hooks.actions = tiers
         self.hooks.prefetch_depth = depth
         self.hooks.move_caps = dict(caps or {})
+        self.hooks.write_barrier = []  # fixed policies have no timing model to place the waits by
 
     def _profile_next(self, on: bool) -> None:
         """Profile the coming step (``on``), or run it as the profiling step will, unprofiled (a warm-up
@@ -279,6 +280,7 @@ class ActivationOffload:
             self.cfg.prefetch_depth or plan.prefetch_depth,
             plan.move_caps,
         )
+        self.hooks.write_barrier = list(getattr(plan, "write_barrier", []))
 
     # ------------------------------------------------------------------------ budget calibration
     def _mark_peak(self) -> None:

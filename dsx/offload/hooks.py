@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -68,6 +69,10 @@ class LayerHooks:
         self.model, self.layers, self.mover, self.min_bytes = model, layers, mover, min_bytes
         self.actions: list[str] = ["keep"] * len(layers)
         self.prefetch_depth = 1
+        # per layer, then for the start of backward: wait there until the writes of layers <= this value have
+        # left the device (the plan's write_barrier; empty: never wait)
+        self.write_barrier: list[int] = []
+        self._awaited = -1
         # layer -> bytes it may move per step (the planner's partial layers); what is saved beyond stays
         self.move_caps: dict[int, int] = {}
         self._moved_bytes: dict[int, int] = {}
@@ -102,6 +107,7 @@ class LayerHooks:
         if not torch.is_grad_enabled():
             return
         self._forwards += 1
+        self._awaited = -1
         while self._ctx:  # a forward that raised left a layer context open: close it now
             self._ctx.pop().__exit__(None, None, None)
         self._cur = None
@@ -113,6 +119,8 @@ class LayerHooks:
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
         if not torch.is_grad_enabled():  # no backward follows
             return
+        if self.write_barrier:
+            self.await_writes(self.write_barrier[-1])
         # backward starts with the last layer: bring back what its backward and the next prefetch_depth
         # layers' need as soon as forward is over (the window the planner's cost model assumes: an offloaded
         # layer further down is read later, so its bytes are not back on the device for the whole backward)
@@ -123,7 +131,11 @@ class LayerHooks:
 
     def _make_pre(self, i: int) -> Any:
         def pre(module: nn.Module, args: Any) -> None:
-            if self.actions[i] == "keep" or not torch.is_grad_enabled():
+            if not torch.is_grad_enabled():
+                return
+            if self.write_barrier and self._cur is None:  # not inside another layer (a recomputation)
+                self.await_writes(self.write_barrier[i])
+            if self.actions[i] == "keep":
                 return
             self._cur = i
             self._note_params()
@@ -140,6 +152,28 @@ class LayerHooks:
                 self._cur = None
 
         return post
+
+    def await_writes(self, upto: int) -> None:
+        """Block the host until the bytes layers ``<= upto`` moved in this forward have left the device.
+
+        The copies run on a side stream while the host goes on queueing kernels, so the host is ahead of the
+        GPU; the caching allocator sees a freed block only when the host does, and without this wait later
+        layers would be allocated (in host order) before earlier layers' bytes are released. The plan puts
+        the wait where its model has the copies already done, so the host waits only as long as the copies
+        run late, and the wait is logged as a stall.
+        """
+        if upto <= self._awaited:
+            return
+        t0 = time.perf_counter()
+        waited = False
+        for layer in range(self._awaited + 1, upto + 1):
+            for entry in self.mover.entries_of(layer):
+                if not entry.off_device.is_set():
+                    waited = True
+                    entry.off_device.wait()
+        self._awaited = upto
+        if waited:
+            self.mover.sched.telemetry.add_stall(t0, time.perf_counter(), f"write-barrier:layer{upto}")
 
     def start_profile(self) -> None:
         """The coming step is profiled: count the bytes of its first micro-batch."""

@@ -60,6 +60,7 @@ __all__ = [
     "simulate",
     "tier_capacity",
     "tier_usage",
+    "write_barrier",
 ]
 
 GB = 1 << 30
@@ -205,6 +206,8 @@ class Plan:
     # layer -> bytes it moves when it moves only part of what it saves (the rest stays on the device)
     move_caps: dict[int, int] = field(default_factory=dict)
     search_s: float = 0.0  # wall time make_plan took (the search is once per run, plus re-plans)
+    # per layer, then for the start of backward: the layers whose writes the runtime awaits there
+    write_barrier: list[int] = field(default_factory=list)
 
     def describe(self) -> str:
         b = self.bound
@@ -293,6 +296,31 @@ def _forward(
             start = max(t, free[tier])
             free[tier] = write_done[i] = start + moved[i] / bw[tier].write_Bps
     return t, free, write_done
+
+
+def write_barrier(
+    profiles: list[LayerProfile],
+    actions: list[Action],
+    bw: dict[str, TierBandwidth],
+    caps: dict[int, int] | None = None,
+) -> list[int]:
+    """For each layer ``j`` (and, last, for the start of backward): the highest ``k`` such that the model has
+    every moved layer ``<= k`` written off the device before ``j``'s forward starts; -1 if none.
+
+    The runtime waits for those writes there (:meth:`LayerHooks.await_writes`). The model frees a layer's
+    device memory when its copy ends on the GPU, but the caching allocator sees the free only when the host
+    thread observes it, and the host runs ahead of the GPU, allocating later layers' memory first: without
+    the wait, bytes the model had freed were still allocated at the peak (half the moved bytes on the H100).
+    """
+    _, _, write_done = _forward(profiles, actions, bw, caps)
+    out, start, k = [], 0.0, -1
+    for j in range(len(profiles) + 1):
+        while k + 1 < j and (not actions[k + 1].moved or write_done[k + 1] <= start + 1e-12):
+            k += 1
+        out.append(k)
+        if j < len(profiles):
+            start += profiles[j].fwd_s
+    return out
 
 
 def tier_usage(
@@ -548,7 +576,8 @@ def make_plan(
     budget_bytes = bound["budget_bytes"]
     over = cfg.policy == "auto" and budget_bytes is not None and peak > budget_bytes
     return Plan(actions, depth, t, bound, profiles, peak, stall, over_budget=over, move_caps=caps,
-                search_s=time.perf_counter() - t_start)  # fmt: skip
+                search_s=time.perf_counter() - t_start,
+                write_barrier=write_barrier(profiles, actions, bw, caps))  # fmt: skip
 
 
 def _floor(

@@ -50,6 +50,9 @@ class Entry:
     fetched: Future[Any] | None = None
     released: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # set once the device bytes are given back (the copy to the host ended, or failed): what the forward's
+    # write barrier waits for; an SSD entry is set before its file write, which needs only the host slot
+    off_device: threading.Event = field(default_factory=threading.Event)
 
 
 class Mover:
@@ -132,11 +135,14 @@ class Mover:
     def _finish_write(self, e: Entry, copied: Any) -> None:
         t0 = time.perf_counter()
         host = e.host[1]
-        if copied is not None:
-            copied.synchronize()
-        else:
-            host[: e.nbytes].copy_(e.src)
-        e.src = None  # device memory returns to the allocator now
+        try:
+            if copied is not None:
+                copied.synchronize()
+            else:
+                host[: e.nbytes].copy_(e.src)
+        finally:
+            e.src = None  # device memory returns to the allocator now
+            e.off_device.set()
         if self.verify:
             e.crc = zlib.crc32(host[: e.nbytes].numpy())
         self.sched.telemetry.add_transfer("host", e.nbytes, t0, time.perf_counter(), e.name)
