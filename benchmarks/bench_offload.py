@@ -15,6 +15,10 @@ of megatron-core layers was seen to keep ~3.8 GB per layer allocated between ste
 
     python benchmarks/bench_offload.py --hidden 2048 --layers 8 --seq-len 2048 --micro-batch 8
     python benchmarks/bench_offload.py --quick        # CPU smoke test with the small torch GPT
+
+``--memory-history DIR`` (CUDA) records the allocator over the measured steps and writes what is allocated at
+their peak, grouped by the line that allocated it (``_memory_trace.py``): where a plan's measured peak and its
+prediction part, this says which tensors make the difference.
 """
 
 from __future__ import annotations
