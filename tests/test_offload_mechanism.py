@@ -675,3 +675,45 @@ def test_write_barrier_holds_the_forward_until_earlier_layers_left_the_device(tm
         assert all(seen), seen
     else:
         assert not seen[0], "the forward ran ahead of the writes: the check above can fail"
+
+
+@pytest.mark.parametrize("barrier", [True, False])
+def test_backward_write_barrier_waits_at_the_layer_backward_start(tmp_path, barrier):
+    """The backward side of the barrier: at the last layer's backward start (a hook on its output's
+    gradient) the writes of every layer have left the device; the forward does not wait at all here. The
+    single I/O thread is kept busy for 0.5 s so that the writes are late; without the barrier the check
+    sees them unfinished (it can fail)."""
+    import threading
+
+    model, batches, want = _reference(22, 2)
+    sched = Scheduler(SchedulerConfig(io_workers=1))
+    off = ActivationOffload(model, _cfg(tmp_path, ["host"]), sched)
+    layers = off.hooks.layers
+    n = len(layers)
+    if barrier:
+        off.hooks.write_barrier = [-1] * (n + 1)
+        off.hooks.write_barrier_bwd = [n - 1] * n
+    seen: list[bool] = []
+
+    def check(_g):
+        entries = [e for i in range(n) for e in off.mover.entries_of(i)]
+        seen.append(bool(entries) and all(e.off_device.is_set() for e in entries))
+
+    def post(module, args, out):  # registered after dsx's hook: its gradient hook runs after dsx's
+        if torch.is_grad_enabled():
+            out.register_hook(check)
+
+    handle = layers[-1].register_forward_hook(post)
+    busy = threading.Event()
+    sched.submit(busy.wait)
+    threading.Timer(0.5, busy.set).start()
+    try:
+        got = _train(model, batches, off)
+    finally:
+        busy.set()
+        handle.remove()
+        off.close()
+        sched.close()
+    _assert_same(want, got)
+    assert len(seen) == 2
+    assert seen[0] if barrier else not seen[0], seen

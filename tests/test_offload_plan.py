@@ -320,22 +320,29 @@ def test_tier_usage_counts_host_bytes_and_the_ssd_backlog_staged_in_the_pool() -
 
 
 def test_write_barrier_waits_where_the_model_has_the_writes_done() -> None:
-    # three layers of 1 s forward; layer 0 moves 1 GiB. At 0.5 GiB/s its write runs 1-3 s: no forward
-    # starts after it, only backward (at 3 s) waits for it. At 4 GiB/s it is done at 1.25 s: layer 2 (2 s)
+    # three layers of 1 s forward and 1 s backward; layer 0 moves 1 GiB. At 0.5 GiB/s its write runs 1-3 s:
+    # no forward starts after it, backward (at 3 s) does. At 4 GiB/s it is done at 1.25 s: layer 2's forward
+    # (2 s) waits for it. At 0.25 GiB/s it ends at 5 s: only layer 0's backward start (3 + 1 + 1 s) waits for it
     p = [LayerProfile(i, f"L{i}", GiB, 1.0, 1.0) for i in range(3)]
     acts = [Action.HOST, Action.KEEP, Action.KEEP]
-    assert write_barrier(p, acts, {"host": TierBandwidth("host", GiB / 2, GiB / 2)}) == [-1, -1, -1, 2]
-    assert write_barrier(p, acts, {"host": TierBandwidth("host", 4 * GiB, 4 * GiB)}) == [-1, -1, 1, 2]
+
+    def host(bps: float) -> dict[str, TierBandwidth]:
+        return {"host": TierBandwidth("host", bps, bps)}
+
+    assert write_barrier(p, acts, host(GiB / 2)) == ([-1, -1, -1, 2], [2, 2, 2])
+    assert write_barrier(p, acts, host(4 * GiB)) == ([-1, -1, 1, 2], [2, 2, 2])
+    assert write_barrier(p, acts, host(GiB / 4)) == ([-1, -1, -1, -1], [2, -1, -1])
     # a later moved layer whose write is not done holds the barrier at the layer before it
     acts = [Action.HOST, Action.HOST, Action.KEEP]
-    assert write_barrier(p, acts, {"host": TierBandwidth("host", 4 * GiB, 4 * GiB)}) == [-1, -1, 0, 2]
-    assert write_barrier(p, [Action.KEEP] * 3, {}) == [-1, 0, 1, 2]
-    # make_plan hands it over, monotone, one entry per layer and one for the start of backward
+    assert write_barrier(p, acts, host(4 * GiB))[0] == [-1, -1, 0, 2]
+    assert write_barrier(p, [Action.KEEP] * 3, {}) == ([-1, 0, 1, 2], [2, 2, 2])
+    # make_plan hands them over, monotone in time, one per layer and one for the start of backward
     prof = _profiles(random.Random(3), 7)
     plan = make_plan(prof, BW, _cfg())
-    b = plan.write_barrier
-    assert len(b) == 8 and b == sorted(b) and all(k < j for j, k in enumerate(b))
-    assert b == write_barrier(prof, plan.actions, {t.tier: t for t in BW}, plan.move_caps)
+    fwd, bwd = plan.write_barrier, plan.write_barrier_bwd
+    assert len(fwd) == 8 and fwd == sorted(fwd) and all(k < j for j, k in enumerate(fwd))
+    assert len(bwd) == 7 and bwd[::-1] == sorted(bwd) and bwd[-1] >= fwd[-1]
+    assert (fwd, bwd) == write_barrier(prof, plan.actions, {t.tier: t for t in BW}, plan.move_caps)
 
 
 @pytest.mark.parametrize("budget_gb", [None, 8.0])

@@ -224,7 +224,8 @@ class ActivationOffload:
         self.hooks.actions = tiers
         self.hooks.prefetch_depth = depth
         self.hooks.move_caps = dict(caps or {})
-        self.hooks.write_barrier = []  # fixed policies have no timing model to place the waits by
+        # fixed policies have no timing model to place the waits by
+        self.hooks.write_barrier, self.hooks.write_barrier_bwd = [], []
 
     def _profile_next(self, on: bool) -> None:
         """Profile the coming step (``on``), or run it as the profiling step will, unprofiled (a warm-up
@@ -281,6 +282,7 @@ class ActivationOffload:
             plan.move_caps,
         )
         self.hooks.write_barrier = list(getattr(plan, "write_barrier", []))
+        self.hooks.write_barrier_bwd = list(getattr(plan, "write_barrier_bwd", []))
 
     # ------------------------------------------------------------------------ budget calibration
     def _mark_peak(self) -> None:

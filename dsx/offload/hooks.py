@@ -49,6 +49,12 @@ def find_layers(model: nn.Module, layer_classes: list[str] | None) -> list[nn.Mo
     return layers
 
 
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of a module's output: itself, or those one level into a tuple, list or dict."""
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else (out,)
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
 class _Handle:
     """What autograd keeps instead of the tensor: the moved storage plus how to view it."""
 
@@ -72,6 +78,7 @@ class LayerHooks:
         # per layer, then for the start of backward: wait there until the writes of layers <= this value have
         # left the device (the plan's write_barrier; empty: never wait)
         self.write_barrier: list[int] = []
+        self.write_barrier_bwd: list[int] = []  # the same at each layer's backward start
         self._awaited = -1
         # layer -> bytes it may move per step (the planner's partial layers); what is saved beyond stays
         self.move_caps: dict[int, int] = {}
@@ -150,6 +157,14 @@ class LayerHooks:
             if self._cur == i and self._ctx:
                 self._ctx.pop().__exit__(None, None, None)
                 self._cur = None
+            # the autograd thread runs ahead of the GPU as the forward did: wait at this layer's backward
+            # start for the writes the model has finished by then
+            bwd = self.write_barrier_bwd
+            if bwd and torch.is_grad_enabled() and bwd[i] > self.write_barrier[-1]:
+                y = next((t for t in _tensors(out) if t.requires_grad), None)
+                if y is not None:
+                    upto = bwd[i]
+                    y.register_hook(lambda g: self.await_writes(upto))
 
         return post
 
@@ -209,12 +224,10 @@ class LayerHooks:
         """The storages pack would move among ``values`` (tensors, one level into tuples, lists and dicts):
         (address, bytes) -> bytes."""
         out: dict[tuple[int, int], int] = {}
-        for v in values:
-            inner = v.values() if isinstance(v, dict) else v if isinstance(v, (tuple, list)) else (v,)
-            for t in inner:
-                if isinstance(t, torch.Tensor) and not self._keep(t):
-                    st = t.untyped_storage()
-                    out[(st.data_ptr(), st.nbytes())] = st.nbytes()
+        for t in (t for v in values for t in _tensors(v)):
+            if not self._keep(t):
+                st = t.untyped_storage()
+                out[(st.data_ptr(), st.nbytes())] = st.nbytes()
         return out
 
     # -------------------------------------------------------------------------------------- pack

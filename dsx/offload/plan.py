@@ -26,6 +26,11 @@ measures, for each of these points, what is allocated beyond the saved bytes (gr
 the model outside the layers holds: LayerProfile's ``*_background_bytes``), so that with everything kept the
 model reproduces the measured peaks; a recomputed layer's re-run forward peaks at ``fwd_peak_bytes``.
 
+A plan never holds more in a tier than the tier can (``tier_usage`` within ``tier_capacity``: the host pool
+also stages SSD writes), and it carries ``write_barrier`` / ``write_barrier_bwd``: where in the forward and
+the backward the runtime waits for the copies the model has finished by then, so that the allocator, which sees frees in the host's order, frees
+what the model frees.
+
 Search: exhaustive over all c^n assignments when c^n <= ``exhaustive_limit``, c being the number of actions
 (keep, recompute and one per tier; with ``recompute_modules`` also the ``+sel`` forms; with profiled layer
 inputs also ``recompute+<tier>``: 9 with two tiers) — small models, and the tests' ground truth; otherwise a
@@ -206,8 +211,10 @@ class Plan:
     # layer -> bytes it moves when it moves only part of what it saves (the rest stays on the device)
     move_caps: dict[int, int] = field(default_factory=dict)
     search_s: float = 0.0  # wall time make_plan took (the search is once per run, plus re-plans)
-    # per layer, then for the start of backward: the layers whose writes the runtime awaits there
+    # per layer, then for the start of backward: the layers whose writes the runtime awaits there; and at
+    # each layer's backward start (write_barrier())
     write_barrier: list[int] = field(default_factory=list)
+    write_barrier_bwd: list[int] = field(default_factory=list)
 
     def describe(self) -> str:
         b = self.bound
@@ -303,24 +310,37 @@ def write_barrier(
     actions: list[Action],
     bw: dict[str, TierBandwidth],
     caps: dict[int, int] | None = None,
-) -> list[int]:
-    """For each layer ``j`` (and, last, for the start of backward): the highest ``k`` such that the model has
-    every moved layer ``<= k`` written off the device before ``j``'s forward starts; -1 if none.
+) -> tuple[list[int], list[int]]:
+    """Where the runtime waits for writes: (forward, backward). ``forward[j]`` for layer ``j``'s forward
+    start and ``forward[n]`` for the start of backward, ``backward[i]`` for layer ``i``'s backward start: the
+    highest ``k`` such that the model has every moved layer ``<= k`` written off the device by then (-1 if
+    none). Backward times leave out stalls, so they are never later than the model's.
 
     The runtime waits for those writes there (:meth:`LayerHooks.await_writes`). The model frees a layer's
     device memory when its copy ends on the GPU, but the caching allocator sees the free only when the host
     thread observes it, and the host runs ahead of the GPU, allocating later layers' memory first: without
     the wait, bytes the model had freed were still allocated at the peak (half the moved bytes on the H100).
     """
+    n = len(profiles)
     _, _, write_done = _forward(profiles, actions, bw, caps)
-    out, start, k = [], 0.0, -1
-    for j in range(len(profiles) + 1):
-        while k + 1 < j and (not actions[k + 1].moved or write_done[k + 1] <= start + 1e-12):
+    k = -1
+
+    def done_by(at: float, below: int) -> int:
+        nonlocal k
+        while k + 1 < below and (not actions[k + 1].moved or write_done[k + 1] <= at + 1e-12):
             k += 1
-        out.append(k)
-        if j < len(profiles):
+        return k
+
+    forward, start = [], 0.0
+    for j in range(n + 1):
+        forward.append(done_by(start, j))
+        if j < n:
             start += profiles[j].fwd_s
-    return out
+    backward = [0] * n
+    for i in range(n - 1, -1, -1):
+        backward[i] = done_by(start, n)
+        start += profiles[i].bwd_s + profiles[i].extra_bwd_s(actions[i])
+    return forward, backward
 
 
 def tier_usage(
@@ -575,9 +595,10 @@ def make_plan(
     }
     budget_bytes = bound["budget_bytes"]
     over = cfg.policy == "auto" and budget_bytes is not None and peak > budget_bytes
+    fwd_barrier, bwd_barrier = write_barrier(profiles, actions, bw, caps)
     return Plan(actions, depth, t, bound, profiles, peak, stall, over_budget=over, move_caps=caps,
-                search_s=time.perf_counter() - t_start,
-                write_barrier=write_barrier(profiles, actions, bw, caps))  # fmt: skip
+                search_s=time.perf_counter() - t_start, write_barrier=fwd_barrier,
+                write_barrier_bwd=bwd_barrier)  # fmt: skip
 
 
 def _floor(
