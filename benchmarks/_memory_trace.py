@@ -42,19 +42,27 @@ def live_at_peak(snapshot: dict[str, Any], top: int = 40) -> dict[str, Any]:
     """Replay the allocator trace of ``snapshot`` (``torch.cuda.memory._snapshot()``): the peak of the bytes
     allocated while recording, and the blocks live at it grouped by where they were allocated."""
     events = [e for trace in snapshot.get("device_traces", []) for e in trace]
-    live: dict[int, tuple[int, str]] = {}
-    cur = peak = 0
-    at_peak: dict[int, tuple[int, str]] = {}
-    for e in events:
-        if e["action"] == "alloc":
-            live[e["addr"]] = (e["size"], _where(e.get("frames", [])))
-            cur += e["size"]
-            if cur > peak:
-                peak, at_peak = cur, dict(live)
-        elif e["action"] == "free_requested" and e["addr"] in live:
-            cur -= live.pop(e["addr"])[0]
+
+    def replay(upto: int) -> tuple[dict[int, tuple[int, Any]], int, int]:
+        """Blocks live after event ``upto``, and the peak (and its event) on the way there."""
+        live: dict[int, tuple[int, Any]] = {}
+        cur = peak = 0
+        at = -1
+        for k, e in enumerate(events[: upto + 1]):
+            if e["action"] == "alloc":
+                live[e["addr"]] = (e["size"], e.get("frames", []))
+                cur += e["size"]
+                if cur > peak:
+                    peak, at = cur, k
+            elif e["action"] == "free_requested" and e["addr"] in live:
+                cur -= live.pop(e["addr"])[0]
+        return live, peak, at
+
+    _, peak, at = replay(len(events) - 1)  # where the peak is, then what was live there
+    at_peak = replay(at)[0] if at >= 0 else {}
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, where in at_peak.values():
+    for size, frames in at_peak.values():
+        where = _where(frames)
         groups[where][0] += size
         groups[where][1] += 1
     rows = sorted(groups.items(), key=lambda kv: -kv[1][0])

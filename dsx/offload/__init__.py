@@ -210,9 +210,16 @@ class ActivationOffload:
             self._profile_next(cfg.profile_warmup_steps == 0)
 
     # ------------------------------------------------------------------------------------ actions
-    def _apply(self, actions: list[str], depth: int, caps: dict[int, int] | None = None) -> None:
+    def _apply(
+        self,
+        actions: list[str],
+        depth: int,
+        caps: dict[int, int] | None = None,
+        barriers: tuple[list[int], list[int]] = ([], []),
+    ) -> None:
         """Install per-layer actions: ``keep``, ``host``, ``ssd``, ``recompute``, ``<keep|host|ssd>+sel`` or
-        ``recompute+<host|ssd>`` (recomputed, with the inputs the checkpoint keeps moved to the tier)."""
+        ``recompute+<host|ssd>`` (recomputed, with the inputs the checkpoint keeps moved to the tier), and the
+        plan's write barriers (forward, backward); fixed policies have no timing model to place them by."""
         tiers = []
         for i, a in enumerate(actions):
             parts = a.split("+")
@@ -224,8 +231,7 @@ class ActivationOffload:
         self.hooks.actions = tiers
         self.hooks.prefetch_depth = depth
         self.hooks.move_caps = dict(caps or {})
-        # fixed policies have no timing model to place the waits by
-        self.hooks.write_barrier, self.hooks.write_barrier_bwd = [], []
+        self.hooks.write_barrier, self.hooks.write_barrier_bwd = list(barriers[0]), list(barriers[1])
 
     def _profile_next(self, on: bool) -> None:
         """Profile the coming step (``on``), or run it as the profiling step will, unprofiled (a warm-up
@@ -280,9 +286,8 @@ class ActivationOffload:
             [a.value if hasattr(a, "value") else str(a) for a in plan.actions],
             self.cfg.prefetch_depth or plan.prefetch_depth,
             plan.move_caps,
+            (plan.write_barrier, plan.write_barrier_bwd),
         )
-        self.hooks.write_barrier = list(getattr(plan, "write_barrier", []))
-        self.hooks.write_barrier_bwd = list(getattr(plan, "write_barrier_bwd", []))
 
     # ------------------------------------------------------------------------ budget calibration
     def _mark_peak(self) -> None:

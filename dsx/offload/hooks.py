@@ -159,8 +159,8 @@ class LayerHooks:
                 self._cur = None
             # the autograd thread runs ahead of the GPU as the forward did: wait at this layer's backward
             # start for the writes the model has finished by then
-            bwd = self.write_barrier_bwd
-            if bwd and torch.is_grad_enabled() and bwd[i] > self.write_barrier[-1]:
+            bwd, at_end = self.write_barrier_bwd, (self.write_barrier or [-1])[-1]
+            if bwd and torch.is_grad_enabled() and bwd[i] > at_end:  # (else forward's end waited already)
                 y = next((t for t in _tensors(out) if t.requires_grad), None)
                 if y is not None:
                     upto = bwd[i]

@@ -572,14 +572,16 @@ def make_plan(
         # measured), at each prefetch depth: a partial layer's read may need a deeper one than the whole-layer
         # plan chose. _fill_bound only keeps caps whose plan stays within the limit.
         room = int(min(w * t_fwd, r * t_bwd) - sum(_split(profiles, actions, None)[0]))
-        capacity = tier_capacity(cfg)
-        fills = [(*_fill_bound(profiles, actions, bw, d, base_t * 1.005, room, capacity), d) for d in depths]
+        fills = [
+            (*_fill_bound(profiles, actions, bw, d, base_t * 1.005, room, tier_capacity(cfg)), d)
+            for d in depths
+        ]
         fills = [f for f in fills if f[1]]
         if fills:
             actions, caps, depth = max(fills, key=lambda f: (sum(f[1].values()), -f[2]))
     t, stall, peak = simulate(profiles, actions, bw, depth, caps)
     planned = sum(_split(profiles, actions, caps)[0])
-    usage = tier_usage(profiles, actions, bw, caps)
+    usage, capacity = tier_usage(profiles, actions, bw, caps), tier_capacity(cfg)
     hide_w, hide_r = w * t_fwd, r * t_bwd
     bound = {
         "hideable_write_bytes": hide_w,
@@ -591,7 +593,7 @@ def make_plan(
         "budget_bytes": None if cfg.memory_budget_gb is None else int(cfg.memory_budget_gb * GB),
         "tiers": {k: {"write_Bps": v.write_Bps, "read_Bps": v.read_Bps} for k, v in bw.items()},
         "tier_bytes": {k: usage[k] for k in bw},
-        "tier_capacity_bytes": {k: tier_capacity(cfg)[k] for k in bw},
+        "tier_capacity_bytes": {k: capacity[k] for k in bw},
     }
     budget_bytes = bound["budget_bytes"]
     over = cfg.policy == "auto" and budget_bytes is not None and peak > budget_bytes
@@ -690,10 +692,13 @@ def _search(
     n = len(profiles)
     budget = None if cfg.memory_budget_gb is None else cfg.memory_budget_gb * GB
     capacity = tier_capacity(cfg)
+    roomy = min(capacity.values())
 
     def score(actions: list[Action]) -> tuple[float, ...]:
-        # first what no tier can hold (the mover would leave those bytes on the device, over the plan)
-        full = _over_capacity(tier_usage(profiles, actions, bw), capacity)
+        # first what no tier can hold (the mover would leave those bytes on the device, over the plan); a
+        # tier never holds more than all moved bytes, so most plans skip the second forward pass
+        moved = sum(p.stored(a) for p, a in zip(profiles, actions) if a.moved)
+        full = _over_capacity(tier_usage(profiles, actions, bw), capacity) if moved > roomy else 0
         if budget is None:  # hide only: no slower than baseline, then least memory, then least time
             t, _, peak = simulate(profiles, actions, bw, depth)
             return (full, max(0.0, t - base_t * 1.005), peak, t)
