@@ -1,4 +1,4 @@
-"""The ``dsx`` command: ``dsx report``, ``dsx build-ops``, ``dsx trace`` (see ``dsx --help``)."""
+"""The ``dsx`` command: ``dsx report``, ``dsx build-ops``, ``dsx trace``, ``dsx clean-shm`` (see ``dsx --help``)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ def _trace(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", metavar="A:B", default=None, help="only steps A <= step < B")
 
 
+def _clean_shm(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    p.add_argument(
+        "--min-age", type=float, default=60.0, metavar="S", help="leave files younger than S seconds"
+    )
+
+
 # name -> (help, argument setup, "module:function" taking the parsed args and returning an exit code).
 # Modules are imported only when their command runs, so a missing optional part breaks only that command.
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]] = {
@@ -38,6 +45,11 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]]
         "dsx.ops:cli_build",
     ),
     "trace": ("draw a scheduler trace as a timeline PNG", _trace, "dsx.runtime.timeline:cli"),
+    "clean-shm": (
+        "remove the /dev/shm all-reduce buffers that DeepSpeed CPU jobs left behind (66 MiB a rank)",
+        _clean_shm,
+        "dsx.runtime.process:cli_clean_shm",
+    ),
 }
 
 

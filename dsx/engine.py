@@ -14,6 +14,7 @@ import torch
 
 from dsx.config import DsxConfig, DsxConfigError, split_config
 from dsx.runtime.monitor import MonitorSink
+from dsx.runtime.process import release_deepspeed_shm_at_exit
 from dsx.runtime.scheduler import Scheduler
 from dsx.runtime.trace import TraceWriter
 
@@ -169,6 +170,9 @@ def initialize(
         config=ds_config,
         mesh_param=mesh_param,
     )
+    # DeepSpeed's CPU backend leaks a 66 MiB /dev/shm buffer a rank; its peers have mapped it by now
+    # (the engine's setup ran collectives), so an exit without exit_distributed() may unlink it too
+    release_deepspeed_shm_at_exit()
     if dsx_config.any_enabled:
         engine.dsx = attach(engine, dsx_config)
     return engine, opt, loader, sched

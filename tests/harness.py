@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["REPO", "LaunchResult", "free_port", "launch", "launch_local_multinode", "launcher_env"]
+__all__ = [
+    "REPO",
+    "LaunchResult",
+    "build_deepspeed_ops",
+    "free_port",
+    "launch",
+    "launch_local_multinode",
+    "launcher_env",
+    "remove_shm_buffers",
+    "shm_buffers",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,6 +39,7 @@ class LaunchResult:
     cmd: list[str]
     returncode: int
     output: str
+    port: int | None = None  # the rendezvous port (MASTER_PORT) of the launched job
 
     def check(self) -> LaunchResult:
         """Raise with the command and the tail of every rank's output when the run failed."""
@@ -64,19 +77,57 @@ def _deepspeed_cmd() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
+def build_deepspeed_ops(*builders: str) -> None:
+    """JIT-build DeepSpeed ops (``"CPUAdamBuilder"``, ``"AsyncIOBuilder"``) here, before a launched job needs them.
+
+    A rank that builds an op itself does so inside the launch's timeout, on cores its peers share; a build
+    killed there leaves torch's build lock behind, and every later build of that op waits on it forever.
+    Built in the test process (an exception releases the lock), the ranks load the op from the cache.
+    Incompatible ops (no libaio, say) are left to the job, which reports them.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    for name in builders:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible(verbose=False):
+            builder.load(verbose=False)
+
+
 def launch(
     script: str | Path,
     args: list[str],
     nprocs: int = 2,
     timeout: float = 600,
     env: dict[str, str] | None = None,
+    clean_shm: bool = True,
 ) -> LaunchResult:
-    """Run ``deepspeed --num_gpus/--num_accelerators N script args`` on this machine and capture the output."""
+    """Run ``deepspeed --num_gpus/--num_accelerators N script args`` on this machine and capture the output.
+
+    ``clean_shm``: afterwards remove the job's DeepSpeed CPU all-reduce buffers from ``/dev/shm``, which a
+    rank that was killed (or a script that does not use dsx's exit) leaves behind, 66 MiB each.
+    """
     import torch
 
     n_flag = "--num_gpus" if torch.cuda.is_available() else "--num_accelerators"
-    cmd = [*_deepspeed_cmd(), n_flag, str(nprocs), "--master_port", str(free_port()), str(script), *args]
-    return _run(cmd, timeout, launcher_env(env))
+    port = free_port()
+    cmd = [*_deepspeed_cmd(), n_flag, str(nprocs), "--master_port", str(port), str(script), *args]
+    try:
+        res = _run(cmd, timeout, launcher_env(env))
+    finally:
+        if clean_shm:
+            remove_shm_buffers(port)
+    res.port = port
+    return res
+
+
+def shm_buffers(port: int) -> list[Path]:
+    """DeepSpeed CPU all-reduce buffers in ``/dev/shm`` of the job whose rendezvous port was ``port``."""
+    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+
+
+def remove_shm_buffers(port: int) -> None:
+    for p in shm_buffers(port):
+        p.unlink(missing_ok=True)
 
 
 def launch_local_multinode(
@@ -84,16 +135,34 @@ def launch_local_multinode(
 ) -> LaunchResult:
     """``launch/local_multinode.sh``: N launcher "nodes" with one rank each, on this machine."""
     cmd = ["bash", str(REPO / "launch" / "local_multinode.sh"), str(nodes), str(script), *args]
-    return _run(cmd, timeout, launcher_env({"MASTER_PORT": str(free_port()), **(env or {})}))
+    port = free_port()
+    try:
+        return _run(cmd, timeout, launcher_env({"MASTER_PORT": str(port), **(env or {})}))
+    finally:
+        remove_shm_buffers(port)
 
 
 def _run(cmd: list[str], timeout: float, env: dict[str, str]) -> LaunchResult:
+    """Run ``cmd`` in its own session; on timeout kill the whole session, not only the launcher.
+
+    ``subprocess.run(timeout=)`` kills the direct child only: the ranks it started would live on as
+    orphans (holding a DeepSpeed JIT build lock, a rendezvous port, the two CPU cores) and stall every
+    later test.
+    """
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
     try:
-        proc = subprocess.run(
-            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-            start_new_session=True,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return LaunchResult(cmd, -9, out + f"\n[harness] timed out after {timeout} s")
-    return LaunchResult(cmd, proc.returncode, proc.stdout)
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return LaunchResult(cmd, -9, (out or "") + f"\n[harness] timed out after {timeout} s")
+    finally:
+        if proc.poll() is None:  # an exception (KeyboardInterrupt, pytest-timeout) left it running
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return LaunchResult(cmd, proc.returncode, out)

@@ -15,7 +15,7 @@ import dsx
 from dsx.data.tokens import make_loader, stdlib_corpus
 from dsx.examples.gpt import main
 from dsx.models.gpt import GPT, GPTConfig
-from tests.harness import REPO, launch, launch_local_multinode
+from tests.harness import REPO, build_deepspeed_ops, launch, launch_local_multinode
 
 CONFIGS = REPO / "configs"
 SMALL = [
@@ -102,6 +102,7 @@ def test_zero3_optimizer_offload_to_nvme(tmp_path) -> None:
     path = tmp_path / "nvme.json"
     path.write_text(json.dumps(cfg))
     log = tmp_path / "log.json"
+    build_deepspeed_ops("CPUAdamBuilder", "AsyncIOBuilder")  # the launched rank loads them from the cache
     _run_job(str(path), log, ["--steps", "12", *SMALL])
     losses = _losses(log)
     assert np.mean(losses[-3:]) < losses[0] - 0.3, losses

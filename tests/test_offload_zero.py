@@ -3,49 +3,17 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.harness import REPO, build_deepspeed_ops, launch
 
 
 def _launch(script: Path, args: list[str], nprocs: int = 2, timeout: float = 600) -> tuple[int, str]:
-    """Minimal stand-in for tests/harness.py's ``launch`` (the lead dedupes)."""
-    try:
-        from tests.harness import launch
-
-        r = launch(script, args, nprocs=nprocs, timeout=timeout)
-        return r.returncode, r.output
-    except ImportError:
-        pass
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(
-        os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"
-    )
-    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    exe = shutil.which("deepspeed", path=os.path.dirname(sys.executable))
-    cmd = [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
-    cmd += ["--num_accelerators", str(nprocs), "--master_port", str(port), str(script), *args]
-    p = subprocess.run(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-        start_new_session=True,
-    )
-    return p.returncode, p.stdout
+    build_deepspeed_ops("CPUAdamBuilder", "AsyncIOBuilder")  # ZeRO's NVMe optimizer offload in the ranks
+    r = launch(script, args, nprocs=nprocs, timeout=timeout)
+    return r.returncode, r.output
 
 
 @pytest.mark.slow

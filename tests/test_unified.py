@@ -20,7 +20,7 @@ from dsx.direct import IndexOutOfRangeError, SharedMemoryError, UnifiedTensor, u
 from dsx.direct import shm as shm_mod
 from dsx.direct.gather import torch_gather
 from dsx.direct.pinning import memlock_message
-from tests.harness import free_port, launcher_env
+from tests.harness import free_port, launcher_env, remove_shm_buffers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,7 +211,10 @@ def _two_rank_job_in(tmp_path: Path, out: Path, shm_dir: Path, accelerator: str)
         sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
         str(ROOT / "tests" / "unified_worker.py"), str(out), str(shm_dir), "kill",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    finally:
+        remove_shm_buffers(port)  # the killed rank cannot unlink DeepSpeed's all-reduce buffer
     missing = [r for r in range(2) if not (out / f"rank{r}.json").is_file()]
     assert not missing, (
         f"ranks {missing} wrote no report; launcher output:\n{(proc.stdout + proc.stderr)[-6000:]}"

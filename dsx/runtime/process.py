@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import time
+from pathlib import Path
+from typing import Any
 
-__all__ = ["exit_distributed", "pid_alive"]
+__all__ = [
+    "deepspeed_shm_buffer",
+    "exit_distributed",
+    "pid_alive",
+    "release_deepspeed_shm",
+    "release_deepspeed_shm_at_exit",
+    "stale_deepspeed_shm_buffers",
+]
+
+SHM_DIR = Path("/dev/shm")
 
 
 def pid_alive(pid: int) -> bool:
@@ -29,4 +43,83 @@ def exit_distributed() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+        release_deepspeed_shm()  # every peer is past its setup (the barrier): the name is no longer needed
         dist.destroy_process_group()
+
+
+def deepspeed_shm_buffer(rank: int | None = None, port: str | None = None) -> Path:
+    """Where DeepSpeed's CPU backend keeps rank ``rank``'s shared-memory all-reduce buffer.
+
+    DeepSpeed's ``TorchBackend`` on the CPU accelerator, when every rank is on one machine (the launcher
+    sets ``LOCAL_SIZE`` to the world size), creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>
+    _<MASTER_PORT>_<rank>`` (66 MiB) in ``deepspeed.init_distributed``. Defaults: this process's ``RANK``
+    and ``MASTER_PORT``.
+    """
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    port = os.environ.get("MASTER_PORT", "") if port is None else port
+    addr = os.environ.get("MASTER_ADDR", "")
+    return SHM_DIR / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_deepspeed_shm() -> bool:
+    """Unlink this rank's DeepSpeed CPU all-reduce buffer; whether there was one.
+
+    DeepSpeed 0.19 never unlinks it, so every CPU job launched with ``deepspeed`` leaves 66 MiB a rank in
+    ``/dev/shm`` (RAM-backed) until reboot: a machine that runs many jobs runs out of memory. Unlinking
+    removes the name only; the ranks that mapped the buffer keep using it until they exit. Call it once
+    every peer has mapped the buffer, that is after any collective following ``init_distributed``.
+    """
+    path = deepspeed_shm_buffer()
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+        return True
+    return False
+
+
+def release_deepspeed_shm_at_exit() -> None:
+    """Unlink this rank's DeepSpeed CPU all-reduce buffer when the interpreter exits.
+
+    Idempotent: one hook however many engines a process builds (``unregister`` drops an earlier one).
+    """
+    atexit.unregister(release_deepspeed_shm)
+    atexit.register(release_deepspeed_shm)
+
+
+def stale_deepspeed_shm_buffers(min_age_s: float = 60.0) -> list[Path]:
+    """This user's DeepSpeed CPU all-reduce buffers in ``/dev/shm`` that no running process maps.
+
+    They are what jobs left behind (DeepSpeed never unlinks them; a killed rank cannot): nothing can use
+    them again, since a new job creates its own under its own port. Files younger than ``min_age_s`` are
+    left out: a rank maps its buffer a moment after creating it, and peers open it by name during setup.
+    """
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone, or another user's process (which cannot map our 0600 files)
+            continue
+        for line in text.splitlines():
+            if "deepspeed_allreduce_buffer_" in line:
+                mapped.add(line.split(maxsplit=5)[-1].removesuffix(" (deleted)"))
+    now = time.time()
+    out = []
+    for path in SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
+        with contextlib.suppress(FileNotFoundError):
+            if str(path) not in mapped and now - path.stat().st_mtime >= min_age_s:
+                out.append(path)
+    return sorted(out)
+
+
+def cli_clean_shm(args: Any) -> int:
+    """``dsx clean-shm``: remove (or, with ``--dry-run``, list) stale DeepSpeed all-reduce buffers."""
+    stale = stale_deepspeed_shm_buffers(args.min_age)
+    total = 0
+    for path in stale:
+        with contextlib.suppress(FileNotFoundError):
+            total += path.stat().st_size
+            if not args.dry_run:
+                path.unlink()
+        print(("would remove " if args.dry_run else "removed ") + str(path))
+    verb = "would free" if args.dry_run else "freed"
+    print(f"{len(stale)} stale DeepSpeed shared-memory buffer(s), {verb} {total / 2**20:.0f} MiB")
+    return 0
