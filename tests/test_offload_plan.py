@@ -304,8 +304,9 @@ def test_hide_only_fills_the_bound_with_partial_layers() -> None:
 
 
 def test_tier_usage_counts_host_bytes_and_the_ssd_backlog_staged_in_the_pool() -> None:
-    # two layers of 1 GiB, 1 s forward each. SSD at 0.5 GiB/s: layer 0's write runs 1-3 s, layer 1's 3-5 s,
-    # so after layer 1's forward (2 s) both sit in the pool as staging; at 10 GiB/s only layer 1 does
+    # two layers of 1 GiB, 1 s forward each, copied to the pool at 8 GiB/s. SSD at 0.5 GiB/s: layer 0's file
+    # write runs 1.125-3.125 s, layer 1's 3.125-5.125 s, so after layer 1's forward (2 s) both sit in the pool
+    # as staging; at 10 GiB/s only layer 1 does
     p = [LayerProfile(0, "a", GiB, 1.0, 1.0), LayerProfile(1, "b", GiB, 1.0, 1.0)]
     slow = {"ssd": TierBandwidth("ssd", GiB / 2, GiB / 2), "host": TierBandwidth("host", 8 * GiB, 8 * GiB)}
     assert tier_usage(p, [Action.SSD, Action.SSD], slow) == {"host": 2 * GiB, "ssd": 2 * GiB}
@@ -317,6 +318,35 @@ def test_tier_usage_counts_host_bytes_and_the_ssd_backlog_staged_in_the_pool() -
         "host": GiB + GiB // 4,
         "ssd": 0,
     }
+
+
+def test_an_ssd_layer_leaves_the_device_when_its_copy_to_the_pool_ends() -> None:
+    """The mover releases an SSD layer's device bytes once they are in the pool, before the file write. Three
+    layers of 1 GiB, 1 s forward each, layer 0 to SSD: its copy (8 GiB/s) ends at 1.125 s, the drive (0.5
+    GiB/s) writes it 1.125-3.125 s. Without a host tier the link's rate is unmeasured: the model holds the
+    layer on the device until the file write ends (1 + 2 s), as before."""
+    from dsx.offload.plan import _forward, _timeline
+
+    p = [LayerProfile(i, f"L{i}", GiB, 1.0, 1.0) for i in range(3)]
+    acts = [Action.SSD, Action.KEEP, Action.KEEP]
+    both = {"host": TierBandwidth("host", 8 * GiB, 8 * GiB), "ssd": TierBandwidth("ssd", GiB / 2, GiB / 2)}
+    ssd_only = {"ssd": both["ssd"]}
+    _, _, write_done, off_device = _forward(p, acts, both)
+    assert off_device[0] == pytest.approx(1.125) and write_done[0] == pytest.approx(3.125)
+    _, _, write_done, off_device = _forward(p, acts, ssd_only)
+    assert off_device[0] == write_done[0] == pytest.approx(3.0)
+    # layer 2's forward starts at 2 s: with the link modelled, layer 0 is off the device by then
+    assert write_barrier(p, acts, both)[0] == [-1, -1, 1, 2]
+    assert write_barrier(p, acts, ssd_only)[0] == [-1, -1, -1, 2]
+    # ... and the footprint after layer 1's forward no longer holds it; the pool stages it until 3.125 s
+    feet_both, feet_ssd = _timeline(p, acts, both, 1)[2], _timeline(p, acts, ssd_only, 1)[2]
+    assert feet_ssd[3] - feet_both[3] == GiB and feet_ssd[2] == feet_both[2]
+    assert tier_usage(p, acts, both) == {"host": GiB, "ssd": GiB}
+    # SSD and host layers share the link: layer 1's host copy waits for layer 0's SSD copy
+    _, _, _, off_device = _forward(
+        p, [Action.SSD, Action.HOST, Action.KEEP], {**both, "host": TierBandwidth("host", GiB / 2, GiB / 2)}
+    )
+    assert off_device[:2] == pytest.approx([3.0, 5.0])
 
 
 def test_write_barrier_waits_where_the_model_has_the_writes_done() -> None:
@@ -430,11 +460,11 @@ def _timeline_reference(profiles, actions, bw, depth, caps=None):
     from dsx.offload.plan import _forward, _split
 
     n = len(profiles)
-    t, free, write_done = _forward(profiles, actions, bw, caps)
+    t, free, write_done, off_device = _forward(profiles, actions, bw, caps)
     moved, kept = _split(profiles, actions, caps)
 
     def held(j, at, window):
-        return kept[j] + (moved[j] if moved[j] and (window or write_done[j] > at) else 0)
+        return kept[j] + (moved[j] if moved[j] and (window or off_device[j] > at) else 0)
 
     feet, clock = [], 0.0
     for i, p in enumerate(profiles):

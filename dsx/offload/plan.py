@@ -7,12 +7,15 @@ only the rest of the layer's bytes is kept or moved.
 
 Cost model (one training step, per rank)
 ----------------------------------------
-Forward runs layers 0..n-1 (times ``fwd_s``); an offloaded layer's saved bytes are written on its tier's
-channel as soon as the layer's forward ends and the channel is free (writes never stall compute; they hold
-GPU memory until done). Backward runs layers n-1..0 (times ``bwd_s``); when layer ``i``'s backward starts,
-reads are issued for the offloaded layers down to ``i - depth``; a layer whose read has not finished when its
-backward starts stalls. A recomputed layer runs its forward again in backward. Tier channels are
-independent (host: PCIe, per-rank share; SSD: the drive, per-rank share). The hideable bytes per step are
+Forward runs layers 0..n-1 (times ``fwd_s``); an offloaded layer's saved bytes are copied to the host as
+soon as the layer's forward ends and the device-to-host link is free (writes never stall compute; they hold
+GPU memory until the copy is done); an SSD layer's copy lands in its staging slot in the pool, and its file
+write follows on the drive's channel (the pool holds it until then; without a host tier the link's rate is
+not measured, and the model holds an SSD layer on the device until its file write ends). Backward runs
+layers n-1..0 (times ``bwd_s``); when layer ``i``'s backward starts, reads are issued for the offloaded
+layers down to ``i - depth``; a layer whose read has not finished when its backward starts stalls. A
+recomputed layer runs its forward again in backward. Reads of the two tiers are independent (host: PCIe,
+per-rank share; SSD: the drive, per-rank share). The hideable bytes per step are
 ``B_write x T_fwd`` and ``B_read x T_bwd``: the model reproduces that bound when compute is the only thing
 to hide behind.
 
@@ -289,20 +292,39 @@ def _forward(
     actions: list[Action],
     bw: dict[str, TierBandwidth],
     caps: dict[int, int] | None = None,
-) -> tuple[float, dict[str, float], list[float]]:
-    """Forward pass of the cost model: (end time, when each tier's channel frees, when each write is done)."""
+) -> tuple[float, dict[str, float], list[float], list[float]]:
+    """Forward pass of the cost model: (end time, when each tier's channel frees, when each write is done,
+    when each moved layer's bytes have left the device).
+
+    A host layer leaves the device when its copy to the pool ends. An SSD layer is first copied to its
+    staging slot in the pool, on the same device-to-host link as the host layers (one side stream), and
+    leaves the device then; its file write follows on the drive's channel. Without a host tier the link's
+    rate is unknown and an SSD layer is held on the device until its file write ends (conservative).
+    """
     moved, _ = _split(profiles, actions, caps)
     free = dict.fromkeys(bw, 0.0)
+    link = bw.get("host")
+    link_free = 0.0
     write_done = [0.0] * len(profiles)
+    off_device = [0.0] * len(profiles)
     t = 0.0
     for i, p in enumerate(profiles):
         t += p.fwd_s
         a = actions[i]
-        if a.moved:
-            tier = a.tier.value
-            start = max(t, free[tier])
-            free[tier] = write_done[i] = start + moved[i] / bw[tier].write_Bps
-    return t, free, write_done
+        if not a.moved:
+            continue
+        tier = a.tier.value
+        if link is not None:
+            link_free = off_device[i] = max(t, link_free) + moved[i] / link.write_Bps
+            if tier == "ssd":
+                free[tier] = write_done[i] = max(off_device[i], free[tier]) + moved[i] / bw[tier].write_Bps
+            else:
+                free[tier] = write_done[i] = off_device[i]
+        else:
+            free[tier] = write_done[i] = off_device[i] = max(t, free[tier]) + moved[i] / bw[tier].write_Bps
+    if link is not None:
+        free["host"] = max(free["host"], link_free)
+    return t, free, write_done, off_device
 
 
 def write_barrier(
@@ -322,12 +344,12 @@ def write_barrier(
     the wait, bytes the model had freed were still allocated at the peak (half the moved bytes on the H100).
     """
     n = len(profiles)
-    _, _, write_done = _forward(profiles, actions, bw, caps)
+    _, _, _, off_device = _forward(profiles, actions, bw, caps)
     k = -1
 
     def done_by(at: float, below: int) -> int:
         nonlocal k
-        while k + 1 < below and (not actions[k + 1].moved or write_done[k + 1] <= at + 1e-12):
+        while k + 1 < below and (not actions[k + 1].moved or off_device[k + 1] <= at + 1e-12):
             k += 1
         return k
 
@@ -353,7 +375,7 @@ def tier_usage(
     the host pool also stages the SSD writes not yet on the drive (a slot is the aligned O_DIRECT buffer
     until its write completes), so a drive slower than the forward pass fills the pool with its backlog."""
     moved, _ = _split(profiles, actions, caps)
-    _, _, write_done = _forward(profiles, actions, bw, caps)
+    _, _, write_done, _ = _forward(profiles, actions, bw, caps)
     host = ssd = staged = peak_host = 0
     pending: collections.deque[int] = collections.deque()  # SSD writes in order: one channel, FIFO
     clock = 0.0
@@ -394,16 +416,16 @@ def _timeline(
 ) -> tuple[float, float, list[int]]:
     """(step time, exposed stall, the activation footprint at every point the module docstring lists)."""
     n = len(profiles)
-    t, free, write_done = _forward(profiles, actions, bw, caps)
+    t, free, write_done, off_device = _forward(profiles, actions, bw, caps)
     moved, kept = _split(profiles, actions, caps)
     kept_upto = list(itertools.accumulate(kept, initial=0))
     moved_upto = list(itertools.accumulate(moved, initial=0))
-    by_done = sorted((write_done[j], j) for j in range(n) if moved[j])
+    by_done = sorted((off_device[j], j) for j in range(n) if moved[j])
     done_times = [d for d, _ in by_done]
 
     def on_device(upto: int, at: float, lo: int) -> int:
         """Bytes of layers ``j < upto`` on the device at time ``at``: what they keep, what they move if it
-        has been read back (``j >= lo``) or is still being written. Prefix sums and the writes still under
+        has been read back (``j >= lo``) or has not left the device yet. Prefix sums and the writes still under
         way keep this O(writes in flight), not O(layers): the search calls it for every point of every plan."""
         lo = min(max(lo, 0), upto)
         total = kept_upto[upto] + moved_upto[upto] - moved_upto[lo]
