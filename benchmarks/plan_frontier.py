@@ -59,10 +59,14 @@ def frontier(
     tiers: list[str],
     points: int,
     also_gb: list[float] = (),
+    pool_gb: float = 4.0,
 ) -> list[dict[str, Any]]:
     """Best plan at ``points`` budgets from the floor to keeping everything (denser near the floor, where
-    the targets are) and at ``also_gb``, with ``tiers`` (may be empty)."""
-    cfg = ActivationOffloadConfig(tiers=tiers or ["host"], policy="auto")
+    the targets are) and at ``also_gb``, with ``tiers`` (may be empty) of ``pool_gb`` each (the run's
+    ``host_pool_gb`` and ``ssd_capacity_gb``: plans stay within them)."""
+    cfg = ActivationOffloadConfig(
+        tiers=tiers or ["host"], policy="auto", host_pool_gb=pool_gb, ssd_capacity_gb=pool_gb
+    )
     bws = bandwidths if tiers else []
     lo = floor_bytes(profiles, bws, cfg)
     hi = make_plan(profiles, bws, cfg.model_copy(update={"policy": "none"})).peak_bytes
@@ -107,8 +111,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         r["config"]: r for r in run["results"] if "error" not in r and r.get("activation_peak_gb", 0) > 0
     }
     also = [measured[b]["activation_peak_gb"] for b in ("recompute", "save_on_cpu") if b in measured]
-    fronts = {"offload": frontier(profiles, bandwidths, tiers, args.points, also),
-              "recompute_only": frontier(profiles, bandwidths, [], args.points, also)}  # fmt: skip
+    # the run's pool: bench_offload's --pool-gb (runs from before that option used the default, 4)
+    pool = float(run.get("config", {}).get("pool_gb") or 4.0)
+    fronts = {"offload": frontier(profiles, bandwidths, tiers, args.points, also, pool),
+              "recompute_only": frontier(profiles, bandwidths, [], args.points, also, pool)}  # fmt: skip
     # the model's step covers the layers' forward and backward, not the embedding, head, loss and optimizer:
     # add what the measured no-offload step spends beyond the model's keep-all step, the same in every plan
     keep_model = make_plan(profiles, [], ActivationOffloadConfig(policy="none"))

@@ -12,7 +12,7 @@ from dsx.offload.plan import LayerProfile
 GiB = 1 << 30
 
 
-def _run_file(tmp_path, n: int = 4) -> str:
+def _run_file(tmp_path, n: int = 4, pool_gb: float | None = None) -> str:
     rng = random.Random(5)
     profiles = []
     for i in range(n):
@@ -33,8 +33,25 @@ def _run_file(tmp_path, n: int = 4) -> str:
         {"config": "dsx_ssd", "error": "timed out"},
     ]
     path = tmp_path / "bench_offload_x.json"
-    path.write_text(json.dumps({"env": {"device": "test"}, "results": results}))
+    run = {"env": {"device": "test"}, "results": results}
+    if pool_gb is not None:
+        run["config"] = {"pool_gb": pool_gb}
+    path.write_text(json.dumps(run))
     return str(path)
+
+
+def test_frontier_plans_within_the_runs_pool(tmp_path) -> None:
+    """The frontier's plans stay within the pool the run had (bench_offload's --pool-gb), not the default."""
+
+    def most_moved(pool_gb: float | None) -> int:
+        d = tmp_path / str(pool_gb)
+        d.mkdir()
+        out = plan_frontier.main([_run_file(d, pool_gb=pool_gb), "--points", "6", "--out", str(d)])
+        return max(f["move_bytes"] for f in out["frontiers"]["offload"])
+
+    small = 0.125
+    assert most_moved(small) <= 2 * small * GiB  # host pool plus SSD quota, each of pool_gb
+    assert most_moved(None) > 2 * small * GiB
 
 
 def test_frontier_is_exact_monotone_and_offload_never_worse(tmp_path) -> None:
