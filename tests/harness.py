@@ -122,7 +122,9 @@ def launch(
 
 def shm_buffers(port: int) -> list[Path]:
     """DeepSpeed CPU all-reduce buffers in ``/dev/shm`` of the job whose rendezvous port was ``port``."""
-    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+    from dsx.runtime.process import SHM_DIR, shm_prefix
+
+    return sorted(SHM_DIR.glob(f"{shm_prefix()}*_{port}_*"))
 
 
 def remove_shm_buffers(port: int) -> None:

@@ -15,10 +15,16 @@ __all__ = [
     "pid_alive",
     "release_deepspeed_shm",
     "release_deepspeed_shm_at_exit",
+    "shm_prefix",
     "stale_deepspeed_shm_buffers",
 ]
 
 SHM_DIR = Path("/dev/shm")
+
+
+def shm_prefix() -> str:
+    """The start of the names of this user's DeepSpeed CPU all-reduce buffers in ``SHM_DIR``."""
+    return f"deepspeed_allreduce_buffer_{os.getuid()}_"
 
 
 def pid_alive(pid: int) -> bool:
@@ -58,7 +64,7 @@ def deepspeed_shm_buffer(rank: int | None = None, port: str | None = None) -> Pa
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     port = os.environ.get("MASTER_PORT", "") if port is None else port
     addr = os.environ.get("MASTER_ADDR", "")
-    return SHM_DIR / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+    return SHM_DIR / f"{shm_prefix()}{addr}_{port}_{rank}"
 
 
 def release_deepspeed_shm() -> bool:
@@ -103,7 +109,7 @@ def stale_deepspeed_shm_buffers(min_age_s: float = 60.0) -> list[Path]:
                 mapped.add(line.split(maxsplit=5)[-1].removesuffix(" (deleted)"))
     now = time.time()
     out = []
-    for path in SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
+    for path in SHM_DIR.glob(f"{shm_prefix()}*"):
         with contextlib.suppress(FileNotFoundError):
             if str(path) not in mapped and now - path.stat().st_mtime >= min_age_s:
                 out.append(path)
