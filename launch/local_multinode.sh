@@ -5,8 +5,8 @@
 #   bash launch/local_multinode.sh N SCRIPT [ARGS...]
 #
 # Environment: MASTER_PORT (default 29600), RANKS_PER_NODE (default 1), DSX_LAUNCH_DIR (hostfile and
-# per-node logs; default a fresh temporary directory). Exits non-zero if any node fails, after printing
-# that node's log.
+# per-node logs, kept; default a fresh temporary directory, removed at exit once the logs are printed).
+# Exits non-zero if any node fails, after printing that node's log.
 set -euo pipefail
 usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
 [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]] && { usage; exit 0; }
@@ -15,8 +15,13 @@ nodes=$1; shift
 [[ "$nodes" =~ ^[1-9][0-9]*$ ]] || { echo "error: N must be a positive integer, got '$nodes'" >&2; exit 2; }
 port=${MASTER_PORT:-29600}
 per_node=${RANKS_PER_NODE:-1}
-dir=${DSX_LAUNCH_DIR:-$(mktemp -d -t dsx-multinode.XXXXXX)}
-mkdir -p "$dir"
+if [[ -n "${DSX_LAUNCH_DIR:-}" ]]; then
+  dir=$DSX_LAUNCH_DIR
+  mkdir -p "$dir"
+else
+  dir=$(mktemp -d -t dsx-multinode.XXXXXX)
+  trap 'rm -rf "$dir"' EXIT  # every node's log is printed below
+fi
 hostfile="$dir/hostfile"
 : > "$hostfile"
 for ((i = 0; i < nodes; i++)); do echo "node$i slots=$per_node" >> "$hostfile"; done

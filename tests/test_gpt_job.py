@@ -161,11 +161,17 @@ def test_two_ranks_match_one_rank_same_global_batch(two_rank_losses, tmp_path) -
 def test_two_launcher_nodes_match_two_ranks(two_rank_losses, tmp_path) -> None:
     cfg = _config("gpt_zero2.json", tmp_path, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
     log = tmp_path / "log.json"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     res = launch_local_multinode(
-        2, REPO / "examples/gpt/train.py", ["--deepspeed_config", cfg, "--log-json", str(log), *RUN]
+        2,
+        REPO / "examples/gpt/train.py",
+        ["--deepspeed_config", cfg, "--log-json", str(log), *RUN],
+        env={"TMPDIR": str(tmp)},
     )
     res.check()
     assert "node_rank=1" in res.output or "node1" in res.output
+    assert not list(tmp.glob("dsx-multinode.*")), "the script's temporary launch directory was left behind"
     # Same ranks, same data, same gloo all-reduce: only process placement differs.
     np.testing.assert_allclose(_losses(log), two_rank_losses, rtol=1e-6)
 
