@@ -1,4 +1,5 @@
-"""Process lifetime: liveness of other ranks' processes, and a clean distributed exit."""
+"""Process lifetime: liveness of other ranks' processes, a clean distributed exit, and the shared-memory
+buffers DeepSpeed's CPU backend leaves behind."""
 
 from __future__ import annotations
 
