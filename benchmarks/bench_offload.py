@@ -169,7 +169,9 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             losses.append(float(loss))
     memory = None
     if args.memory_history and dev.type == "cuda":
-        path = Path(args.memory_history) / f"memory_{name}_mb{args.micro_batch}.json"
+        # one file per budget: a config runs at several (--budget-scales)
+        tag = f"_budget{budget_gb:.2f}gib" if budget_gb is not None else ""
+        path = Path(args.memory_history) / f"memory_{name}{tag}_mb{args.micro_batch}.json"
         memory = _memory_trace.stop_and_write(str(path), f"{name} micro-batch {args.micro_batch}")
         memory = {"path": str(path), "peak_bytes_since_recording": memory["peak_bytes_since_recording"]}
     rt = dsx.runtime_of(engine)

@@ -207,18 +207,28 @@ case $stage in
       --name bench_offload_memory_trace --out benchmarks/results > "$OUT/bench-offload-memory-trace.log" 2>&1
     cp benchmarks/results/bench_offload_memory_trace.* "$OUT/"
     ;;
-  offload17)  # 1 GPU: does the write barrier hold auto's plans to their predicted peak? offload16's trace again
-              # (before the barrier: predicted 36.78 GB, measured 39.87), then offload14's hidden-4096 ZeRO-2 sweep
-              # where auto ran out of memory at micro-batches 20 and 24 (no offload at 7 for the ratio)
+  offload17)  # 1 GPU: does the write barrier hold auto's plans to their predicted peak? The GPU offload tests with the
+              # barrier, offload16's trace again (before the barrier: predicted 36.78 GB, measured 39.87), then what
+              # is live at the floor: recompute, save_on_cpu and auto at recompute's peak and 0.95x it, traced
+    log offload-gpu-tests; timeout 120 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
     log bench-offload-memory-trace-barrier; timeout 150 python benchmarks/bench_offload.py --warmup 1 --steps 2 \
       --pool-gb 20 --child-timeout 120 --configs dsx_auto_hide_sel --memory-history "$OUT/memory" \
       --name bench_offload_memory_trace_barrier --out benchmarks/results > "$OUT/bench-offload-memory-trace-barrier.log" 2>&1
-    log bench-offload-zero-cpu-h4096-barrier; timeout 420 python benchmarks/bench_offload.py --offload-optimizer \
+    log bench-offload-memory-trace-floor; timeout 270 python benchmarks/bench_offload.py --warmup 1 --steps 2 \
+      --pool-gb 20 --child-timeout 120 --configs recompute save_on_cpu dsx_auto_budget_sel --budget-scales 1.0 0.95 \
+      --memory-history "$OUT/memory" --name bench_offload_memory_trace_floor --out benchmarks/results \
+      > "$OUT/bench-offload-memory-trace-floor.log" 2>&1
+    cp benchmarks/results/bench_offload_memory_trace_barrier.* benchmarks/results/bench_offload_memory_trace_floor.* "$OUT/"
+    ;;
+  offload18)  # 1 GPU: offload14's hidden-4096 ZeRO-2 sweep with the write barrier, where auto ran out of memory at
+              # micro-batches 20 and 24 (no offload at 7 for the ratio)
+    log bench-offload-zero-cpu-h4096-barrier; timeout 540 python benchmarks/bench_offload.py --offload-optimizer \
       --hidden 4096 --heads 32 --warmup 2 --steps 3 --pool-gb 40 --child-timeout 150 \
       --micro-batches none=7 dsx_auto_budget_sel=20,24 --auto-budget-gb 62 --configs none dsx_auto_budget_sel \
       --name bench_offload_zero_cpu_h4096_barrier --out benchmarks/results \
       > "$OUT/bench-offload-zero-cpu-h4096-barrier.log" 2>&1
-    cp benchmarks/results/bench_offload_memory_trace_barrier.* benchmarks/results/bench_offload_zero_cpu_h4096_barrier.* "$OUT/"
+    cp benchmarks/results/bench_offload_zero_cpu_h4096_barrier.* "$OUT/"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
