@@ -230,6 +230,18 @@ case $stage in
       > "$OUT/bench-offload-zero-cpu-h4096-barrier.log" 2>&1
     cp benchmarks/results/bench_offload_zero_cpu_h4096_barrier.* "$OUT/"
     ;;
+  offload19)  # 1 GPU: the barrier's cost untraced (offload17's traced hide-only step took 457 ms against 255 before
+              # the barrier; recording every allocation's stack slows the host, which the barrier then waits out),
+              # and the floor's traces again, packed (offload17's were lost: $OUT keeps only a few files)
+    log bench-offload-hide-barrier; timeout 260 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 80 --configs none dsx_auto_hide_sel dsx_auto_hide --name bench_offload_hide_barrier \
+      --out benchmarks/results > "$OUT/bench-offload-hide-barrier.log" 2>&1
+    log bench-offload-memory-trace-floor; timeout 200 python benchmarks/bench_offload.py --warmup 1 --steps 1 \
+      --pool-gb 20 --child-timeout 90 --configs recompute save_on_cpu --memory-history "$OUT/memory" \
+      --name bench_offload_memory_trace_floor2 --out benchmarks/results > "$OUT/bench-offload-memory-trace-floor2.log" 2>&1
+    tar czf "$OUT/memory.tgz" -C "$OUT" memory && rm -rf "$OUT/memory"
+    cp benchmarks/results/bench_offload_hide_barrier.* "$OUT/"
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
