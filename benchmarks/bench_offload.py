@@ -182,6 +182,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         telemetry["written_gb_per_measured_step"] = [
             r.bytes_by_tier.get("host", 0) / 1e9 for r in rt.scheduler.telemetry.history[-n_steps:]
         ]
+        # what the measured steps waited for (write barrier, reads at unpack, gates), seconds per step
+        telemetry["stall_by_measured_step"] = [r.stall_by for r in rt.scheduler.telemetry.history[-n_steps:]]
     plan = None
     if rt and "activation_offload" in rt.features:
         off = rt.features["activation_offload"].offload

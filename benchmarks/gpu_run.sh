@@ -242,6 +242,18 @@ case $stage in
     tar czf "$OUT/memory.tgz" -C "$OUT" memory && rm -rf "$OUT/memory"
     cp benchmarks/results/bench_offload_hide_barrier.* "$OUT/"
     ;;
+  offload20)  # 1 GPU: hide-only plans with the write barrier off ("auto" now sets it only under a budget; offload19:
+              # 271 ms with it against 259 without), and at hidden 4096 + ZeRO-2 CPU offload, micro-batch 20, auto
+              # (barrier on) beside full recompute in one run, with what each step waited for (stall_by)
+    log bench-offload-hide2; timeout 200 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 80 --configs none dsx_auto_hide_sel dsx_auto_hide --name bench_offload_hide2 \
+      --out benchmarks/results > "$OUT/bench-offload-hide2.log" 2>&1
+    log bench-offload-zero-cpu-h4096-mb20; timeout 330 python benchmarks/bench_offload.py --offload-optimizer \
+      --hidden 4096 --heads 32 --warmup 2 --steps 3 --pool-gb 40 --child-timeout 150 \
+      --micro-batches recompute=20 dsx_auto_budget_sel=20 --auto-budget-gb 62 --configs recompute dsx_auto_budget_sel \
+      --name bench_offload_zero_cpu_h4096_mb20 --out benchmarks/results > "$OUT/bench-offload-zero-cpu-h4096-mb20.log" 2>&1
+    cp benchmarks/results/bench_offload_hide2.* benchmarks/results/bench_offload_zero_cpu_h4096_mb20.* "$OUT/"
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

@@ -395,7 +395,8 @@ def _train_with_plans(model, batches, off, sched):
 def test_auto_profiles_after_warmup_steps(tmp_path):
     model, batches, want = _reference(6, 4)
     sched = Scheduler()
-    off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=2), sched)
+    cfg = _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=2, write_barrier="on")
+    off = ActivationOffload(model, cfg, sched)
     got, plans = _train_with_plans(model, batches, off, sched)
     assert plans[0] is None and plans[1] is None and plans[2] is not None
     assert all(p.saved_bytes > 0 and p.fwd_s > 0 for p in plans[2].profiles)
@@ -671,10 +672,14 @@ def test_write_barrier_holds_the_forward_until_earlier_layers_left_the_device(tm
         sched.close()
     _assert_same(want, got)
     assert len(seen) == 2 * (n - 2)
+    # the waits are reported as stall under their own name (the benchmarks' stall_by)
+    waited = [r.stall_by.get("write-barrier", 0.0) for r in sched.telemetry.history]
     if barrier:
         assert all(seen), seen
+        assert waited[0] > 0, sched.telemetry.history[0]
     else:
         assert not seen[0], "the forward ran ahead of the writes: the check above can fail"
+        assert not any(waited), waited
 
 
 @pytest.mark.parametrize("barrier", [True, False])

@@ -31,8 +31,9 @@ model reproduces the measured peaks; a recomputed layer's re-run forward peaks a
 
 A plan never holds more in a tier than the tier can (``tier_usage`` within ``tier_capacity``: the host pool
 also stages SSD writes), and it carries ``write_barrier`` / ``write_barrier_bwd``: where in the forward and
-the backward the runtime waits for the copies the model has finished by then, so that the allocator, which sees frees in the host's order, frees
-what the model frees.
+the backward the runtime waits for the copies the model has finished by then, so that the allocator, which
+sees frees in the host's order, frees what the model frees. Only where memory is the point
+(``write_barrier``: "auto" sets it when ``memory_budget_gb`` is given; a hide-only plan runs without it).
 
 Search: exhaustive over all c^n assignments when c^n <= ``exhaustive_limit``, c being the number of actions
 (keep, recompute and one per tier; with ``recompute_modules`` also the ``+sel`` forms; with profiled layer
@@ -63,6 +64,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "TierBandwidth",
+    "barrier_on",
     "floor_bytes",
     "make_plan",
     "simulate",
@@ -261,7 +263,8 @@ class Plan:
             f"everything (stall {self.stall_s * 1e3:.1f} ms); peak activations {self.peak_bytes / GB:.2f} GiB vs "
             f"{b['keep_all_bytes'] / GB:.2f} GiB kept, budget "
             + (f"{b['budget_bytes'] / GB:.2f} GiB" if b["budget_bytes"] is not None else "none (hide only)")
-            + f"; prefetch depth {self.prefetch_depth}; searched in {self.search_s:.1f} s"
+            + f"; prefetch depth {self.prefetch_depth}; write barrier {'on' if self.write_barrier else 'off'}"
+            + f"; searched in {self.search_s:.1f} s"
             + (
                 " -- OVER BUDGET: the least-over plan the model found (best effort)"
                 if self.over_budget
@@ -325,6 +328,11 @@ def _forward(
     if link is not None:
         free["host"] = max(free["host"], link_free)
     return t, free, write_done, off_device
+
+
+def barrier_on(cfg: ActivationOffloadConfig) -> bool:
+    """Whether plans carry a write barrier: ``write_barrier`` "on", or "auto" with a memory budget."""
+    return cfg.write_barrier == "on" or (cfg.write_barrier == "auto" and cfg.memory_budget_gb is not None)
 
 
 def write_barrier(
@@ -619,7 +627,7 @@ def make_plan(
     }
     budget_bytes = bound["budget_bytes"]
     over = cfg.policy == "auto" and budget_bytes is not None and peak > budget_bytes
-    fwd_barrier, bwd_barrier = write_barrier(profiles, actions, bw, caps)
+    fwd_barrier, bwd_barrier = write_barrier(profiles, actions, bw, caps) if barrier_on(cfg) else ([], [])
     return Plan(actions, depth, t, bound, profiles, peak, stall, over_budget=over, move_caps=caps,
                 search_s=time.perf_counter() - t_start, write_barrier=fwd_barrier,
                 write_barrier_bwd=bwd_barrier)  # fmt: skip

@@ -21,6 +21,8 @@ class StepRecord:
     compute_s: float = 0.0
     transfer_s: float = 0.0
     stall_s: float = 0.0
+    # exposed stall by what waited: the stall name's part before ":" ("write-barrier", "unpack", a gate)
+    stall_by: dict[str, float] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
     events: list[tuple[str, str, float, float]] = field(default_factory=list)  # (lane, name, t0, t1)
 
@@ -66,6 +68,8 @@ class StepTelemetry:
     def add_stall(self, t0: float, t1: float, name: str = "wait") -> None:
         with self._lock:
             self._cur.stall_s += t1 - t0
+            kind = name.split(":", 1)[0]
+            self._cur.stall_by[kind] = self._cur.stall_by.get(kind, 0.0) + (t1 - t0)
             if self._keep_events:
                 self._cur.events.append(("compute", f"stall:{name}", t0, t1))
 
@@ -104,5 +108,9 @@ class StepTelemetry:
             "compute_s": sum(r.compute_s for r in steps) / n,
             "transfer_s": sum(r.transfer_s for r in steps) / n,
             "stall_s": sum(r.stall_s for r in steps) / n,
+            "stall_by": {
+                k: sum(r.stall_by.get(k, 0.0) for r in steps) / n
+                for k in sorted({k for r in steps for k in r.stall_by})
+            },
             "bytes_by_tier": {t: sum(r.bytes_by_tier.get(t, 0) for r in steps) / n for t in tiers},
         }
