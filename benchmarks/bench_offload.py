@@ -57,7 +57,11 @@ NEEDS_BUDGET = ("dsx_auto_budget", "dsx_auto_budget_sel")
 
 
 def _ds_config(
-    micro: int, bf16: bool, dsx_section: dict[str, Any] | None, offload_optimizer: bool = False
+    micro: int,
+    bf16: bool,
+    dsx_section: dict[str, Any] | None,
+    offload_optimizer: bool = False,
+    trace_path: str | None = None,
 ) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": 1}
     if offload_optimizer:  # ZeRO-2 with the optimizer (fp32 master, Adam moments, step) on the CPU
@@ -72,7 +76,13 @@ def _ds_config(
         cfg["bf16"] = {"enabled": True}
     if dsx_section:
         cfg["dsx"] = {"activation_offload": dsx_section}
+        if trace_path:
+            cfg["dsx"]["scheduler"] = {"enabled": True, "trace_path": trace_path, "trace_steps": 3}
     return cfg
+
+
+def _trace_path(args: argparse.Namespace, name: str) -> str | None:
+    return None if args.trace is None else str(Path(args.trace) / f"trace_{name}_mb{args.micro_batch}.json")
 
 
 def _megatron(args: argparse.Namespace) -> bool:
@@ -122,7 +132,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     engine, _, _, _ = dsx.initialize(
         model=model,
         model_parameters=model.parameters(),
-        config=_ds_config(args.micro_batch, bf16, section, args.offload_optimizer),
+        config=_ds_config(args.micro_batch, bf16, section, args.offload_optimizer, _trace_path(args, name)),
     )
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=gen).to(engine.device)
@@ -304,6 +314,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--memory-history", default=None, metavar="DIR",
                    help="record the allocator over the measured steps (CUDA) and write what is live at their "
                         "peak, by allocating line, to DIR/memory_<config>_mb<N>.json (slows the steps)")  # fmt: skip
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="dsx configs: the scheduler's timeline of the last steps (transfers, stalls) to "
+                        "DIR/trace_<config>_mb<N>.json; `dsx trace` draws it")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.heads, args.seq_len, args.micro_batch = 64, 2, 2, 32, 2

@@ -254,6 +254,15 @@ case $stage in
       --name bench_offload_zero_cpu_h4096_mb20 --out benchmarks/results > "$OUT/bench-offload-zero-cpu-h4096-mb20.log" 2>&1
     cp benchmarks/results/bench_offload_hide2.* benchmarks/results/bench_offload_zero_cpu_h4096_mb20.* "$OUT/"
     ;;
+  offload21)  # 1 GPU: where auto's step goes at hidden 4096 + ZeRO-2 CPU offload, micro-batch 20 (offload20: 2772 ms
+              # against full recompute's 2721, predicted 235 ms faster; 0.37 s of host waits at the write barrier
+              # and 0.14 s at unpack per step): the scheduler's timeline of the measured steps
+    log bench-offload-zero-cpu-h4096-trace; timeout 250 python benchmarks/bench_offload.py --offload-optimizer \
+      --hidden 4096 --heads 32 --warmup 2 --steps 3 --pool-gb 40 --child-timeout 200 \
+      --micro-batches dsx_auto_budget_sel=20 --auto-budget-gb 62 --configs dsx_auto_budget_sel --trace "$OUT" \
+      --name bench_offload_zero_cpu_h4096_trace --out benchmarks/results > "$OUT/bench-offload-zero-cpu-h4096-trace.log" 2>&1
+    cp benchmarks/results/bench_offload_zero_cpu_h4096_trace.json "$OUT/"
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

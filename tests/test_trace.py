@@ -87,7 +87,7 @@ def test_trace_file_is_chrome_trace_with_lanes(offload_run) -> None:
     names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     procs = [e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"]
     assert procs == ["rank 0"] and doc["otherData"]["format"] == "dsx-trace"
-    assert {"compute", "io:host", "io:host_read"} <= set(names.values())
+    assert {"compute", "io:host", "io:host_read", "layers"} <= set(names.values())
     spans = [e for e in events if e["ph"] == "X"]
     steps = [e for e in spans if e["cat"] == "step"]
     assert [e["args"]["step"] for e in steps] == list(range(STEPS))
@@ -95,6 +95,11 @@ def test_trace_file_is_chrome_trace_with_lanes(offload_run) -> None:
     by_lane = {lane: [e for e in spans if names[e["tid"]] == lane and e["cat"] != "step"] for lane in names.values()}  # fmt: skip
     assert by_lane["io:host"] and by_lane["io:host_read"]
     assert all(e["cat"] == "stall" for e in by_lane["compute"])
+    # one host-side forward span per layer and step (offload_all: no recomputation)
+    forwards = [e["name"] for e in by_lane["layers"]]
+    layers = set(forwards)
+    assert layers and all(name.startswith("forward ") for name in layers)
+    assert len(forwards) == STEPS * len(layers), forwards
     assert all(e["dur"] >= 0 and 0 <= e["ts"] < 60e6 for e in spans)  # microseconds from the first step
 
 

@@ -79,6 +79,7 @@ class LayerHooks:
         # left the device (the plan's write_barrier; empty: never wait)
         self.write_barrier: list[int] = []
         self.write_barrier_bwd: list[int] = []  # the same at each layer's backward start
+        self._fwd_t0: dict[int, float] = {}  # host time each layer's forward began (the trace's spans)
         self._awaited = -1
         # layer -> bytes it may move per step (the planner's partial layers); what is saved beyond stays
         self.move_caps: dict[int, int] = {}
@@ -142,6 +143,7 @@ class LayerHooks:
                 return
             if self.write_barrier and self._cur is None:  # not inside another layer (a recomputation)
                 self.await_writes(self.write_barrier[i])
+            self._fwd_t0[i] = time.perf_counter()  # the trace's host-side layer span (after any wait)
             if self.actions[i] == "keep":
                 return
             self._cur = i
@@ -157,6 +159,9 @@ class LayerHooks:
             if self._cur == i and self._ctx:
                 self._ctx.pop().__exit__(None, None, None)
                 self._cur = None
+            if i in self._fwd_t0:  # (a recomputation calls the layer's forward without its hooks)
+                t0 = self._fwd_t0.pop(i)
+                self.mover.sched.telemetry.add_event("layers", f"forward {i}", t0, time.perf_counter())
             # the autograd thread runs ahead of the GPU as the forward did: wait at this layer's backward
             # start for the writes the model has finished by then
             bwd, at_end = self.write_barrier_bwd, (self.write_barrier or [-1])[-1]
