@@ -263,6 +263,20 @@ case $stage in
       --name bench_offload_zero_cpu_h4096_trace --out benchmarks/results > "$OUT/bench-offload-zero-cpu-h4096-trace.log" 2>&1
     cp benchmarks/results/bench_offload_zero_cpu_h4096_trace.json "$OUT/"
     ;;
+  offload22)  # 1 GPU: with the inputs every layer is given (the attention mask) kept on the device (offload21's trace:
+              # moved with layer 0, the mask made later layers' backward wait ~130 ms a step behind the bulk reads):
+              # hidden 4096 + ZeRO-2 CPU offload at micro-batch 20, auto beside recompute, traced; and hidden 2048 at
+              # recompute's peak against save_on_cpu
+    log bench-offload-zero-cpu-h4096-mask; timeout 300 python benchmarks/bench_offload.py --offload-optimizer \
+      --hidden 4096 --heads 32 --warmup 2 --steps 3 --pool-gb 40 --child-timeout 150 \
+      --micro-batches recompute=20 dsx_auto_budget_sel=20 --auto-budget-gb 62 --configs recompute dsx_auto_budget_sel \
+      --trace "$OUT" --name bench_offload_zero_cpu_h4096_mask --out benchmarks/results \
+      > "$OUT/bench-offload-zero-cpu-h4096-mask.log" 2>&1
+    log bench-offload-equal-memory; timeout 200 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 80 --configs recompute save_on_cpu dsx_auto_budget_sel --name bench_offload_equal_memory2 \
+      --out benchmarks/results > "$OUT/bench-offload-equal-memory2.log" 2>&1
+    cp benchmarks/results/bench_offload_zero_cpu_h4096_mask.* benchmarks/results/bench_offload_equal_memory2.* "$OUT/"
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

@@ -11,11 +11,14 @@ __all__ = ["OddModel", "TinyGPT"]
 class CoreAttention(nn.Module):
     """Scores, mask, softmax and the weighted sum: what Megatron's selective recompute recomputes."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None = None
+    ) -> torch.Tensor:
         s = q.shape[-2]
         att = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
-        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        return att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        if masked is None:
+            masked = ~torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        return att.masked_fill(masked, float("-inf")).softmax(-1) @ v
 
 
 class Block(nn.Module):
@@ -27,18 +30,22 @@ class Block(nn.Module):
         self.heads = heads
         self.attn = CoreAttention()
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = hidden_states
         b, s, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)  # views of one storage
         q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = self.attn(q, k, v).transpose(1, 2).reshape(b, s, d)
+        y = self.attn(q, k, v, attention_mask).transpose(1, 2).reshape(b, s, d)
         x = x + self.proj(y)
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
 
 
 class TinyGPT(nn.Module):
-    """``by_keyword``: blocks are called as ``blk(hidden_states=x)``, as Megatron calls its layers."""
+    """``by_keyword``: blocks are called as ``blk(hidden_states=x)``, as Megatron calls its layers;
+    ``shared_mask``: with ``attention_mask=``, one causal mask made once a step and saved by every layer's
+    attention, as Megatron's is."""
 
     def __init__(
         self,
@@ -48,9 +55,10 @@ class TinyGPT(nn.Module):
         heads: int = 4,
         seq: int = 16,
         by_keyword: bool = False,
+        shared_mask: bool = False,
     ) -> None:
         super().__init__()
-        self.by_keyword = by_keyword
+        self.by_keyword, self.shared_mask = by_keyword, shared_mask
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
@@ -59,8 +67,13 @@ class TinyGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        s = idx.shape[1]
+        mask = ~torch.ones(s, s, dtype=torch.bool, device=idx.device).tril() if self.shared_mask else None
         for blk in self.blocks:
-            x = blk(hidden_states=x) if self.by_keyword else blk(x)
+            if mask is not None:
+                x = blk(hidden_states=x, attention_mask=mask)
+            else:
+                x = blk(hidden_states=x) if self.by_keyword else blk(x)
         return self.head(self.ln(x))
 
 

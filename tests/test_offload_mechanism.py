@@ -506,14 +506,15 @@ def _calls_per_step(model, batches, off, sched):
     return got, plans, per_step
 
 
-@pytest.mark.parametrize("budget", [None, 1.0])
-def test_profile_under_recompute_sees_what_keeping_sees(tmp_path, budget):
+@pytest.mark.parametrize(("budget", "mask"), [(None, False), (1.0, False), (None, True)])
+def test_profile_under_recompute_sees_what_keeping_sees(tmp_path, budget, mask):
     """profile_mode recompute (the default with a budget): the warm-up and profiling steps recompute every
     layer (the attention runs twice a step) and the profile counts the same bytes as a step that keeps
-    everything: saved, saved with the recompute modules recomputed, inputs; gradients stay bitwise."""
+    everything: saved, saved with the recompute modules recomputed, inputs; gradients stay bitwise. A mask
+    handed to every layer counts in neither (it stays on the device)."""
     runs = {}
     for mode in ("keep", "recompute" if budget is None else "auto"):
-        model, batches, want = _reference(9, 4, make=lambda: TinyGPT(by_keyword=True))
+        model, batches, want = _reference(9, 4, make=lambda: TinyGPT(by_keyword=True, shared_mask=mask))
         sched = Scheduler(SchedulerConfig(io_workers=2))
         cfg = _cfg(tmp_path, ["host"], policy="auto", recompute_modules=["CoreAttention"],
                    profile_warmup_steps=1, profile_mode=mode, memory_budget_gb=budget if mode != "keep" else None)  # fmt: skip
@@ -631,6 +632,32 @@ def test_auto_falls_back_to_recomputing_every_layer_when_no_plan_has_the_margin(
     assert all(a.value == "recompute" for a in plans[1].actions), plans[1].actions
     assert len(measured) == 2 and plans[4] is plans[1]
     _assert_same(want, got)
+
+
+@pytest.mark.parametrize("tiers", [["host"], ["ssd"]])
+def test_inputs_every_layer_is_given_stay_on_the_device(tmp_path, tiers):
+    """A mask made once and handed to every layer (as Megatron's attention_mask), saved by each layer's
+    attention, stays on the device like a parameter: moved with layer 0, it made every later layer's
+    backward wait for layer 0's read (130 ms a step on the H100). The rest still moves; gradients bitwise."""
+    model, batches, want = _reference(23, 3, make=lambda: TinyGPT(by_keyword=True, shared_mask=True))
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    off = ActivationOffload(model, _cfg(tmp_path, tiers), sched)
+    names: list[str] = []
+    offload = off.mover.offload
+
+    def spy(storage, layer, tier, name):
+        names.append(name)
+        return offload(storage, layer, tier, name)
+
+    off.mover.offload = spy
+    try:
+        got = _train(model, batches, off)
+    finally:
+        off.close()
+        sched.close()
+    _assert_same(want, got)
+    assert names and all(n != "(16, 16):torch.bool" for n in names), names
+    assert any(n.endswith("torch.float32") for n in names)
 
 
 @pytest.mark.parametrize("barrier", [True, False])
