@@ -277,6 +277,15 @@ case $stage in
       --out benchmarks/results > "$OUT/bench-offload-equal-memory2.log" 2>&1
     cp benchmarks/results/bench_offload_zero_cpu_h4096_mask.* benchmarks/results/bench_offload_equal_memory2.* "$OUT/"
     ;;
+  offload23)  # 1 GPU: offload22's hidden-4096 pair again with expandable segments (auto ran out of memory there with
+              # 20.6 GiB reserved but unallocated: 10 GiB softmax blocks fragment the caching allocator)
+    log bench-offload-zero-cpu-h4096-expandable; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 300 \
+      python benchmarks/bench_offload.py --offload-optimizer --hidden 4096 --heads 32 --warmup 2 --steps 3 --pool-gb 40 \
+      --child-timeout 150 --micro-batches recompute=20 dsx_auto_budget_sel=20 --auto-budget-gb 62 \
+      --configs recompute dsx_auto_budget_sel --trace "$OUT" --name bench_offload_zero_cpu_h4096_expandable \
+      --out benchmarks/results > "$OUT/bench-offload-zero-cpu-h4096-expandable.log" 2>&1
+    cp benchmarks/results/bench_offload_zero_cpu_h4096_expandable.* "$OUT/"
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
