@@ -286,6 +286,13 @@ case $stage in
       --out benchmarks/results > "$OUT/bench-offload-zero-cpu-h4096-expandable.log" 2>&1
     cp benchmarks/results/bench_offload_zero_cpu_h4096_expandable.* "$OUT/"
     ;;
+  offload24)  # 1 GPU: hide-only plans at hidden 2048 with the mask kept on the device (offload20's hide_sel waited
+              # 63-69 ms a step at unpack)
+    log bench-offload-hide3; timeout 200 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 80 --configs none dsx_auto_hide_sel dsx_auto_hide --name bench_offload_hide3 \
+      --out benchmarks/results > "$OUT/bench-offload-hide3.log" 2>&1
+    cp benchmarks/results/bench_offload_hide3.* "$OUT/"
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
