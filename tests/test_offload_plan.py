@@ -382,7 +382,7 @@ def test_write_barrier_waits_where_the_model_has_the_writes_done() -> None:
 )
 def test_write_barrier_setting(setting: str, budget_gb: float | None, on: bool) -> None:
     """``auto`` holds the host only where a budget makes memory the point: with none (hide only) the wait
-    measured 12 ms a step on the H100 for memory nobody asked for."""
+    cost ~4% of the step rate on the H100 (0.954x no offload against 0.986x) for memory nobody asked for."""
     prof = _profiles(random.Random(4), 5)
     plan = make_plan(prof, BW, _cfg(write_barrier=setting, memory_budget_gb=budget_gb))
     assert (len(plan.write_barrier), len(plan.write_barrier_bwd)) == ((6, 5) if on else (0, 0))
