@@ -86,7 +86,10 @@ class LayerHooks:
         self._moved_bytes: dict[int, int] = {}
         self._ctx: list[Any] = []
         self._cur: int | None = None
-        self._kept: set[int] = set()
+        self._params: set[int] = set()
+        self._inputs: set[int] = (
+            set()
+        )  # storages of the current layer's no-grad inputs (kept like parameters)
         self._dedup: dict[tuple[int, int], tuple[Entry, weakref.ref]] = {}
         self._lock = threading.Lock()
         self._fetched_layers: set[int] = set()
@@ -144,10 +147,11 @@ class LayerHooks:
             if self.write_barrier and self._cur is None:  # not inside another layer (a recomputation)
                 self.await_writes(self.write_barrier[i])
             self._fwd_t0[i] = time.perf_counter()  # the trace's host-side layer span (after any wait)
-            self._note_kept((args, kwargs))  # (for keep layers too: the profiler counts inputs through it)
+            self._note_inputs(args, kwargs)  # (for keep layers too: the profiler counts inputs through it)
             if self.actions[i] == "keep":
                 return
             self._cur = i
+            self._note_params()
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             ctx.__enter__()
             self._ctx.append(ctx)
@@ -203,25 +207,24 @@ class LayerHooks:
         """Whether bytes saved now belong to the profiled step's first micro-batch (forward or recompute)."""
         return self._forwards - self._profile_from <= 1
 
-    def _note_kept(self, inputs: tuple[Any, dict[str, Any]] | None = None) -> None:
-        """What stays on the device in the layer about to run: parameters, and the tensors handed to it
-        that need no gradient (``inputs``: its args and kwargs).
-
-        The latter are what every layer is given alike (attention masks, position embeddings). Moved with
-        the first layer that saved them, they tied each later layer's backward to that layer's read: on the
-        H100 (hidden 4096) the mask waited behind the bulk reads, 130 ms a step.
-        """
+    def _note_params(self) -> None:
         # ZeRO-3 gathers parameters in its own pre-hooks (registered earlier, so they ran already)
-        self._kept = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        if inputs is not None:
-            args, kwargs = inputs
-            values = [*args, *kwargs.values()]
-            self._kept |= {
-                t.untyped_storage().data_ptr() for v in values for t in _tensors(v) if not t.requires_grad
-            }
+        self._params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+
+    def _note_inputs(self, args: Any, kwargs: dict[str, Any]) -> None:
+        """The tensors handed to the layer about to run that need no gradient stay on the device.
+
+        They are what every layer is given alike (attention masks, position embeddings). Moved with the
+        first layer that saved them, they tied each later layer's backward to that layer's read: on the H100
+        (hidden 4096) the mask waited behind the bulk reads, 130 ms a step.
+        """
+        values = [*args, *kwargs.values()]
+        self._inputs = {
+            t.untyped_storage().data_ptr() for v in values for t in _tensors(v) if not t.requires_grad
+        }
 
     @contextlib.contextmanager
-    def profile_scope(self, i: int, inputs: tuple[Any, dict[str, Any]] | None = None) -> Iterator[None]:
+    def profile_scope(self, i: int, args: Any = (), kwargs: dict[str, Any] | None = None) -> Iterator[None]:
         """Count what is saved inside the block as layer ``i``'s saved bytes: a recomputation, which the
         layer's forward hooks do not see (the profiling step under recomputation).
 
@@ -231,7 +234,8 @@ class LayerHooks:
         prev = self._cur
         self._cur, self._scope_profile = i, True
         self._profile_seen = set()
-        self._note_kept(inputs)
+        self._note_params()
+        self._note_inputs(args, kwargs or {})
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
@@ -253,7 +257,8 @@ class LayerHooks:
         if t.device != self.mover.device or isinstance(t, nn.Parameter) or t.layout != torch.strided:
             return True
         st = t.untyped_storage()
-        return st.nbytes() < self.min_bytes or st.data_ptr() in self._kept
+        ptr = st.data_ptr()
+        return st.nbytes() < self.min_bytes or ptr in self._params or ptr in self._inputs
 
     def _pack(self, t: torch.Tensor) -> Any:
         i = self._cur

@@ -175,7 +175,7 @@ class Profiler:
                 torch.cuda.reset_peak_memory_stats(self.device)
             if count_saved:  # (the hooks count the profiled step's first micro-batch only)
                 self._rc_counted[i] = True
-                with self.hooks.profile_scope(i, (args, kwargs)):
+                with self.hooks.profile_scope(i, args, kwargs):
                     out = fn(*args, **kwargs)
             else:
                 out = fn(*args, **kwargs)
