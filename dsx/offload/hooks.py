@@ -87,9 +87,8 @@ class LayerHooks:
         self._ctx: list[Any] = []
         self._cur: int | None = None
         self._params: set[int] = set()
-        self._inputs: set[int] = (
-            set()
-        )  # storages of the current layer's no-grad inputs (kept like parameters)
+        # storages of the current layer's inputs that need no gradient: kept like parameters
+        self._inputs: set[int] = set()
         self._dedup: dict[tuple[int, int], tuple[Entry, weakref.ref]] = {}
         self._lock = threading.Lock()
         self._fetched_layers: set[int] = set()
