@@ -134,6 +134,12 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         model_parameters=model.parameters(),
         config=_ds_config(args.micro_batch, bf16, section, args.offload_optimizer, _trace_path(args, name)),
     )
+    if (
+        args.read_pool != "compute"
+        and (rt0 := dsx.runtime_of(engine))
+        and "activation_offload" in rt0.features
+    ):
+        rt0.features["activation_offload"].offload.mover.read_pool = args.read_pool
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=gen).to(engine.device)
     inp, tgt = x[:, :-1], x[:, 1:]
@@ -145,6 +151,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     times: list[float] = []
     losses: list[float] = []
     base = peak = peak_total = 0
+    allocator_base: dict[str, int] = {}
     per_step: list[tuple[float, float]] = []  # (allocated at the step's start, its peak above that), GB
     n_steps = min(args.steps, 2) if name in SLOW else args.steps
     # policy auto: the warm-up also covers the profiled step and the re-plans after a measured overshoot,
@@ -159,6 +166,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             torch.cuda.synchronize()
             if step == warmup:
                 base = torch.cuda.memory_allocated()
+                allocator_base = _allocator_counts()
                 if args.memory_history:
                     _memory_trace.start()
             torch.cuda.reset_peak_memory_stats()
@@ -184,6 +192,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         path = Path(args.memory_history) / f"memory_{name}{tag}_mb{args.micro_batch}.json"
         memory = _memory_trace.stop_and_write(str(path), f"{name} micro-batch {args.micro_batch}")
         memory = {"path": str(path), "peak_bytes_since_recording": memory["peak_bytes_since_recording"]}
+    allocator = _allocator_counts() if dev.type == "cuda" else {}
+    allocator = {k: (v - allocator_base.get(k, 0)) / n_steps for k, v in allocator.items()}
     rt = dsx.runtime_of(engine)
     telemetry = rt.scheduler.telemetry.summary() if rt and rt.scheduler else {}
     if rt and rt.scheduler:  # bytes written per measured step (the summary averages warm-up steps in)
@@ -194,6 +204,10 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         ]
         # what the measured steps waited for (write barrier, reads at unpack, gates), seconds per step
         telemetry["stall_by_measured_step"] = [r.stall_by for r in rt.scheduler.telemetry.history[-n_steps:]]
+        # how long the compute stream itself waited for reads' copies (CUDA events), seconds per step
+        telemetry["gpu_wait_by_measured_step"] = [
+            r.gpu_wait_by for r in rt.scheduler.telemetry.history[-n_steps:]
+        ]
     plan = None
     if rt and "activation_offload" in rt.features:
         off = rt.features["activation_offload"].offload
@@ -211,7 +225,16 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     return {"config": name, "step_s": step_s, "tokens_per_s": args.micro_batch * args.seq_len / step_s,
             "activation_peak_gb": peak / 1e9, "peak_allocated_gb": peak_total / 1e9,
             "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan,
+            "allocator_per_step": allocator, "read_pool": args.read_pool,
             **({"memory_trace": memory} if memory else {})}  # fmt: skip
+
+
+def _allocator_counts() -> dict[str, int]:
+    """The caching allocator's counters that cost time: retries (a failed allocation frees every cached
+    block, synchronising the device, and tries again) and cudaMalloc/cudaFree calls."""
+    stats = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
+    return {k: int(stats.get(k, 0)) for k in keys}
 
 
 def _deepspeed_checkpointing(model: torch.nn.Module) -> None:
@@ -314,6 +337,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--memory-history", default=None, metavar="DIR",
                    help="record the allocator over the measured steps (CUDA) and write what is live at their "
                         "peak, by allocating line, to DIR/memory_<config>_mb<N>.json (slows the steps)")  # fmt: skip
+    p.add_argument(
+        "--read-pool",
+        choices=["compute", "prefetch"],
+        default="compute",
+        help="allocator pool of dsx's read buffers: the compute stream's (default) or the prefetch "
+        "side stream's own (the earlier behaviour, to compare)",
+    )
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="dsx configs: the scheduler's timeline of the last steps (transfers, stalls) to "
                         "DIR/trace_<config>_mb<N>.json; `dsx trace` draws it")  # fmt: skip

@@ -293,6 +293,33 @@ case $stage in
       --out benchmarks/results > "$OUT/bench-offload-hide3.log" 2>&1
     cp benchmarks/results/bench_offload_hide3.* "$OUT/"
     ;;
+  offload25)  # 1 GPU: read buffers from the compute stream's allocator pool (before: the prefetch stream's own pool,
+              # which the blocks freed by forward's moves cannot serve), with the allocator's retries and the compute
+              # stream's own waits for reads timed: GPU offload tests, then hidden 2048 at recompute's peak, both pools
+    log offload-gpu-tests; timeout 150 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
+    log bench-offload-pool; timeout 260 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 80 --configs recompute save_on_cpu dsx_auto_budget_sel --name bench_offload_pool \
+      --out benchmarks/results > "$OUT/bench-offload-pool.log" 2>&1
+    budget=$(python -c "import json; d = json.load(open('benchmarks/results/bench_offload_pool.json')); \
+print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'recompute'))")
+    log bench-offload-pool-prefetch budget "$budget"; timeout 120 python benchmarks/bench_offload.py --warmup 2 \
+      --steps 3 --pool-gb 20 --child-timeout 80 --configs dsx_auto_budget_sel --auto-budget-gb "$budget" \
+      --read-pool prefetch --name bench_offload_pool_prefetch --out benchmarks/results \
+      > "$OUT/bench-offload-pool-prefetch.log" 2>&1
+    ;;
+  offload26)  # 1 GPU: hidden 4096 + ZeRO-2 CPU offload, micro-batch 20: auto (compute-stream pool) beside full
+              # recompute, with and without expandable segments (before: 0.94x recompute with them, out of memory
+              # without them, 20.6 GiB reserved but unallocated)
+    for alloc in default expandable; do
+      unset PYTORCH_CUDA_ALLOC_CONF; [ "$alloc" = expandable ] && export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+      configs="dsx_auto_budget_sel"; [ "$alloc" = default ] && configs="recompute dsx_auto_budget_sel"
+      log bench-offload-pool-h4096-$alloc; timeout 330 python benchmarks/bench_offload.py \
+        --offload-optimizer --hidden 4096 --heads 32 --warmup 2 --steps 3 --pool-gb 40 --child-timeout 150 \
+        --micro-batches recompute=20 dsx_auto_budget_sel=20 --auto-budget-gb 62 --configs $configs \
+        --name bench_offload_pool_h4096_$alloc --out benchmarks/results > "$OUT/bench-offload-pool-h4096-$alloc.log" 2>&1
+    done
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

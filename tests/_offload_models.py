@@ -103,3 +103,12 @@ class OddModel(nn.Module):
         for m in self.layers:
             x = m(x)
         return x
+
+
+def assert_same_grads(want: list[list[torch.Tensor]], got: list[list[torch.Tensor]]) -> None:
+    """Per step, every parameter's gradient finite and bitwise equal to the reference run's."""
+    assert len(got) == len(want) > 0
+    for gw, gg in zip(want, got):
+        assert len(gg) == len(gw) > 0
+        for a, b in zip(gw, gg):
+            assert torch.isfinite(a).all() and torch.equal(a, b)

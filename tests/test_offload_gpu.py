@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from dsx.config import ActivationOffloadConfig, SchedulerConfig
 from dsx.offload import ActivationOffload
 from dsx.offload.io import describe_backends
 from dsx.runtime.scheduler import Scheduler
-from tests._offload_models import TinyGPT
+from tests._offload_models import TinyGPT, assert_same_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -28,6 +29,16 @@ def _train(model, batches, off=None):
         if off is not None:
             off.end_step()
     return grads
+
+
+def _reference(seed: int, n_batches: int):
+    """A small GPT on the GPU, its batches, and the gradients of training a copy of it without offload."""
+    torch.manual_seed(0)
+    ref = TinyGPT(vocab=256, d=256, layers=4, heads=8, seq=128).cuda()
+    model = copy.deepcopy(ref)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    batches = [torch.randint(0, 256, (8, 128), device="cuda", generator=g) for _ in range(n_batches)]
+    return model, batches, _train(ref, batches)
 
 
 def _measured_step(model, opt, x, off=None) -> int:
@@ -46,26 +57,23 @@ def _measured_step(model, opt, x, off=None) -> int:
 
 
 @pytest.mark.parametrize(
-    "tiers,backend,sel",
+    "tiers,backend,sel,read_pool",
     [
-        (["host"], "posix", False),
-        (["ssd"], "posix", False),
-        (["host", "ssd"], "aio", False),
-        (["host", "ssd"], "kvikio", False),
-        (["host"], "posix", True),  # recompute_modules: attention recomputed, the rest moved
+        (["host"], "posix", False, "compute"),
+        (["ssd"], "posix", False, "compute"),
+        (["host", "ssd"], "aio", False, "compute"),
+        (["host", "ssd"], "kvikio", False, "compute"),
+        (["host"], "posix", True, "compute"),  # recompute_modules: attention recomputed, the rest moved
+        (["host"], "posix", False, "prefetch"),  # read buffers from the side stream's pool (the old way)
+        (["ssd"], "posix", False, "prefetch"),
     ],
 )
-def test_gpu_bitwise(tmp_path, tiers, backend, sel):
+def test_gpu_bitwise(tmp_path, tiers, backend, sel, read_pool):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     if backend != "posix" and not describe_backends()[backend]["available"]:
         pytest.skip(f"{backend}: {describe_backends()[backend]['reason']}")
-    torch.manual_seed(0)
-    ref = TinyGPT(vocab=256, d=256, layers=4, heads=8, seq=128).cuda()
-    model = copy.deepcopy(ref)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, 256, (8, 128), device="cuda", generator=g) for _ in range(3)]
-    want = _train(ref, batches)
+    model, batches, want = _reference(seed=1, n_batches=3)
     (tmp_path / "ssd").mkdir()
     cfg = ActivationOffloadConfig(
         enabled=True,
@@ -81,15 +89,17 @@ def test_gpu_bitwise(tmp_path, tiers, backend, sel):
     )
     sched = Scheduler(SchedulerConfig(io_workers=4), device=torch.device("cuda"))
     off = ActivationOffload(model, cfg, sched)
+    off.mover.read_pool = read_pool
     try:
         got = _train(model, batches, off)
         assert sum(sched.telemetry.history[0].bytes_by_tier.values()) > 0
+        # every read's device-side wait was timed and resolved (zero when the data were back in time)
+        summary = sched.telemetry.summary()
+        assert set(summary["gpu_wait_by"]) == {"unpack"} and summary["gpu_wait_s"] >= 0.0
     finally:
         off.close()
         sched.close()
-    for gw, gg in zip(want, got):
-        for a, b in zip(gw, gg):
-            assert torch.equal(a, b)
+    assert_same_grads(want, got)
 
 
 def test_gpu_memory_released_during_forward(tmp_path):
@@ -124,6 +134,37 @@ def test_gpu_memory_released_during_forward(tmp_path):
         off.close()
         sched.close()
     assert offloaded < 0.5 * plain, (plain, offloaded)
+
+
+def test_gpu_dropped_graph_gives_read_buffers_back(tmp_path):
+    """A forward whose graph is dropped without backward after its reads were issued (forward's end
+    prefetches the last layers): the read buffers go back once their copies end, nothing stays allocated,
+    and the next steps still give the gradients of a run without offload."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model, batches, want = _reference(seed=2, n_batches=2)
+    cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=1,
+                                  min_tensor_bytes=0)  # fmt: skip
+    sched = Scheduler(SchedulerConfig(io_workers=4), device=torch.device("cuda"))
+    off = ActivationOffload(model, cfg, sched)
+    try:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = model(batches[0]).float().pow(2).mean()
+        issued = [e for i in range(4) for e in off.mover.entries_of(i) if e.fetched is not None]
+        assert issued  # forward's end issued the last layer's reads
+        del y
+        gc.collect()
+        deadline = time.monotonic() + 10  # the I/O threads drop each read's buffer once its copy ended
+        while torch.cuda.memory_allocated() != before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert torch.cuda.memory_allocated() == before
+        off.end_step()
+        got = _train(model, batches, off)
+    finally:
+        off.close()
+        sched.close()
+    assert_same_grads(want, got)
 
 
 def _gpt_step(batch: int, seed: int):

@@ -11,7 +11,7 @@ import torch
 from dsx.config import ActivationOffloadConfig, SchedulerConfig
 from dsx.offload import ActivationOffload, OffloadIntegrityError
 from dsx.runtime.scheduler import Scheduler
-from tests._offload_models import OddModel, TinyGPT
+from tests._offload_models import OddModel, TinyGPT, assert_same_grads
 
 
 def _cfg(tmp_path, tiers, **kw):
@@ -76,9 +76,7 @@ def test_bitwise_equal_gradients(tmp_path, kind, tiers):
     assert moved > 0, "nothing was offloaded: the test would pass vacuously"
     if "ssd" in tiers:
         assert sched.telemetry.history[0].bytes_by_tier.get("ssd", 0) > 0
-    for gw, gg in zip(want, got):
-        for a, b in zip(gw, gg):
-            assert torch.isfinite(a).all() and torch.equal(a, b)
+    assert_same_grads(want, got)
     if "ssd" in tiers:
         assert not os.listdir(tmp_path / "ssd"), "run dir not removed at close"
 
@@ -183,9 +181,7 @@ def test_recompute_all_bitwise(tmp_path):
     finally:
         off.close()
         sched.close()
-    for gw, gg in zip(want, got):
-        for a, b in zip(gw, gg):
-            assert torch.isfinite(a).all() and torch.equal(a, b)
+    assert_same_grads(want, got)
 
 
 def test_recompute_all_with_frozen_embeddings_keeps_layer_gradients(tmp_path):
@@ -233,9 +229,7 @@ def test_bitwise_equal_gradients_aio_backend(tmp_path):
     finally:
         off.close()
         sched.close()
-    for gw, gg in zip(want, got):
-        for a, b in zip(gw, gg):
-            assert torch.isfinite(a).all() and torch.equal(a, b)
+    assert_same_grads(want, got)
 
 
 def test_posix_backend_roundtrip_and_alignment(tmp_path):
@@ -291,12 +285,6 @@ def _steps(model, batches, off, actions=()):
     return grads
 
 
-def _assert_same(want, got):
-    for gw, gg in zip(want, got):
-        for a, b in zip(gw, gg):
-            assert torch.isfinite(a).all() and torch.equal(a, b)
-
-
 @pytest.mark.parametrize("tiers", [["host"], ["ssd"]])
 def test_offload_all_with_recompute_modules_bitwise(tmp_path, tiers):
     model, batches, want = _reference(3, 3)
@@ -311,7 +299,7 @@ def test_offload_all_with_recompute_modules_bitwise(tmp_path, tiers):
         sched.close()
     assert moved > 0
     assert all("forward" not in b.attn.__dict__ for b in model.blocks), "close() left the wrapper"
-    _assert_same(want, got)
+    assert_same_grads(want, got)
 
 
 def test_auto_profiles_selective_bytes_and_moves_what_it_predicts(tmp_path):
@@ -329,7 +317,7 @@ def test_auto_profiles_selective_bytes_and_moves_what_it_predicts(tmp_path):
     finally:
         off.close()
         sched.close()
-    _assert_same(want, got)
+    assert_same_grads(want, got)
     for p in profiles:
         assert p.sel_saved_bytes is not None and 0 < p.sel_saved_bytes < p.saved_bytes
         assert p.sel_recompute_s > 0
@@ -403,7 +391,7 @@ def test_auto_profiles_after_warmup_steps(tmp_path):
     # the plan's write barrier is what the hooks wait by
     assert len(plans[2].write_barrier) == len(plans[2].actions) + 1
     assert off.hooks.write_barrier == plans[2].write_barrier
-    _assert_same(want, got)
+    assert_same_grads(want, got)
 
 
 def test_auto_replans_when_the_planned_step_peaks_over_the_budget(tmp_path):
@@ -433,7 +421,7 @@ def test_auto_replans_when_the_planned_step_peaks_over_the_budget(tmp_path):
     assert first.peak_bytes > keep_all // 2  # a 1 GiB budget leaves the tiny model's plan free
     assert second is not first and second.peak_bytes <= keep_all // 2  # planned with the margin
     assert len(measured) == 2 and plans[2] is second and plans[4] is second  # within budget: no more re-plans
-    _assert_same(want, got)
+    assert_same_grads(want, got)
 
 
 def test_partial_layer_moves_up_to_its_cap_bitwise(tmp_path):
@@ -456,7 +444,7 @@ def test_partial_layer_moves_up_to_its_cap_bitwise(tmp_path):
     model, batches, want = _reference(5, 3)
     got, moved = run(model, batches, {0: cap})
     assert whole > 0 and len(moved) == 3 and all(0 < m <= cap for m in moved), (whole, cap, moved)
-    _assert_same(want, got)
+    assert_same_grads(want, got)
 
 
 @pytest.mark.parametrize(
@@ -485,7 +473,7 @@ def test_recompute_with_its_inputs_moved_bitwise(tmp_path, actions):
         assert all(m > (n_rc + 1) * hidden for m in moved), (moved, hidden)
     else:
         assert moved == [n_rc * hidden] * len(batches), (moved, hidden)
-    _assert_same(want, got)
+    assert_same_grads(want, got)
 
 
 def _calls_per_step(model, batches, off, sched):
@@ -520,7 +508,7 @@ def test_profile_under_recompute_sees_what_keeping_sees(tmp_path, budget, mask):
                    profile_warmup_steps=1, profile_mode=mode, memory_budget_gb=budget if mode != "keep" else None)  # fmt: skip
         off = ActivationOffload(model, cfg, sched)
         got, plans, calls = _calls_per_step(model, batches, off, sched)
-        _assert_same(want, got)
+        assert_same_grads(want, got)
         runs[mode] = (plans, calls)
     (kp, kcalls), (rp, rcalls) = runs["keep"], runs["recompute" if budget is None else "auto"]
     n = len(kp[1].profiles)
@@ -572,7 +560,7 @@ def test_profile_under_recompute_with_frozen_embeddings(tmp_path):
     assert all(not p.recompute_only and p.saved_bytes > 0 for p in prof[1:])
     assert plans[0].actions[0].recomputed
     assert len(got) == len(want) and all(len(g) > 0 for g in got)
-    _assert_same(want, got)
+    assert_same_grads(want, got)
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute"])
@@ -631,7 +619,7 @@ def test_auto_falls_back_to_recomputing_every_layer_when_no_plan_has_the_margin(
     assert not all(a.recomputed for a in plans[0].actions)  # the tiny model's plan recomputes little
     assert all(a.value == "recompute" for a in plans[1].actions), plans[1].actions
     assert len(measured) == 2 and plans[4] is plans[1]
-    _assert_same(want, got)
+    assert_same_grads(want, got)
 
 
 @pytest.mark.parametrize("tiers", [["host"], ["ssd"]])
@@ -655,7 +643,7 @@ def test_inputs_every_layer_is_given_stay_on_the_device(tmp_path, tiers):
     finally:
         off.close()
         sched.close()
-    _assert_same(want, got)
+    assert_same_grads(want, got)
     assert names and all(n != "(16, 16):torch.bool" for n in names), names
     assert any(n.endswith("torch.float32") for n in names)
 
@@ -697,7 +685,7 @@ def test_write_barrier_holds_the_forward_until_earlier_layers_left_the_device(tm
             h.remove()
         off.close()
         sched.close()
-    _assert_same(want, got)
+    assert_same_grads(want, got)
     assert len(seen) == 2 * (n - 2)
     # the waits are reported as stall under their own name (the benchmarks' stall_by)
     waited = [r.stall_by.get("write-barrier", 0.0) for r in sched.telemetry.history]
@@ -746,6 +734,6 @@ def test_backward_write_barrier_waits_at_the_layer_backward_start(tmp_path, barr
         handle.remove()
         off.close()
         sched.close()
-    _assert_same(want, got)
+    assert_same_grads(want, got)
     assert len(seen) == 2
     assert seen[0] if barrier else not seen[0], seen

@@ -153,6 +153,45 @@ def test_scheduler_alone_flushes_bounded_trace(tmp_path) -> None:
     assert engine.step.__func__ is type(engine).step  # close() gave engine.step back
 
 
+class _TimedEvent:
+    """A completed-or-not timing point with CUDA events' three calls (the telemetry's only contract)."""
+
+    def __init__(self, ms: float, done: bool = True) -> None:
+        self.ms, self.done = ms, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def elapsed_time(self, other: _TimedEvent) -> float:
+        return other.ms - self.ms
+
+
+def test_gpu_waits_resolve_into_their_step() -> None:
+    """A device-side wait counts only when the data came after the stream reached it, and lands in the
+    step that issued it even when the GPU finishes it after that step's end."""
+    from dsx.runtime.telemetry import StepTelemetry
+
+    tel = StepTelemetry()
+    tel.add_gpu_wait(_TimedEvent(10.0), _TimedEvent(14.5), "unpack:layer3")  # 4.5 ms late
+    tel.add_gpu_wait(_TimedEvent(20.0), _TimedEvent(12.0), "unpack:layer2")  # already there: no wait
+    late = _TimedEvent(31.0, done=False)
+    tel.add_gpu_wait(_TimedEvent(30.0), late, "gate:ssd")  # still running at the step's end
+    tel.end_step()
+    assert tel.history[0].gpu_wait_s == pytest.approx(4.5e-3)
+    tel.add_gpu_wait(_TimedEvent(0.0), _TimedEvent(2.0), "unpack:layer1")
+    tel.end_step()
+    assert tel.history[1].gpu_wait_by == {"unpack": pytest.approx(2e-3)}
+    assert tel.history[0].gpu_wait_by == {"unpack": pytest.approx(4.5e-3)}  # the late one not yet in
+    summary = tel.summary()  # waits for what is still running
+    assert late.done
+    assert tel.history[0].gpu_wait_by == {"unpack": pytest.approx(4.5e-3), "gate": pytest.approx(1e-3)}
+    assert summary["gpu_wait_by"] == {"unpack": pytest.approx(2e-3)}  # step 0 (warm-up) is left out
+    assert summary["gpu_wait_s"] == pytest.approx(2e-3)
+
+
 def test_rank_path() -> None:
     assert rank_path("out/t.json", 0, 1) == Path("out/t.json")
     assert rank_path("out/t.json", 1, 2) == Path("out/t.rank1.json")

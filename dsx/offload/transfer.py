@@ -4,8 +4,15 @@ On CUDA, pack records an event on the compute stream; the device→host copy wai
 ``"offload"`` side stream; an I/O thread waits for the copy's own event, then drops the device reference
 (the memory goes back to the caching allocator) and, for the SSD tier, writes the host slot to the file
 and frees the slot. Reads go the other way on I/O threads; the consumer waits on a CUDA event, and on the
-host only when the data are not yet on their way back (that wait is recorded as stall). On CPU the same
-code runs with the compute device being the CPU and plain (unpinned) host buffers.
+host only when the data are not yet on their way back (that wait is recorded as stall). How long the
+compute stream itself waits for a read's copy is timed with CUDA events and recorded as GPU wait. On CPU the
+same code runs with the compute device being the CPU and plain (unpinned) host buffers.
+
+A read's device buffer comes from the pool of the stream that issued the read (the compute stream): the
+caching allocator keeps one pool per stream, and buffers allocated on the prefetch stream could not reuse
+the blocks that forward's moved activations gave back to the compute stream, nor could the compute stream
+reuse them after backward. Under a tight budget each such miss is a ``cudaFree`` of cached blocks, a
+device-wide synchronisation, and a new ``cudaMalloc``.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class Entry:
     crc: int | None = None
     written: Future[Any] | None = None
     fetched: Future[Any] | None = None
+    consumed: bool = False  # a consumer waited for the read (its stream is ordered after the copy)
     released: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     # set once the device bytes are given back (the copy to the host ended, or failed): what the forward's
@@ -66,9 +74,15 @@ class Mover:
         ssd: SsdFile | None,
         verify: bool,
         ssd_gate: str = "ssd",
+        read_pool: str = "compute",
     ) -> None:
+        if read_pool not in ("compute", "prefetch"):
+            raise ValueError(f"read_pool must be 'compute' or 'prefetch', got {read_pool!r}")
         self.device, self.sched, self.host, self.ssd, self.verify = device, scheduler, host, ssd, verify
         self.ssd_gate = ssd_gate
+        # which stream's allocator pool read buffers come from; "prefetch" (the side stream's own pool) is
+        # kept to measure the difference against (benchmarks/bench_offload.py --read-pool)
+        self.read_pool = read_pool
         self._cuda = device.type == "cuda"
         self._entries: dict[int, list[Entry]] = {}
         self._lock = threading.Lock()
@@ -173,12 +187,17 @@ class Mover:
 
     # ---------------------------------------------------------------------------------------- read
     def fetch(self, e: Entry) -> Future[Any]:
+        """Issue the read of ``e`` (once); call it on the thread that will use the data (compute or autograd):
+        with ``read_pool="compute"`` the device buffer comes from that thread's current stream's pool."""
         with e.lock:
             if e.fetched is None:
-                e.fetched = self.sched.submit(self._read, e)
+                pool = None
+                if self._cuda and self.read_pool == "compute":
+                    pool = torch.cuda.current_stream(self.device)
+                e.fetched = self.sched.submit(self._read, e, pool)
             return e.fetched
 
-    def _read(self, e: Entry) -> tuple[torch.Tensor, Any]:
+    def _read(self, e: Entry, pool: Any = None) -> tuple[torch.Tensor, Any]:
         e.written.result()  # a failed write re-raises here
         if self._cuda:
             torch.cuda.set_device(self.device)  # I/O threads start on device 0; ranks may own another
@@ -203,10 +222,21 @@ class Mover:
                 )
             if self._cuda:
                 side = self.sched.stream("prefetch")
+                if pool is not None:
+                    # allocated once the bytes are off the device (written) and on the host (read from the SSD):
+                    # not held longer than the copy needs. The block may be one that work the pool's stream
+                    # has queued still uses: the copy waits for that work.
+                    with torch.cuda.stream(pool):
+                        out = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
+                        issued = torch.cuda.Event()
+                        issued.record(pool)
                 with torch.cuda.stream(side):
-                    out = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
+                    if pool is None:
+                        out = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
+                    else:  # (no record_stream(side): a freed block would wait for every copy queued
+                        side.wait_event(issued)  # after it; release() holds a buffer never read instead)
                     out.copy_(buf[: e.nbytes], non_blocking=True)
-                    ev = torch.cuda.Event()
+                    ev = torch.cuda.Event(enable_timing=True)  # the consumer times its wait against it
                     ev.record(side)
                 if tmp is not None:
                     ev.synchronize()  # the staging slot is reused right after
@@ -227,8 +257,13 @@ class Mover:
         out, ev = fut.result()
         if ev is not None:
             cur = torch.cuda.current_stream(self.device)
+            reached = torch.cuda.Event(enable_timing=True)
+            reached.record(cur)
             cur.wait_event(ev)  # a device-side wait: the host goes on queueing kernels
-            out.record_stream(cur)
+            self.sched.telemetry.add_gpu_wait(reached, ev, f"unpack:layer{e.layer}")
+            if self.read_pool == "prefetch":
+                out.record_stream(cur)
+        e.consumed = True
         return out
 
     # ------------------------------------------------------------------------------------- release
@@ -239,6 +274,10 @@ class Mover:
             lst = self._entries.get(e.layer)
             if lst is not None and e in lst:
                 lst.remove(e)
+        if e.fetched is not None and not e.consumed and self._cuda:
+            # read but never used (the graph was dropped): no stream is ordered after the copy, so its buffer
+            # goes back to the allocator only once the copy has ended
+            e.fetched.add_done_callback(_free_after_copy)
         e.fetched = None
 
         def free(_: Any = None) -> None:
@@ -259,6 +298,11 @@ class Mover:
             futs = [e.written for lst in self._entries.values() for e in lst if e.written is not None]
         for f in futs:
             f.result()
+
+
+def _free_after_copy(fut: Future[Any]) -> None:
+    if fut.exception() is None:
+        fut.result()[1].synchronize()
 
 
 def _aligned_host(size: int, pin: bool) -> torch.Tensor:

@@ -23,10 +23,15 @@ class StepRecord:
     stall_s: float = 0.0
     # exposed stall by what waited: the stall name's part before ":" ("write-barrier", "unpack", a gate)
     stall_by: dict[str, float] = field(default_factory=dict)
+    # how long the compute stream itself waited for data (a read's copy), by the same kind of name; timed
+    # with CUDA events, so known only once the GPU has run the step (filled in at a later end_step/summary)
+    gpu_wait_s: float = 0.0
+    gpu_wait_by: dict[str, float] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
     events: list[tuple[str, str, float, float]] = field(default_factory=list)  # (lane, name, t0, t1)
 
     def as_scalars(self) -> dict[str, float]:
+        # (no gpu_wait_s: at the step's end the GPU has not run it yet)
         out = {"compute_s": self.compute_s, "transfer_s": self.transfer_s, "stall_s": self.stall_s}
         for tier, n in self.bytes_by_tier.items():
             out[f"bytes_{tier}"] = float(n)
@@ -48,6 +53,9 @@ class StepTelemetry:
         self._cur = StepRecord(step=0)
         self._bytes: dict[str, int] = defaultdict(int)
         self.history: list[StepRecord] = []
+        self._gpu_waits: list[
+            tuple[int, Any, Any, str]
+        ] = []  # (step, reached, ready, name), not yet resolved
 
     @property
     def current(self) -> StepRecord:
@@ -73,6 +81,36 @@ class StepTelemetry:
             if self._keep_events:
                 self._cur.events.append(("compute", f"stall:{name}", t0, t1))
 
+    def add_gpu_wait(self, reached: Any, ready: Any, name: str = "wait") -> None:
+        """A device-side wait: the consumer stream reached ``reached`` and then waited for ``ready``.
+
+        Both are CUDA events created with ``enable_timing=True``; the wait is ``reached → ready`` when
+        positive (the data were late), else zero. Resolved without blocking at each :meth:`end_step` once
+        both events have completed, and with blocking by :meth:`summary`.
+        """
+        with self._lock:
+            self._gpu_waits.append((self._step, reached, ready, name))
+
+    def _resolve_gpu_waits(self, block: bool) -> None:
+        with self._lock:
+            pending, self._gpu_waits = self._gpu_waits, []
+        keep = []
+        for item in pending:
+            step, reached, ready, name = item
+            if block:
+                ready.synchronize()
+                reached.synchronize()
+            elif not (ready.query() and reached.query()):
+                keep.append(item)
+                continue
+            dt = max(0.0, reached.elapsed_time(ready)) / 1e3
+            rec = self.history[step] if step < len(self.history) else self._cur
+            rec.gpu_wait_s += dt
+            kind = name.split(":", 1)[0]
+            rec.gpu_wait_by[kind] = rec.gpu_wait_by.get(kind, 0.0) + dt
+        with self._lock:
+            self._gpu_waits[:0] = keep
+
     def add_event(self, lane: str, name: str, t0: float, t1: float) -> None:
         if self._keep_events:
             with self._lock:
@@ -95,9 +133,11 @@ class StepTelemetry:
             self._cur = StepRecord(step=self._step)
             self._bytes = defaultdict(int)
             self._t_step = now
+        self._resolve_gpu_waits(block=False)
         return rec
 
     def summary(self) -> dict[str, Any]:
+        self._resolve_gpu_waits(block=True)
         steps = self.history[1:] or self.history  # the first step profiles and warms up
         if not steps:
             return {}
@@ -111,6 +151,11 @@ class StepTelemetry:
             "stall_by": {
                 k: sum(r.stall_by.get(k, 0.0) for r in steps) / n
                 for k in sorted({k for r in steps for k in r.stall_by})
+            },
+            "gpu_wait_s": sum(r.gpu_wait_s for r in steps) / n,
+            "gpu_wait_by": {
+                k: sum(r.gpu_wait_by.get(k, 0.0) for r in steps) / n
+                for k in sorted({k for r in steps for k in r.gpu_wait_by})
             },
             "bytes_by_tier": {t: sum(r.bytes_by_tier.get(t, 0) for r in steps) / n for t in tiers},
         }
