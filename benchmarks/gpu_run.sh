@@ -320,6 +320,16 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
         --name bench_offload_pool_h4096_$alloc --out benchmarks/results > "$OUT/bench-offload-pool-h4096-$alloc.log" 2>&1
     done
     ;;
+  offload27)  # 1 GPU: what the memory buys with auto (offload26: auto at micro-batch 20 ran 1.05x full recompute
+              # without expandable segments, where it had run out of memory with the prefetch stream's pool): the
+              # largest micro-batch without dsx (7) beside recompute and auto at 20, one run; the GPU's idle time
+              # at the write barrier timed
+    log bench-offload-zero-cpu-h4096-pool; timeout 560 python benchmarks/bench_offload.py --offload-optimizer \
+      --hidden 4096 --heads 32 --warmup 2 --steps 3 --pool-gb 40 --child-timeout 170 \
+      --micro-batches none=7 recompute=20 dsx_auto_budget_sel=20 --auto-budget-gb 62 \
+      --configs none recompute dsx_auto_budget_sel --name bench_offload_zero_cpu_h4096_pool --out benchmarks/results \
+      > "$OUT/bench-offload-zero-cpu-h4096-pool.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

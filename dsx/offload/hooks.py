@@ -187,16 +187,29 @@ class LayerHooks:
         """
         if upto <= self._awaited:
             return
-        t0 = time.perf_counter()
-        waited = False
-        for layer in range(self._awaited + 1, upto + 1):
-            for entry in self.mover.entries_of(layer):
-                if not entry.off_device.is_set():
-                    waited = True
-                    entry.off_device.wait()
+        late = [
+            e
+            for layer in range(self._awaited + 1, upto + 1)
+            for e in self.mover.entries_of(layer)
+            if not e.off_device.is_set()
+        ]
         self._awaited = upto
-        if waited:
-            self.mover.sched.telemetry.add_stall(t0, time.perf_counter(), f"write-barrier:layer{upto}")
+        if not late:
+            return
+        name = f"write-barrier:layer{upto}"
+        cuda = self.mover.device.type == "cuda"
+        if cuda:  # what the wait costs the GPU: the time it idles between the work queued so far and the next
+            stream = torch.cuda.current_stream(self.mover.device)
+            reached = torch.cuda.Event(enable_timing=True)
+            reached.record(stream)
+        t0 = time.perf_counter()
+        for e in late:
+            e.off_device.wait()
+        self.mover.sched.telemetry.add_stall(t0, time.perf_counter(), name)
+        if cuda:
+            resumed = torch.cuda.Event(enable_timing=True)
+            resumed.record(stream)
+            self.mover.sched.telemetry.add_gpu_wait(reached, resumed, name)
 
     def start_profile(self) -> None:
         """The coming step is profiled: count the bytes of its first micro-batch."""

@@ -23,8 +23,9 @@ class StepRecord:
     stall_s: float = 0.0
     # exposed stall by what waited: the stall name's part before ":" ("write-barrier", "unpack", a gate)
     stall_by: dict[str, float] = field(default_factory=dict)
-    # how long the compute stream itself waited for data (a read's copy), by the same kind of name; timed
-    # with CUDA events, so known only once the GPU has run the step (filled in at a later end_step/summary)
+    # how long the compute stream itself waited, by the same kind of name: for a read's copy ("unpack"), or
+    # idle while the host waited at the write barrier; timed with CUDA events, so known only once the GPU
+    # has run the step (filled in at a later end_step or summary)
     gpu_wait_s: float = 0.0
     gpu_wait_by: dict[str, float] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
@@ -82,10 +83,12 @@ class StepTelemetry:
                 self._cur.events.append(("compute", f"stall:{name}", t0, t1))
 
     def add_gpu_wait(self, reached: Any, ready: Any, name: str = "wait") -> None:
-        """A device-side wait: the consumer stream reached ``reached`` and then waited for ``ready``.
+        """A device-side wait: the stream reached ``reached`` and then waited until ``ready``.
 
         Both are CUDA events created with ``enable_timing=True``; the wait is ``reached → ready`` when
-        positive (the data were late), else zero. Resolved without blocking at each :meth:`end_step` once
+        positive, else zero. For a read, ``ready`` is recorded after its copy on the side stream (positive:
+        the data were late); for a host wait, ``ready`` is recorded on the same stream once the host goes on
+        (positive: the GPU ran out of queued work and idled). Resolved without blocking at each :meth:`end_step` once
         both events have completed, and with blocking by :meth:`summary`.
         """
         with self._lock:
