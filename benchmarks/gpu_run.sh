@@ -330,6 +330,14 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --configs none recompute dsx_auto_budget_sel --name bench_offload_zero_cpu_h4096_pool --out benchmarks/results \
       > "$OUT/bench-offload-zero-cpu-h4096-pool.log" 2>&1
     ;;
+  offload28)  # 1 GPU: hidden 4096, micro-batch 4, auto at full recompute's peak with the write barrier and the
+              # compute-stream pool (before the barrier: 1.09x recompute but 2.2 GB over its budget, then a fall-back
+              # to recompute), beside no offload, recompute, save_on_cpu and the hide-only plan, one run
+    log bench-offload-h4096-s14; timeout 480 python benchmarks/bench_offload.py --hidden 4096 --heads 32 --micro-batch 4 \
+      --warmup 2 --steps 3 --pool-gb 20 --child-timeout 90 \
+      --configs none recompute save_on_cpu dsx_auto_budget_sel dsx_auto_hide_sel \
+      --name bench_offload_h4096_s14 --out benchmarks/results > "$OUT/bench-offload-h4096-s14.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
