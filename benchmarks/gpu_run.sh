@@ -327,7 +327,7 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
     log bench-offload-zero-cpu-h4096-pool; timeout 560 python benchmarks/bench_offload.py --offload-optimizer \
       --hidden 4096 --heads 32 --warmup 2 --steps 3 --pool-gb 40 --child-timeout 170 \
       --micro-batches none=7 recompute=20 dsx_auto_budget_sel=20 --auto-budget-gb 62 \
-      --configs none recompute dsx_auto_budget_sel --name bench_offload_zero_cpu_h4096_pool --out benchmarks/results \
+      --configs none recompute dsx_auto_budget_sel --name ${NAME:-bench_offload_zero_cpu_h4096_pool} --out benchmarks/results \
       > "$OUT/bench-offload-zero-cpu-h4096-pool.log" 2>&1
     ;;
   offload28)  # 1 GPU: hidden 4096, micro-batch 4, auto at full recompute's peak with the write barrier and the
@@ -337,6 +337,16 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --warmup 2 --steps 3 --pool-gb 20 --child-timeout 90 \
       --configs none recompute save_on_cpu dsx_auto_budget_sel dsx_auto_hide_sel \
       --name bench_offload_h4096_s14 --out benchmarks/results > "$OUT/bench-offload-h4096-s14.log" 2>&1
+    ;;
+  offload29)  # 1 GPU: reads issued at the backward start of the layer prefetch_depth above, kept layers included
+              # (offload28: the hide-only plan host x3, keep x5 ran 0.72x no offload once the reads' copies waited
+              # for the compute stream: they started only at each moved layer's first unpack); GPU offload tests
+              # and hidden 4096 micro-batch 4 again
+    log offload-gpu-tests; timeout 150 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
+    log bench-offload-h4096-s14b; timeout 400 python benchmarks/bench_offload.py --hidden 4096 --heads 32 --micro-batch 4 \
+      --warmup 2 --steps 3 --pool-gb 20 --child-timeout 90 --configs none recompute dsx_auto_budget_sel dsx_auto_hide_sel \
+      --name bench_offload_h4096_s14b --out benchmarks/results > "$OUT/bench-offload-h4096-s14b.log" 2>&1
     ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac

@@ -737,3 +737,31 @@ def test_backward_write_barrier_waits_at_the_layer_backward_start(tmp_path, barr
     assert_same_grads(want, got)
     assert len(seen) == 2
     assert seen[0] if barrier else not seen[0], seen
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_reads_start_at_the_backward_of_the_layer_depth_above(tmp_path, depth):
+    """A moved layer under kept ones is read back from the backward start of the layer ``depth`` above it
+    (the planner's window), though the kept layers have nothing to unpack; left to its own first unpack, its
+    read would start only as its backward needs it."""
+    model, batches, want = _reference(9, 2, make=lambda: TinyGPT(layers=4))
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    off = ActivationOffload(model, _cfg(tmp_path, ["host"], host_pool_gb=0.2), sched)
+    issued_at: list[list[bool]] = []
+
+    def watch(module, args, out):  # registered after dsx's hook: its tensor hook fires after dsx's
+        out.register_hook(
+            lambda g: issued_at.append([e.fetched is not None for e in off.mover.entries_of(0)])
+        )
+
+    handle = off.layers[depth].register_forward_hook(watch)
+    try:
+        off._apply(["host"] + ["keep"] * 3, depth)
+        got = _train(model, batches, off)
+    finally:
+        handle.remove()
+        off.close()
+        sched.close()
+    assert len(issued_at) == len(batches)
+    assert all(step and all(step) for step in issued_at), issued_at
+    assert_same_grads(want, got)

@@ -134,10 +134,8 @@ class LayerHooks:
         # backward starts with the last layer: bring back what its backward and the next prefetch_depth
         # layers' need as soon as forward is over (the window the planner's cost model assumes: an offloaded
         # layer further down is read later, so its bytes are not back on the device for the whole backward)
-        last = len(self.actions) - 1
-        for i in range(last, max(-1, last - 1 - self.prefetch_depth), -1):
-            if self.actions[i] in ("host", "ssd"):
-                self._prefetch_layer(i)
+        for i in self._moved_from(len(self.actions) - 1):
+            self._prefetch_layer(i)
 
     def _make_pre(self, i: int) -> Any:
         def pre(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
@@ -165,16 +163,36 @@ class LayerHooks:
             if i in self._fwd_t0:  # (a recomputation calls the layer's forward without its hooks)
                 t0 = self._fwd_t0.pop(i)
                 self.mover.sched.telemetry.add_event("layers", f"forward {i}", t0, time.perf_counter())
+            if not torch.is_grad_enabled():
+                return
             # the autograd thread runs ahead of the GPU as the forward did: wait at this layer's backward
-            # start for the writes the model has finished by then
+            # start for the writes the model has finished by then (else forward's end waited already)
             bwd, at_end = self.write_barrier_bwd, (self.write_barrier or [-1])[-1]
-            if bwd and torch.is_grad_enabled() and bwd[i] > at_end:  # (else forward's end waited already)
-                y = next((t for t in _tensors(out) if t.requires_grad), None)
-                if y is not None:
-                    upto = bwd[i]
-                    y.register_hook(lambda g: self.await_writes(upto))
+            upto = bwd[i] if bwd and bwd[i] > at_end else None
+            if upto is None and not self._moved_from(i):
+                return
+            y = next((t for t in _tensors(out) if t.requires_grad), None)
+            if y is not None:  # fires once the gradient of the layer's output is known: its backward starts
+                y.register_hook(lambda g: self._backward_starts(i, upto))
 
         return post
+
+    def _moved_from(self, i: int) -> list[int]:
+        """The moved layers whose reads are due once layer ``i``'s backward starts: ``i`` down to
+        ``i - prefetch_depth`` (the window of the planner's model)."""
+        return [
+            j
+            for j in range(i, max(-1, i - 1 - self.prefetch_depth), -1)
+            if self.actions[j] in ("host", "ssd")
+        ]
+
+    def _backward_starts(self, i: int, upto: int | None) -> None:
+        if upto is not None:
+            self.await_writes(upto)
+        # issued here even when layer i itself is kept (it has nothing to unpack): the reads below it get
+        # the whole window; left to the first unpack of a moved layer, they would start only as it is needed
+        for j in self._moved_from(i):
+            self._prefetch_layer(j)
 
     def await_writes(self, upto: int) -> None:
         """Block the host until the bytes layers ``<= upto`` moved in this forward have left the device.
@@ -340,10 +358,9 @@ class LayerHooks:
                 f"operation: [{h.dtype} {list(h.size)}] is at version {h.probe._version}; expected version "
                 f"{h.version} instead. (dsx activation offload, layer {h.layer})"
             )
-        # layer h.layer's backward has started: bring back the layers before it while it runs
-        for j in range(h.layer, max(-1, h.layer - 1 - self.prefetch_depth), -1):
-            if self.actions[j] in ("host", "ssd"):
-                self._prefetch_layer(j)
+        # layer h.layer's backward has started (a layer with no output needing a gradient has no start hook)
+        for j in self._moved_from(h.layer):
+            self._prefetch_layer(j)
         data = self.mover.wait(h.entry)
         out = torch.empty(0, dtype=h.dtype, device=data.device)
         return out.set_(data.untyped_storage(), h.offset, h.size, h.stride)
