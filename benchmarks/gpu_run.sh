@@ -348,6 +348,15 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --warmup 2 --steps 3 --pool-gb 20 --child-timeout 90 --configs none recompute dsx_auto_budget_sel dsx_auto_hide_sel \
       --name bench_offload_h4096_s14b --out benchmarks/results > "$OUT/bench-offload-h4096-s14b.log" 2>&1
     ;;
+  offload30)  # 1 GPU: read buffers allocated and ordered on the issuing thread (offload29: recorded from an I/O
+              # thread, the ordering event waited for room in the compute stream's queue while the host ran ahead,
+              # and the hide-only plan still ran 0.76x); GPU offload tests and hidden 4096 micro-batch 4 again
+    log offload-gpu-tests; timeout 150 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
+    log bench-offload-h4096-s14c; timeout 400 python benchmarks/bench_offload.py --hidden 4096 --heads 32 --micro-batch 4 \
+      --warmup 2 --steps 3 --pool-gb 20 --child-timeout 90 --configs none recompute dsx_auto_budget_sel dsx_auto_hide_sel \
+      --name bench_offload_h4096_s14c --out benchmarks/results > "$OUT/bench-offload-h4096-s14c.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

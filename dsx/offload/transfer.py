@@ -8,7 +8,7 @@ host only when the data are not yet on their way back (that wait is recorded as 
 compute stream itself waits for a read's copy is timed with CUDA events and recorded as GPU wait. On CPU the
 same code runs with the compute device being the CPU and plain (unpinned) host buffers.
 
-A read's device buffer comes from the pool of the stream that issued the read (the compute stream): the
+A read's device buffer comes from the pool of the stream that issues the read (the compute stream): the
 caching allocator keeps one pool per stream, and buffers allocated on the prefetch stream could not reuse
 the blocks that forward's moved activations gave back to the compute stream, nor could the compute stream
 reuse them after backward. Under a tight budget each such miss is a ``cudaFree`` of cached blocks, a
@@ -187,17 +187,26 @@ class Mover:
 
     # ---------------------------------------------------------------------------------------- read
     def fetch(self, e: Entry) -> Future[Any]:
-        """Issue the read of ``e`` (once); call it on the thread that will use the data (compute or autograd):
-        with ``read_pool="compute"`` the device buffer comes from that thread's current stream's pool."""
+        """Issue the read of ``e`` (once); call it on the thread that will use the data (compute or autograd).
+
+        With ``read_pool="compute"`` on CUDA the device buffer is allocated here, from the current stream's
+        pool, and an event recorded there orders the copy after the work queued so far (the block may be one
+        that work still uses). Both happen on this thread, at the point of issue: an I/O thread recording on
+        the compute stream would wait for room in its queue while the host runs ahead, and its event would
+        land wherever the queue then ends, holding the copy back by as much.
+        """
         with e.lock:
             if e.fetched is None:
-                pool = None
+                dst = None
                 if self._cuda and self.read_pool == "compute":
-                    pool = torch.cuda.current_stream(self.device)
-                e.fetched = self.sched.submit(self._read, e, pool)
+                    out = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
+                    issued = torch.cuda.Event()
+                    issued.record(torch.cuda.current_stream(self.device))
+                    dst = (out, issued)
+                e.fetched = self.sched.submit(self._read, e, dst)
             return e.fetched
 
-    def _read(self, e: Entry, pool: Any = None) -> tuple[torch.Tensor, Any]:
+    def _read(self, e: Entry, dst: tuple[torch.Tensor, Any] | None = None) -> tuple[torch.Tensor, Any]:
         e.written.result()  # a failed write re-raises here
         if self._cuda:
             torch.cuda.set_device(self.device)  # I/O threads start on device 0; ranks may own another
@@ -222,19 +231,12 @@ class Mover:
                 )
             if self._cuda:
                 side = self.sched.stream("prefetch")
-                if pool is not None:
-                    # allocated once the bytes are off the device (written) and on the host (read from the SSD):
-                    # not held longer than the copy needs. The block may be one that work the pool's stream
-                    # has queued still uses: the copy waits for that work.
-                    with torch.cuda.stream(pool):
-                        out = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
-                        issued = torch.cuda.Event()
-                        issued.record(pool)
                 with torch.cuda.stream(side):
-                    if pool is None:
+                    if dst is None:
                         out = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
-                    else:  # (no record_stream(side): a freed block would wait for every copy queued
-                        side.wait_event(issued)  # after it; release() holds a buffer never read instead)
+                    else:  # (no record_stream(side): a freed block would wait for every copy queued after
+                        out, issued = dst  # it; release() holds a buffer never read instead)
+                        side.wait_event(issued)
                     out.copy_(buf[: e.nbytes], non_blocking=True)
                     ev = torch.cuda.Event(enable_timing=True)  # the consumer times its wait against it
                     ev.record(side)
