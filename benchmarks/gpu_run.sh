@@ -357,6 +357,17 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --warmup 2 --steps 3 --pool-gb 20 --child-timeout 90 --configs none recompute dsx_auto_budget_sel dsx_auto_hide_sel \
       --name bench_offload_h4096_s14c --out benchmarks/results > "$OUT/bench-offload-h4096-s14c.log" 2>&1
     ;;
+  offload31)  # 1 GPU: the hide-only plan at hidden 4096 with read buffers from either pool, one run (offload30:
+              # 0.89x no offload with the compute stream's, 0.99x before the session with the prefetch stream's);
+              # then what the memory buys at hidden 4096 + ZeRO-2 CPU with this session's code
+    log bench-offload-hide-h4096-pools; timeout 200 python benchmarks/bench_offload.py --hidden 4096 --heads 32 \
+      --micro-batch 4 --warmup 2 --steps 3 --pool-gb 20 --child-timeout 90 --configs none dsx_auto_hide_sel \
+      --name bench_offload_hide_h4096_compute --out benchmarks/results > "$OUT/bench-offload-hide-h4096-compute.log" 2>&1
+    timeout 100 python benchmarks/bench_offload.py --hidden 4096 --heads 32 --micro-batch 4 --warmup 2 --steps 3 \
+      --pool-gb 20 --child-timeout 90 --configs dsx_auto_hide_sel --read-pool prefetch \
+      --name bench_offload_hide_h4096_prefetch --out benchmarks/results > "$OUT/bench-offload-hide-h4096-prefetch.log" 2>&1
+    NAME=bench_offload_zero_cpu_h4096_s14 bash "$0" offload27
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
