@@ -101,9 +101,10 @@ def _model(args: argparse.Namespace, name: str) -> torch.nn.Module:
 
 
 def _section(
-    name: str, ssd_dir: str, budget_gb: float | None, pool_gb: float, attention: str
+    name: str, ssd_dir: str, budget_gb: float | None, pool_gb: float, attention: str, read_pool: str = "auto"
 ) -> dict[str, Any] | None:
-    base = {"enabled": True, "min_tensor_bytes": 1 << 16, "host_pool_gb": pool_gb, "ssd_capacity_gb": pool_gb}
+    base = {"enabled": True, "min_tensor_bytes": 1 << 16, "host_pool_gb": pool_gb, "ssd_capacity_gb": pool_gb,
+            "read_pool": read_pool}  # fmt: skip
     if name.endswith("_sel"):
         base["recompute_modules"] = [attention]
         name = name.removesuffix("_sel")
@@ -126,7 +127,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     bf16 = dev.type == "cuda"
     # the sub-module megatron's selective recompute recomputes; the torch GPT's whole attention block
     attention = "DotProductAttention" if _megatron(args) else "Attention"
-    section = _section(name, ssd_dir, budget_gb, args.pool_gb, attention)
+    section = _section(name, ssd_dir, budget_gb, args.pool_gb, attention, args.read_pool)
     if name == "ds_cpu_ckpt":
         _deepspeed_checkpointing(model)
     engine, _, _, _ = dsx.initialize(
@@ -134,12 +135,6 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         model_parameters=model.parameters(),
         config=_ds_config(args.micro_batch, bf16, section, args.offload_optimizer, _trace_path(args, name)),
     )
-    if (
-        args.read_pool != "compute"
-        and (rt0 := dsx.runtime_of(engine))
-        and "activation_offload" in rt0.features
-    ):
-        rt0.features["activation_offload"].offload.mover.read_pool = args.read_pool
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=gen).to(engine.device)
     inp, tgt = x[:, :-1], x[:, 1:]
@@ -215,6 +210,9 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             plan = {"actions": [a.value for a in off.plan.actions], "bound": off.plan.bound,
                     "predicted_step_s": off.plan.predicted_step_s, "predicted_peak_gb": off.plan.peak_bytes / 1e9,
                     "profiles": [dataclasses.asdict(p) for p in off.plan.profiles]}  # fmt: skip
+    read_pool = None  # the pool dsx's reads used ("auto" resolved)
+    if rt and "activation_offload" in rt.features:
+        read_pool = rt.features["activation_offload"].offload.mover.read_pool
     if rt:
         rt.close()
     del engine, model
@@ -225,7 +223,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     return {"config": name, "step_s": step_s, "tokens_per_s": args.micro_batch * args.seq_len / step_s,
             "activation_peak_gb": peak / 1e9, "peak_allocated_gb": peak_total / 1e9,
             "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan,
-            "allocator_per_step": allocator, "read_pool": args.read_pool,
+            "allocator_per_step": allocator, "read_pool": read_pool,
             **({"memory_trace": memory} if memory else {})}  # fmt: skip
 
 
@@ -337,13 +335,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--memory-history", default=None, metavar="DIR",
                    help="record the allocator over the measured steps (CUDA) and write what is live at their "
                         "peak, by allocating line, to DIR/memory_<config>_mb<N>.json (slows the steps)")  # fmt: skip
-    p.add_argument(
-        "--read-pool",
-        choices=["compute", "prefetch"],
-        default="compute",
-        help="allocator pool of dsx's read buffers: the compute stream's (default) or the prefetch "
-        "side stream's own (the earlier behaviour, to compare)",
-    )
+    p.add_argument("--read-pool", choices=["auto", "compute", "prefetch"], default="auto",
+                   help="dsx configs: the read_pool setting (allocator pool of read buffers)")  # fmt: skip
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="dsx configs: the scheduler's timeline of the last steps (transfers, stalls) to "
                         "DIR/trace_<config>_mb<N>.json; `dsx trace` draws it")  # fmt: skip

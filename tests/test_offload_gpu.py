@@ -86,10 +86,11 @@ def test_gpu_bitwise(tmp_path, tiers, backend, sel, read_pool):
         io_backend=backend,
         verify=True,
         recompute_modules=["CoreAttention"] if sel else [],
+        read_pool=read_pool,
     )
     sched = Scheduler(SchedulerConfig(io_workers=4), device=torch.device("cuda"))
     off = ActivationOffload(model, cfg, sched)
-    off.mover.read_pool = read_pool
+    assert off.mover.read_pool == read_pool
     try:
         got = _train(model, batches, off)
         assert sum(sched.telemetry.history[0].bytes_by_tier.values()) > 0
@@ -144,7 +145,7 @@ def test_gpu_dropped_graph_gives_read_buffers_back(tmp_path):
         pytest.skip("no CUDA device")
     model, batches, want = _reference(seed=2, n_batches=2)
     cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=1,
-                                  min_tensor_bytes=0)  # fmt: skip
+                                  min_tensor_bytes=0, read_pool="compute")  # fmt: skip
     sched = Scheduler(SchedulerConfig(io_workers=4), device=torch.device("cuda"))
     off = ActivationOffload(model, cfg, sched)
     try:

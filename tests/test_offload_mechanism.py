@@ -765,3 +765,28 @@ def test_reads_start_at_the_backward_of_the_layer_depth_above(tmp_path, depth):
     assert len(issued_at) == len(batches)
     assert all(step and all(step) for step in issued_at), issued_at
     assert_same_grads(want, got)
+
+
+@pytest.mark.parametrize(
+    "setting,budget_gb,pool",
+    [
+        ("auto", None, "prefetch"),
+        ("auto", 4.0, "compute"),
+        ("compute", None, "compute"),
+        ("prefetch", 4.0, "prefetch"),
+    ],
+)
+def test_read_pool_setting(tmp_path, setting, budget_gb, pool):
+    """``auto`` reads into the compute stream's pool only under a budget, where one pool keeps the allocator
+    from fragmenting; a hide-only plan keeps the copies' head start (the pool matters on CUDA only)."""
+    model = TinyGPT()
+    sched = Scheduler()
+    cfg = _cfg(tmp_path, ["host"], policy="auto", read_pool=setting, memory_budget_gb=budget_gb)
+    off = ActivationOffload(model, cfg, sched)
+    try:
+        assert off.mover.read_pool == pool
+    finally:
+        off.close()
+        sched.close()
+    with pytest.raises(ValueError, match="read_pool"):
+        _cfg(tmp_path, ["host"], read_pool="managed")

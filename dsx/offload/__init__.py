@@ -19,7 +19,7 @@ from dsx.offload.hooks import LayerHooks, find_layers
 from dsx.offload.io import describe_backends, select_backend
 from dsx.offload.profile import Profiler
 from dsx.offload.store import HostPool, RunDir, SsdFile
-from dsx.offload.transfer import Mover, OffloadIntegrityError
+from dsx.offload.transfer import Mover, OffloadIntegrityError, resolve_read_pool
 from dsx.runtime.scheduler import Scheduler
 
 __all__ = ["ActivationOffload", "OffloadIntegrityError", "attach", "describe_backends", "select_backend"]
@@ -182,7 +182,8 @@ class ActivationOffload:
 
             self._bws = measure_tier_bandwidth(cfg.tiers, self.run_dir.path if self.run_dir else None)
         self.host = HostPool(int(cfg.host_pool_gb * GB), pin=self.device.type == "cuda")
-        self.mover = Mover(self.device, scheduler, self.host, self.ssd, cfg.verify)
+        pool = resolve_read_pool(cfg.read_pool, cfg.memory_budget_gb)
+        self.mover = Mover(self.device, scheduler, self.host, self.ssd, cfg.verify, read_pool=pool)
         self.hooks = LayerHooks(model, self.layers, self.mover, cfg.min_tensor_bytes)
         self._orig_forward: dict[int, Any] = {}
         self._orig_sub_forward: dict[int, Any] = {}

@@ -8,11 +8,13 @@ host only when the data are not yet on their way back (that wait is recorded as 
 compute stream itself waits for a read's copy is timed with CUDA events and recorded as GPU wait. On CPU the
 same code runs with the compute device being the CPU and plain (unpinned) host buffers.
 
-A read's device buffer comes from the pool of the stream that issues the read (the compute stream): the
-caching allocator keeps one pool per stream, and buffers allocated on the prefetch stream could not reuse
-the blocks that forward's moved activations gave back to the compute stream, nor could the compute stream
-reuse them after backward. Under a tight budget each such miss is a ``cudaFree`` of cached blocks, a
-device-wide synchronisation, and a new ``cudaMalloc``.
+A read's device buffer comes from one of two caching-allocator pools (config ``read_pool``). The allocator
+keeps one pool per stream: buffers allocated on the prefetch stream cannot reuse the blocks forward's moved
+activations gave back to the compute stream, nor can the compute stream reuse theirs after backward, so a
+tight budget fragments (an H100 run ran out of memory with 20.6 GiB reserved but unallocated). ``"compute"``
+allocates on the compute stream where the read is issued, and the copy waits for the work queued there so
+far (the block may be in use by it): one pool, but no copy starts before the GPU reaches the point of
+issue. ``"prefetch"`` lets the copy start at once, a lead as large as the host's run-ahead.
 """
 
 from __future__ import annotations
@@ -31,9 +33,16 @@ import torch
 from dsx.offload.store import HostPool, SsdFile, SsdFull, align_up
 from dsx.runtime.scheduler import Scheduler
 
-__all__ = ["Entry", "Mover", "OffloadIntegrityError"]
+__all__ = ["Entry", "Mover", "OffloadIntegrityError", "resolve_read_pool"]
 
 logger = logging.getLogger("dsx.offload")
+
+
+def resolve_read_pool(setting: str, memory_budget_gb: float | None) -> str:
+    """The config's ``read_pool``: ``"auto"`` is ``"compute"`` under a memory budget, else ``"prefetch"``."""
+    if setting == "auto":
+        return "compute" if memory_budget_gb is not None else "prefetch"
+    return setting
 
 
 class OffloadIntegrityError(RuntimeError):
@@ -80,9 +89,7 @@ class Mover:
             raise ValueError(f"read_pool must be 'compute' or 'prefetch', got {read_pool!r}")
         self.device, self.sched, self.host, self.ssd, self.verify = device, scheduler, host, ssd, verify
         self.ssd_gate = ssd_gate
-        # which stream's allocator pool read buffers come from; "prefetch" (the side stream's own pool) is
-        # kept to measure the difference against (benchmarks/bench_offload.py --read-pool)
-        self.read_pool = read_pool
+        self.read_pool = read_pool  # which stream's allocator pool read buffers come from (config read_pool)
         self._cuda = device.type == "cuda"
         self._entries: dict[int, list[Entry]] = {}
         self._lock = threading.Lock()
