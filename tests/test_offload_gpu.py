@@ -90,8 +90,8 @@ def test_gpu_bitwise(tmp_path, tiers, backend, sel, read_pool):
     )
     sched = Scheduler(SchedulerConfig(io_workers=4), device=torch.device("cuda"))
     off = ActivationOffload(model, cfg, sched)
-    assert off.mover.read_pool == read_pool
     try:
+        assert off.mover.read_pool == read_pool
         got = _train(model, batches, off)
         assert sum(sched.telemetry.history[0].bytes_by_tier.values()) > 0
         # every read's device-side wait was timed and resolved (zero when the data were back in time)

@@ -54,9 +54,8 @@ class StepTelemetry:
         self._cur = StepRecord(step=0)
         self._bytes: dict[str, int] = defaultdict(int)
         self.history: list[StepRecord] = []
-        self._gpu_waits: list[
-            tuple[int, Any, Any, str]
-        ] = []  # (step, reached, ready, name), not yet resolved
+        # device-side waits not yet resolved: (step, reached, ready, name)
+        self._gpu_waits: list[tuple[int, Any, Any, str]] = []
 
     @property
     def current(self) -> StepRecord:
@@ -88,8 +87,8 @@ class StepTelemetry:
         Both are CUDA events created with ``enable_timing=True``; the wait is ``reached → ready`` when
         positive, else zero. For a read, ``ready`` is recorded after its copy on the side stream (positive:
         the data were late); for a host wait, ``ready`` is recorded on the same stream once the host goes on
-        (positive: the GPU ran out of queued work and idled). Resolved without blocking at each :meth:`end_step` once
-        both events have completed, and with blocking by :meth:`summary`.
+        (positive: the GPU ran out of queued work and idled). Resolved without blocking at each
+        :meth:`end_step` once both events have completed, and with blocking by :meth:`summary`.
         """
         with self._lock:
             self._gpu_waits.append((self._step, reached, ready, name))
