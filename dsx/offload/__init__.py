@@ -282,7 +282,12 @@ class ActivationOffload:
         self.plan = plan
         if _rank() == 0:
             how = "every layer recomputed" if self._profile_rc else "everything kept"
-            logger.warning("dsx activation offload plan (profiled with %s):\n%s", how, plan.describe())
+            logger.warning(
+                "dsx activation offload plan (profiled with %s; reads into the %s stream's allocator pool):\n%s",
+                how,
+                self.mover.read_pool,
+                plan.describe(),
+            )
         self._apply(
             [a.value if hasattr(a, "value") else str(a) for a in plan.actions],
             self.cfg.prefetch_depth or plan.prefetch_depth,
