@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -96,6 +96,23 @@ class ActivationOffloadConfig(_Section):
     io_threads: int = Field(default=4, ge=1, le=64)
     block_size_kb: int = Field(default=1024, ge=4)
     wear_warn_years: float = Field(default=3.0, gt=0)
+
+    # the settings whose "auto" follows memory_budget_gb: (the value under a budget, the value without one)
+    _AUTO_BY_BUDGET: ClassVar[dict[str, tuple[str, str]]] = {
+        "profile_mode": ("recompute", "keep"),
+        "write_barrier": ("on", "off"),
+        "read_pool": ("compute", "prefetch"),
+    }
+
+    def resolved(self, key: str) -> str:
+        """``key``'s value with ``"auto"`` decided: under ``memory_budget_gb`` memory is the point (profile
+        under recomputation, hold the write barrier, read into the compute stream's pool); without one, step
+        time is (keep, no barrier, the prefetch stream's pool)."""
+        value = getattr(self, key)
+        if value != "auto":
+            return value
+        with_budget, without = self._AUTO_BY_BUDGET[key]
+        return with_budget if self.memory_budget_gb is not None else without
 
     @field_validator("tiers")
     @classmethod

@@ -19,7 +19,7 @@ from dsx.offload.hooks import LayerHooks, find_layers
 from dsx.offload.io import describe_backends, select_backend
 from dsx.offload.profile import Profiler
 from dsx.offload.store import HostPool, RunDir, SsdFile
-from dsx.offload.transfer import Mover, OffloadIntegrityError, resolve_read_pool
+from dsx.offload.transfer import Mover, OffloadIntegrityError
 from dsx.runtime.scheduler import Scheduler
 
 __all__ = ["ActivationOffload", "OffloadIntegrityError", "attach", "describe_backends", "select_backend"]
@@ -182,8 +182,9 @@ class ActivationOffload:
 
             self._bws = measure_tier_bandwidth(cfg.tiers, self.run_dir.path if self.run_dir else None)
         self.host = HostPool(int(cfg.host_pool_gb * GB), pin=self.device.type == "cuda")
-        pool = resolve_read_pool(cfg.read_pool, cfg.memory_budget_gb)
-        self.mover = Mover(self.device, scheduler, self.host, self.ssd, cfg.verify, read_pool=pool)
+        self.mover = Mover(
+            self.device, scheduler, self.host, self.ssd, cfg.verify, read_pool=cfg.resolved("read_pool")
+        )
         self.hooks = LayerHooks(model, self.layers, self.mover, cfg.min_tensor_bytes)
         self._orig_forward: dict[int, Any] = {}
         self._orig_sub_forward: dict[int, Any] = {}
@@ -202,9 +203,7 @@ class ActivationOffload:
             self._apply(["recompute"] * len(self.layers), 1)
         elif cfg.policy == "auto":
             # a budget means the micro-batch may fit only with dsx: profile under recomputation then
-            self._profile_rc = cfg.profile_mode == "recompute" or (
-                cfg.profile_mode == "auto" and cfg.memory_budget_gb is not None
-            )
+            self._profile_rc = cfg.resolved("profile_mode") == "recompute"
             self.profiler = Profiler(
                 self.layers, self.hooks, self.device, cfg.recompute_modules, under_recompute=self._profile_rc
             )

@@ -64,7 +64,6 @@ __all__ = [
     "Plan",
     "PlanError",
     "TierBandwidth",
-    "barrier_on",
     "floor_bytes",
     "make_plan",
     "simulate",
@@ -328,11 +327,6 @@ def _forward(
     if link is not None:
         free["host"] = max(free["host"], link_free)
     return t, free, write_done, off_device
-
-
-def barrier_on(cfg: ActivationOffloadConfig) -> bool:
-    """Whether plans carry a write barrier: ``write_barrier`` "on", or "auto" with a memory budget."""
-    return cfg.write_barrier == "on" or (cfg.write_barrier == "auto" and cfg.memory_budget_gb is not None)
 
 
 def write_barrier(
@@ -627,7 +621,8 @@ def make_plan(
     }
     budget_bytes = bound["budget_bytes"]
     over = cfg.policy == "auto" and budget_bytes is not None and peak > budget_bytes
-    fwd_barrier, bwd_barrier = write_barrier(profiles, actions, bw, caps) if barrier_on(cfg) else ([], [])
+    barrier = cfg.resolved("write_barrier") == "on"
+    fwd_barrier, bwd_barrier = write_barrier(profiles, actions, bw, caps) if barrier else ([], [])
     return Plan(actions, depth, t, bound, profiles, peak, stall, over_budget=over, move_caps=caps,
                 search_s=time.perf_counter() - t_start, write_barrier=fwd_barrier,
                 write_barrier_bwd=bwd_barrier)  # fmt: skip

@@ -33,16 +33,9 @@ import torch
 from dsx.offload.store import HostPool, SsdFile, SsdFull, align_up
 from dsx.runtime.scheduler import Scheduler
 
-__all__ = ["Entry", "Mover", "OffloadIntegrityError", "resolve_read_pool"]
+__all__ = ["Entry", "Mover", "OffloadIntegrityError"]
 
 logger = logging.getLogger("dsx.offload")
-
-
-def resolve_read_pool(setting: str, memory_budget_gb: float | None) -> str:
-    """The config's ``read_pool``: ``"auto"`` is ``"compute"`` under a memory budget, else ``"prefetch"``."""
-    if setting == "auto":
-        return "compute" if memory_budget_gb is not None else "prefetch"
-    return setting
 
 
 class OffloadIntegrityError(RuntimeError):
