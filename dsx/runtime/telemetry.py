@@ -76,8 +76,7 @@ class StepTelemetry:
     def add_stall(self, t0: float, t1: float, name: str = "wait") -> None:
         with self._lock:
             self._cur.stall_s += t1 - t0
-            kind = name.split(":", 1)[0]
-            self._cur.stall_by[kind] = self._cur.stall_by.get(kind, 0.0) + (t1 - t0)
+            _add_by_kind(self._cur.stall_by, name, t1 - t0)
             if self._keep_events:
                 self._cur.events.append(("compute", f"stall:{name}", t0, t1))
 
@@ -108,8 +107,7 @@ class StepTelemetry:
             dt = max(0.0, reached.elapsed_time(ready)) / 1e3
             rec = self.history[step] if step < len(self.history) else self._cur
             rec.gpu_wait_s += dt
-            kind = name.split(":", 1)[0]
-            rec.gpu_wait_by[kind] = rec.gpu_wait_by.get(kind, 0.0) + dt
+            _add_by_kind(rec.gpu_wait_by, name, dt)
         with self._lock:
             self._gpu_waits[:0] = keep
 
@@ -150,14 +148,22 @@ class StepTelemetry:
             "compute_s": sum(r.compute_s for r in steps) / n,
             "transfer_s": sum(r.transfer_s for r in steps) / n,
             "stall_s": sum(r.stall_s for r in steps) / n,
-            "stall_by": {
-                k: sum(r.stall_by.get(k, 0.0) for r in steps) / n
-                for k in sorted({k for r in steps for k in r.stall_by})
-            },
+            "stall_by": _mean_by_kind([r.stall_by for r in steps]),
             "gpu_wait_s": sum(r.gpu_wait_s for r in steps) / n,
-            "gpu_wait_by": {
-                k: sum(r.gpu_wait_by.get(k, 0.0) for r in steps) / n
-                for k in sorted({k for r in steps for k in r.gpu_wait_by})
-            },
+            "gpu_wait_by": _mean_by_kind([r.gpu_wait_by for r in steps]),
             "bytes_by_tier": {t: sum(r.bytes_by_tier.get(t, 0) for r in steps) / n for t in tiers},
         }
+
+
+def _add_by_kind(acc: dict[str, float], name: str, seconds: float) -> None:
+    """Add to the kind a wait's name starts with (before ":"; "unpack:layer3" counts as "unpack")."""
+    kind = name.split(":", 1)[0]
+    acc[kind] = acc.get(kind, 0.0) + seconds
+
+
+def _mean_by_kind(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """Per kind, the mean over the steps (a step without it counts zero)."""
+    return {
+        k: sum(d.get(k, 0.0) for d in per_step) / len(per_step)
+        for k in sorted({k for d in per_step for k in d})
+    }
