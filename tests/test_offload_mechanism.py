@@ -52,6 +52,15 @@ def _train(model, batches, offload=None):
     return grads
 
 
+def _train_closing(model, batches, off, sched):
+    """``_train`` with ``off`` attached; closes it and its scheduler afterwards, also when training raises."""
+    try:
+        return _train(model, batches, off)
+    finally:
+        off.close()
+        sched.close()
+
+
 def _reference(seed, n_batches, make=TinyGPT, kind="gpt"):
     """A fresh model, its batches and the gradients of a run without offload (from an identical copy)."""
     torch.manual_seed(seed)
@@ -176,11 +185,7 @@ def test_recompute_all_bitwise(tmp_path):
     model, batches, want = _reference(2, 2)
     sched = Scheduler()
     off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="recompute_all"), sched)
-    try:
-        got = _train(model, batches, off)
-    finally:
-        off.close()
-        sched.close()
+    got = _train_closing(model, batches, off, sched)
     assert_same_grads(want, got)
 
 
@@ -638,11 +643,7 @@ def test_inputs_every_layer_is_given_stay_on_the_device(tmp_path, tiers):
         return offload(storage, layer, tier, name)
 
     off.mover.offload = spy
-    try:
-        got = _train(model, batches, off)
-    finally:
-        off.close()
-        sched.close()
+    got = _train_closing(model, batches, off, sched)
     assert_same_grads(want, got)
     assert names and all(n != "(16, 16):torch.bool" for n in names), names
     assert any(n.endswith("torch.float32") for n in names)
