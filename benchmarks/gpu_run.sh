@@ -368,6 +368,31 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --name bench_offload_hide_h4096_prefetch --out benchmarks/results > "$OUT/bench-offload-hide-h4096-prefetch.log" 2>&1
     NAME=bench_offload_zero_cpu_h4096_s14 bash "$0" offload27
     ;;
+  offload32)  # 1 GPU: the closing run, part 1, on the final code of stop 14: the offload GPU tests (not re-run after
+              # the read_pool key was wired), then every strategy of issue 3 at hidden 2048, micro-batch 8
+    nvidia-smi -L | tee "$OUT/nvidia-smi.log"
+    log offload-gpu-tests; timeout 150 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
+    log bench-offload-final-h2048; timeout 430 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 80 --configs none recompute save_on_cpu ds_cpu_ckpt megatron_selective dsx_host_sel \
+      dsx_auto_budget_sel dsx_auto_hide_sel --name bench_offload_final_h2048 --out benchmarks/results \
+      > "$OUT/bench-offload-final-h2048.log" 2>&1
+    ;;
+  offload33)  # 1 GPU: the closing run, part 2: every strategy at hidden 4096, micro-batch 4, the SSD tier included
+    log bench-offload-final-h4096; timeout 570 python benchmarks/bench_offload.py --hidden 4096 --heads 32 \
+      --micro-batch 4 --warmup 2 --steps 3 --pool-gb 20 --child-timeout 90 --configs none recompute save_on_cpu \
+      ds_cpu_ckpt megatron_selective dsx_host_sel dsx_ssd_sel dsx_auto_budget_sel dsx_auto_hide_sel \
+      --name bench_offload_final_h4096 --out benchmarks/results > "$OUT/bench-offload-final-h4096.log" 2>&1
+    ;;
+  offload34)  # 1 GPU: the closing run, part 3: the SSD tier at hidden 2048 (it ran past 75 s before: ~8 GiB a step
+              # each way over the virtio disk), then micro-batch 16, which runs out of memory without dsx
+    log bench-offload-final-h2048-ssd; timeout 300 python benchmarks/bench_offload.py --warmup 1 --steps 2 \
+      --pool-gb 20 --child-timeout 280 --configs dsx_ssd_sel --name bench_offload_final_h2048_ssd \
+      --out benchmarks/results > "$OUT/bench-offload-final-h2048-ssd.log" 2>&1
+    log bench-offload-final-mb16; timeout 200 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 80 --micro-batch 16 --configs none recompute dsx_auto_budget_sel \
+      --name bench_offload_final_mb16 --out benchmarks/results > "$OUT/bench-offload-final-mb16.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
