@@ -46,6 +46,7 @@ import dsx
 from dsx.examples.gpt import _single_process_env
 from dsx.models.gpt import GPT, GPTConfig
 from dsx.models.megatron_gpt import build_megatron_gpt, megatron_available
+from dsx.runtime import allocator
 
 CONFIGS = [
     "none", "recompute", "megatron_selective", "save_on_cpu", "ds_cpu_ckpt", "dsx_host", "dsx_host_sel",
@@ -187,8 +188,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         path = Path(args.memory_history) / f"memory_{name}{tag}_mb{args.micro_batch}.json"
         memory = _memory_trace.stop_and_write(str(path), f"{name} micro-batch {args.micro_batch}")
         memory = {"path": str(path), "peak_bytes_since_recording": memory["peak_bytes_since_recording"]}
-    allocator = _allocator_counts() if dev.type == "cuda" else {}
-    allocator = {k: (v - allocator_base.get(k, 0)) / n_steps for k, v in allocator.items()}
+    alloc_counts = _allocator_counts() if dev.type == "cuda" else {}
+    alloc_counts = {k: (v - allocator_base.get(k, 0)) / n_steps for k, v in alloc_counts.items()}
     rt = dsx.runtime_of(engine)
     telemetry = rt.scheduler.telemetry.summary() if rt and rt.scheduler else {}
     if rt and rt.scheduler:  # bytes written per measured step (the summary averages warm-up steps in)
@@ -213,6 +214,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     read_pool = None  # the pool dsx's reads used ("auto" resolved)
     if rt and "activation_offload" in rt.features:
         read_pool = rt.features["activation_offload"].offload.mover.read_pool
+    # whether the steps ran with expandable allocator segments (dsx restores the setting at close)
+    expandable = dev.type == "cuda" and allocator.expandable_segments()
     if rt:
         rt.close()
     del engine, model
@@ -223,7 +226,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     return {"config": name, "step_s": step_s, "tokens_per_s": args.micro_batch * args.seq_len / step_s,
             "activation_peak_gb": peak / 1e9, "peak_allocated_gb": peak_total / 1e9,
             "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan,
-            "allocator_per_step": allocator, "read_pool": read_pool,
+            "allocator_per_step": alloc_counts, "read_pool": read_pool, "expandable_segments": expandable,
             **({"memory_trace": memory} if memory else {})}  # fmt: skip
 
 
@@ -454,7 +457,16 @@ def _write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         ratios["largest_micro_batch"] = _largest_micro_batch(results)  # type: ignore[assignment]
     for r in ok.values():
         if r["config"].startswith("dsx_auto_hide") and r.get("plan"):
-            ratios[f"{r['config']}_fraction_of_bound"] = r["plan"]["bound"]["fraction_of_bound"]
+            bound = r["plan"]["bound"]
+            ratios[f"{r['config']}_fraction_of_bound"] = bound["fraction_of_bound"]  # what the plan asked for
+            # what the measured steps moved, against the same bound (tensors move whole, so a plan's cap is
+            # met from below)
+            written = r["telemetry"].get("written_gb_per_measured_step")
+            hideable = min(bound["hideable_write_bytes"], bound["hideable_read_bytes"])
+            if written and hideable > 0:
+                ratios[f"{r['config']}_measured_fraction_of_bound"] = (
+                    statistics.mean(written) * 1e9 / hideable
+                )
     out = {"name": "bench_offload", "env": environment(), "config": vars(args),
            "model": "megatron-core GPTModel" if _megatron(args) else "dsx torch GPT",
            "results": results, "ratios": ratios}  # fmt: skip

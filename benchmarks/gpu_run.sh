@@ -393,6 +393,17 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --child-timeout 80 --micro-batch 16 --configs none recompute dsx_auto_budget_sel \
       --name bench_offload_final_mb16 --out benchmarks/results > "$OUT/bench-offload-final-mb16.log" 2>&1
     ;;
+  offload35)  # 1 GPU: expandable segments under a budget (offload27 on the final code: auto at micro-batch 20 ran
+              # out of memory with 25.9 GiB reserved but unallocated, where three runs of the same plan had fit):
+              # GPU offload tests, what the memory buys again, then hidden 4096 mb 4 and hidden 2048 mb 8 at
+              # full recompute's peak
+    log offload-gpu-tests; timeout 150 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
+    NAME=bench_offload_zero_cpu_h4096_expandable_auto bash "$0" offload27
+    log bench-offload-final-h4096-budget; timeout 200 python benchmarks/bench_offload.py --hidden 4096 --heads 32 \
+      --micro-batch 4 --warmup 2 --steps 3 --pool-gb 20 --child-timeout 90 --configs recompute dsx_auto_budget_sel \
+      --name bench_offload_final_h4096_budget --out benchmarks/results > "$OUT/bench-offload-final-h4096-budget.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

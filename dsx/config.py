@@ -89,6 +89,12 @@ class ActivationOffloadConfig(_Section):
     # hidden 4096: 0.99x no offload, against 0.91x with "compute"). "auto": "compute" when memory_budget_gb is
     # set, else "prefetch" (H100 figures: docs/offload.md)
     read_pool: Literal["auto", "compute", "prefetch"] = "auto"
+    # CUDA: make the caching allocator's new segments expandable while offload is attached (process-wide;
+    # restored at close). Under a tight budget, large blocks (fp32 softmax) and read buffers share fixed
+    # segments and fragment them: hidden 4096 + ZeRO-2 CPU offload, micro-batch 20 ran out of memory with
+    # 25.9 GiB reserved but unallocated in one run of four. "auto": "on" when memory_budget_gb is set, unless
+    # PYTORCH_CUDA_ALLOC_CONF names expandable_segments; otherwise the allocator is left as it is
+    expandable_segments: Literal["auto", "on", "off"] = "auto"
     io_backend: Literal["auto", "kvikio", "aio", "posix"] = "auto"
     min_tensor_bytes: int = Field(default=1 << 20, ge=0)
     verify: bool = False
@@ -102,6 +108,7 @@ class ActivationOffloadConfig(_Section):
         "profile_mode": ("recompute", "keep"),
         "write_barrier": ("on", "off"),
         "read_pool": ("compute", "prefetch"),
+        "expandable_segments": ("on", "off"),
     }
 
     def resolved(self, key: str) -> str:

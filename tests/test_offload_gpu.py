@@ -12,6 +12,7 @@ import torch
 from dsx.config import ActivationOffloadConfig, SchedulerConfig
 from dsx.offload import ActivationOffload
 from dsx.offload.io import describe_backends
+from dsx.runtime import allocator
 from dsx.runtime.scheduler import Scheduler
 from tests._offload_models import TinyGPT, assert_same_grads
 
@@ -190,6 +191,36 @@ def _auto_peaks(model, step, budget: float, **kw):
     finally:
         off.close()
         sched.close()
+
+
+def test_gpu_budget_makes_new_segments_expandable(tmp_path):
+    """Under a budget (expandable_segments "auto"), the segments the offloaded steps allocate are expandable,
+    and closing restores the setting the process had."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if allocator.user_configured():
+        pytest.skip("PYTORCH_CUDA_ALLOC_CONF names expandable_segments: auto leaves it to the user")
+    model, _, step = _gpt_step(16, 4)
+    before = allocator.expandable_segments()
+    step()
+    old = {s["address"] for s in torch.cuda.memory_snapshot()}
+    cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="auto", host_pool_gb=2,
+                                  memory_budget_gb=64, min_tensor_bytes=1 << 16)  # fmt: skip
+    sched = Scheduler(device=torch.device("cuda"))
+    off = ActivationOffload(model, cfg, sched)
+    try:
+        assert allocator.expandable_segments()
+        for _ in range(3):
+            step(off)
+        new = [s for s in torch.cuda.memory_snapshot() if s["address"] not in old]
+        assert new, "the offloaded steps allocated no new segment"
+        assert all(s.get("is_expandable") for s in new), [
+            (s["total_size"], s.get("is_expandable")) for s in new
+        ]
+    finally:
+        off.close()
+        sched.close()
+    assert allocator.expandable_segments() == before
 
 
 @pytest.mark.parametrize("profile_mode", ["keep", "recompute"])

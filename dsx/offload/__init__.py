@@ -20,6 +20,7 @@ from dsx.offload.io import describe_backends, select_backend
 from dsx.offload.profile import Profiler
 from dsx.offload.store import HostPool, RunDir, SsdFile
 from dsx.offload.transfer import Mover, OffloadIntegrityError
+from dsx.runtime import allocator
 from dsx.runtime.scheduler import Scheduler
 
 __all__ = ["ActivationOffload", "OffloadIntegrityError", "attach", "describe_backends", "select_backend"]
@@ -181,6 +182,7 @@ class ActivationOffload:
             from dsx.runtime.bandwidth import measure_tier_bandwidth
 
             self._bws = measure_tier_bandwidth(cfg.tiers, self.run_dir.path if self.run_dir else None)
+        self._expandable_before: bool | None = None  # the allocator setting to restore at close
         self.host = HostPool(int(cfg.host_pool_gb * GB), pin=self.device.type == "cuda")
         self.mover = Mover(
             self.device, scheduler, self.host, self.ssd, cfg.verify, read_pool=cfg.resolved("read_pool")
@@ -208,6 +210,13 @@ class ActivationOffload:
                 self.layers, self.hooks, self.device, cfg.recompute_modules, under_recompute=self._profile_rc
             )
             self._profile_next(cfg.profile_warmup_steps == 0)
+        # last: a constructor that raised is never closed, and this setting is process-wide
+        if self.device.type == "cuda" and cfg.policy != "none":
+            want = cfg.resolved("expandable_segments") == "on"
+            if cfg.expandable_segments != "auto" or (want and not allocator.user_configured()):
+                self._expandable_before = allocator.set_expandable_segments(want)
+                logger.info("dsx activation offload: CUDA allocator expandable_segments=%s (setting %r)",
+                            want, cfg.expandable_segments)  # fmt: skip
 
     # ------------------------------------------------------------------------------------ actions
     def _apply(
@@ -282,9 +291,12 @@ class ActivationOffload:
         if _rank() == 0:
             how = "every layer recomputed" if self._profile_rc else "everything kept"
             logger.warning(
-                "dsx activation offload plan (profiled with %s; reads into the %s stream's allocator pool):\n%s",
+                "dsx activation offload plan (profiled with %s; reads into the %s stream's allocator pool%s):\n%s",
                 how,
                 self.mover.read_pool,
+                "; expandable segments"
+                if self.device.type == "cuda" and allocator.expandable_segments()
+                else "",
                 plan.describe(),
             )
         self._apply(
@@ -375,6 +387,9 @@ class ActivationOffload:
                 self.ssd.close()
             if self.run_dir is not None:
                 self.run_dir.remove()
+            if self._expandable_before is not None:
+                allocator.set_expandable_segments(self._expandable_before)
+                self._expandable_before = None
 
 
 class _EngineHandle:

@@ -1,0 +1,71 @@
+"""The CUDA caching allocator's expandable segments, switched while the process runs.
+
+Under a tight activation budget, blocks of very different sizes share the allocator's fixed-size segments:
+at hidden 4096 with ZeRO-2 CPU offload and micro-batch 20, 10 GiB fp32 softmax blocks beside 1-5 GiB read
+buffers. Once smaller blocks sit in a freed large segment, the next large request finds no segment that
+holds it and fails with tens of GiB reserved but unallocated (H100: 25.9 GiB, in one of four runs of the
+same plan; the other three peaked 57.0 GB, docs/offload.md). Expandable segments map physical memory in
+2 MiB pages on demand, so pages freed anywhere serve any request.
+
+The setting is process-wide. PyTorch reads it at segment creation, so segments cached before the switch are
+released (``empty_cache``) and later ones follow it. ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``)
+that names ``expandable_segments`` is the user's choice, and ``"auto"`` callers leave it alone
+(:func:`user_configured`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["expandable_segments", "set_expandable_segments", "user_configured"]
+
+_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_KEY = "expandable_segments"
+
+
+def _settings() -> str:
+    """The allocator settings in force, as PyTorch reports them ("" where it cannot)."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if get is not None:
+        return str(get())
+    return ",".join(os.environ.get(v, "") for v in _ENV_VARS)
+
+
+def _parse(settings: str) -> bool | None:
+    """``expandable_segments``'s value in an allocator settings string; None where it is not named."""
+    for item in settings.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == _KEY:
+            return value.strip().lower() == "true"
+    return None
+
+
+def user_configured() -> bool:
+    """Whether the environment names ``expandable_segments`` (either value): then it is the user's choice."""
+    return any(_parse(os.environ.get(v, "")) is not None for v in _ENV_VARS)
+
+
+def expandable_segments() -> bool:
+    """Whether new CUDA allocator segments are expandable (the setting; False unless set)."""
+    return bool(_parse(_settings()))
+
+
+def set_expandable_segments(on: bool) -> bool:
+    """Make new segments expandable (or not) and release the cached ones; returns the previous setting.
+
+    Only the named key changes; other allocator settings stay. Without CUDA this records the setting and
+    releases nothing.
+    """
+    before = expandable_segments()
+    value = f"{_KEY}:{'True' if on else 'False'}"
+    set_ = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if set_ is not None:
+        set_(value)
+    else:  # older torch: the CUDA-only entry point
+        torch.cuda.memory._set_allocator_settings(value)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # free cached segments of the other kind, which the allocator would otherwise fill first
+        torch.cuda.empty_cache()
+    return before
