@@ -404,6 +404,19 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --micro-batch 4 --warmup 2 --steps 3 --pool-gb 20 --child-timeout 90 --configs recompute dsx_auto_budget_sel \
       --name bench_offload_final_h4096_budget --out benchmarks/results > "$OUT/bench-offload-final-h4096-budget.log" 2>&1
     ;;
+  offload36)  # 1 GPU: offload35 again with the setting read back on torch 2.11 (no _accelerator_getAllocatorSettings:
+              # the allocator's snapshot): GPU offload tests, then auto at hidden 4096 + ZeRO-2 CPU, micro-batch 20
+    python -c "import torch; print('getter', hasattr(torch._C, '_accelerator_getAllocatorSettings'), 'setter', \
+hasattr(torch._C, '_accelerator_setAllocatorSettings')); torch.zeros(1, device='cuda'); \
+print(torch.cuda.memory._snapshot().get('allocator_settings'))" > "$OUT/allocator-api.log" 2>&1
+    log offload-gpu-tests; timeout 150 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
+    log bench-offload-zero-cpu-h4096-expandable-auto; timeout 250 python benchmarks/bench_offload.py --offload-optimizer \
+      --hidden 4096 --heads 32 --warmup 2 --steps 3 --pool-gb 40 --child-timeout 170 \
+      --micro-batches dsx_auto_budget_sel=20 --auto-budget-gb 62 --configs dsx_auto_budget_sel \
+      --name bench_offload_zero_cpu_h4096_expandable_auto2 --out benchmarks/results \
+      > "$OUT/bench-offload-zero-cpu-h4096-expandable-auto2.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

@@ -25,14 +25,6 @@ _ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _KEY = "expandable_segments"
 
 
-def _settings() -> str:
-    """The allocator settings in force, as PyTorch reports them ("" where it cannot)."""
-    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    if get is not None:
-        return str(get())
-    return ",".join(os.environ.get(v, "") for v in _ENV_VARS)
-
-
 def _parse(settings: str) -> bool | None:
     """``expandable_segments``'s value in an allocator settings string; None where it is not named."""
     for item in settings.split(","):
@@ -49,7 +41,14 @@ def user_configured() -> bool:
 
 def expandable_segments() -> bool:
     """Whether new CUDA allocator segments are expandable (the setting; False unless set)."""
-    return bool(_parse(_settings()))
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if get is not None:
+        return bool(_parse(str(get())))
+    if torch.cuda.is_available():  # older torch (2.11): the allocator reports its settings in a snapshot
+        settings = torch.cuda.memory._snapshot().get("allocator_settings", {})
+        if _KEY in settings:
+            return bool(settings[_KEY])
+    return any(_parse(os.environ.get(v, "")) for v in _ENV_VARS)
 
 
 def set_expandable_segments(on: bool) -> bool:
