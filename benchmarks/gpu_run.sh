@@ -417,6 +417,22 @@ print(torch.cuda.memory._snapshot().get('allocator_settings'))" > "$OUT/allocato
       --name bench_offload_zero_cpu_h4096_expandable_auto2 --out benchmarks/results \
       > "$OUT/bench-offload-zero-cpu-h4096-expandable-auto2.log" 2>&1
     ;;
+  offload37)  # 1 GPU: what expandable segments cost at full recompute's peak (offload35: hidden 4096 mb 4, 435.1 ms
+              # with them against 426.8 without in offload33): auto with them (the default under a budget) and
+              # without (PYTORCH_CUDA_ALLOC_CONF set: auto leaves it), one run; hidden 2048 mb 8 with them
+    log bench-offload-h4096-budget-expandable; timeout 150 python benchmarks/bench_offload.py --hidden 4096 --heads 32 \
+      --micro-batch 4 --warmup 2 --steps 3 --pool-gb 20 --child-timeout 90 --configs recompute dsx_auto_budget_sel \
+      --name bench_offload_h4096_budget_expandable --out benchmarks/results > "$OUT/bench-offload-h4096-budget-expandable.log" 2>&1
+    budget=$(python -c "import json; d = json.load(open('benchmarks/results/bench_offload_h4096_budget_expandable.json')); \
+print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'recompute'))")
+    log bench-offload-h4096-budget-fixed budget "$budget"; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False timeout 100 \
+      python benchmarks/bench_offload.py --hidden 4096 --heads 32 --micro-batch 4 --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 90 --configs dsx_auto_budget_sel --auto-budget-gb "$budget" --name bench_offload_h4096_budget_fixed \
+      --out benchmarks/results > "$OUT/bench-offload-h4096-budget-fixed.log" 2>&1
+    log bench-offload-h2048-budget-expandable; timeout 150 python benchmarks/bench_offload.py --warmup 2 --steps 3 \
+      --pool-gb 20 --child-timeout 80 --configs recompute dsx_auto_budget_sel --name bench_offload_h2048_budget_expandable \
+      --out benchmarks/results > "$OUT/bench-offload-h2048-budget-expandable.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
