@@ -1,4 +1,4 @@
-"""The per-rank runtime: side streams, I/O workers, telemetry (see docs/architecture.md)."""
+"""The per-rank runtime: side streams, I/O workers, telemetry, the CUDA allocator switch (docs/scheduler.md)."""
 
 from dsx.runtime.scheduler import Scheduler
 from dsx.runtime.telemetry import StepTelemetry
