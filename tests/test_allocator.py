@@ -17,8 +17,22 @@ needs_getter = pytest.mark.skipif(
 )
 
 
+@pytest.mark.parametrize(
+    "settings, on, expected",
+    [
+        ("", True, "expandable_segments:True"),
+        ("max_split_size_mb:512", True, "max_split_size_mb:512,expandable_segments:True"),
+        ("expandable_segments:True, garbage_collection_threshold:0.6", False,
+         "garbage_collection_threshold:0.6,expandable_segments:False"),
+    ],
+)  # fmt: skip
+def test_setting_string_keeps_the_other_items(settings, on, expected):
+    """PyTorch resets the keys a settings string leaves out, so the switch passes the others along."""
+    assert allocator._with_key(settings, on) == expected
+
+
 @needs_getter
-def test_switch_round_trip_keeps_the_other_settings():
+def test_switch_round_trip():
     """Setting the key returns the previous value, and setting that back restores it; the settings string
     PyTorch reports carries the change (the allocator reads it at the next segment)."""
     before = allocator.set_expandable_segments(True)

@@ -39,26 +39,47 @@ def user_configured() -> bool:
     return any(_parse(os.environ.get(v, "")) is not None for v in _ENV_VARS)
 
 
-def expandable_segments() -> bool:
-    """Whether new CUDA allocator segments are expandable (the setting; False unless set)."""
+def _with_key(settings: str, on: bool) -> str:
+    """``settings`` with ``expandable_segments`` set to ``on`` and every other item as it was."""
+    items = [i.strip() for i in settings.split(",") if i.strip() and i.partition(":")[0].strip() != _KEY]
+    return ",".join([*items, f"{_KEY}:{'True' if on else 'False'}"])
+
+
+def _snapshot_settings() -> dict:
+    """The allocator's own report of its settings (older torch, 2.11, has no settings getter)."""
+    if not torch.cuda.is_available():
+        return {}
+    return torch.cuda.memory._snapshot().get("allocator_settings", {})
+
+
+def _settings_string() -> str:
+    """The settings string in force: PyTorch's where it reports one, else the one the process started with."""
     get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if get is not None:
-        return bool(_parse(str(get())))
-    if torch.cuda.is_available():  # older torch (2.11): the allocator reports its settings in a snapshot
-        settings = torch.cuda.memory._snapshot().get("allocator_settings", {})
+        return str(get())
+    started = _snapshot_settings().get("PYTORCH_CUDA_ALLOC_CONF")
+    if started is not None:
+        return str(started)
+    return ",".join(os.environ.get(v, "") for v in _ENV_VARS)
+
+
+def expandable_segments() -> bool:
+    """Whether new CUDA allocator segments are expandable (the setting; False unless set)."""
+    if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):
+        settings = _snapshot_settings()
         if _KEY in settings:
             return bool(settings[_KEY])
-    return any(_parse(os.environ.get(v, "")) for v in _ENV_VARS)
+    return bool(_parse(_settings_string()))
 
 
 def set_expandable_segments(on: bool) -> bool:
     """Make new segments expandable (or not) and release the cached ones; returns the previous setting.
 
-    Only the named key changes; other allocator settings stay. Without CUDA this records the setting and
-    releases nothing.
+    The other settings in force are passed along unchanged (PyTorch resets the keys a settings string does
+    not name). Without CUDA this records the setting and releases nothing.
     """
     before = expandable_segments()
-    value = f"{_KEY}:{'True' if on else 'False'}"
+    value = _with_key(_settings_string(), on)
     set_ = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if set_ is not None:
         set_(value)
