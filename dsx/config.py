@@ -113,8 +113,9 @@ class ActivationOffloadConfig(_Section):
 
     def resolved(self, key: str) -> str:
         """``key``'s value with ``"auto"`` decided: under ``memory_budget_gb`` memory is the point (profile
-        under recomputation, hold the write barrier, read into the compute stream's pool); without one, step
-        time is (keep, no barrier, the prefetch stream's pool)."""
+        under recomputation, hold the write barrier, read into the compute stream's pool, expandable allocator
+        segments); without one, step time is (keep, no barrier, the prefetch stream's pool, the allocator as
+        it is)."""
         value = getattr(self, key)
         if value != "auto":
             return value

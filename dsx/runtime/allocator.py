@@ -45,31 +45,25 @@ def _with_key(settings: str, on: bool) -> str:
     return ",".join([*items, f"{_KEY}:{'True' if on else 'False'}"])
 
 
-def _snapshot_settings() -> dict:
-    """The allocator's own report of its settings (older torch, 2.11, has no settings getter)."""
-    if not torch.cuda.is_available():
-        return {}
-    return torch.cuda.memory._snapshot().get("allocator_settings", {})
+def _state() -> tuple[str, bool]:
+    """The settings string in force and whether new segments are expandable, from one query.
 
-
-def _settings_string() -> str:
-    """The settings string in force: PyTorch's where it reports one, else the one the process started with."""
+    PyTorch's settings getter where it has one; older torch (2.11) has none, and its allocator reports the
+    settings in a snapshot instead (the string there is the one the process started with).
+    """
     get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if get is not None:
-        return str(get())
-    started = _snapshot_settings().get("PYTORCH_CUDA_ALLOC_CONF")
-    if started is not None:
-        return str(started)
-    return ",".join(os.environ.get(v, "") for v in _ENV_VARS)
+        settings = str(get())
+        return settings, bool(_parse(settings))
+    env = ",".join(filter(None, (os.environ.get(v, "") for v in _ENV_VARS)))
+    snap = torch.cuda.memory._snapshot().get("allocator_settings", {}) if torch.cuda.is_available() else {}
+    settings = str(snap.get("PYTORCH_CUDA_ALLOC_CONF", env))
+    return settings, bool(snap[_KEY]) if _KEY in snap else bool(_parse(settings))
 
 
 def expandable_segments() -> bool:
     """Whether new CUDA allocator segments are expandable (the setting; False unless set)."""
-    if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):
-        settings = _snapshot_settings()
-        if _KEY in settings:
-            return bool(settings[_KEY])
-    return bool(_parse(_settings_string()))
+    return _state()[1]
 
 
 def set_expandable_segments(on: bool) -> bool:
@@ -78,8 +72,8 @@ def set_expandable_segments(on: bool) -> bool:
     The other settings in force are passed along unchanged (PyTorch resets the keys a settings string does
     not name). Without CUDA this records the setting and releases nothing.
     """
-    before = expandable_segments()
-    value = _with_key(_settings_string(), on)
+    settings, before = _state()
+    value = _with_key(settings, on)
     set_ = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if set_ is not None:
         set_(value)
