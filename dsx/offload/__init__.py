@@ -193,7 +193,8 @@ class ActivationOffload:
         self.plan: Any = None
         self._model_budget = 0.0  # the budget the planner is given: memory_budget_gb less measured overshoot
         self._calibrations_left = 0
-        self._peak_base = 0
+        self._peak_base: int | None = None  # memory allocated as the measured step's first layer started
+        self._peak_hook: Any = None
         self.step = 0
         self.profiler: Profiler | None = None
         self._profile_rc = False  # policy auto profiles under recomputation (set below)
@@ -308,13 +309,30 @@ class ActivationOffload:
 
     # ------------------------------------------------------------------------ budget calibration
     def _mark_peak(self) -> None:
-        """Start measuring the next step's activation peak (CUDA): reset the peak, note the level now."""
-        if self.device.type == "cuda":
+        """Measure the next step's activation peak (CUDA) as the profiler did for the prediction: from its
+        first layer's forward on, above the memory allocated then. Measured from the step boundary instead,
+        gradients that the optimizer's ``zero_grad(set_to_none=True)`` frees before the next forward would
+        be in the base and not in the peak (a GPU test's plan ran 2% over its budget unseen that way)."""
+        if self.device.type != "cuda":
+            return
+        self._drop_peak_hook()
+        self._peak_base = None
+
+        def first_layer_starts(module: nn.Module, args: Any) -> None:
+            self._drop_peak_hook()
             torch.cuda.reset_peak_memory_stats(self.device)
             self._peak_base = torch.cuda.memory_allocated(self.device)
 
+        self._peak_hook = self.layers[0].register_forward_pre_hook(first_layer_starts)
+
+    def _drop_peak_hook(self) -> None:
+        if self._peak_hook is not None:
+            self._peak_hook.remove()
+            self._peak_hook = None
+
     def _peak_since_mark(self) -> int | None:
-        if self.device.type != "cuda":
+        """The activation peak since the marked step's first layer started; None before it has."""
+        if self.device.type != "cuda" or self._peak_base is None:
             return None
         return torch.cuda.max_memory_allocated(self.device) - self._peak_base
 
@@ -376,6 +394,7 @@ class ActivationOffload:
         self._mark_peak()
 
     def close(self) -> None:
+        self._drop_peak_hook()
         try:
             self.mover.drain()
         finally:
