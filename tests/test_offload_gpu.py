@@ -224,8 +224,8 @@ def test_gpu_budget_makes_new_segments_expandable(tmp_path):
 
 
 def test_gpu_calibration_measures_what_the_step_allocates_for_activations(tmp_path):
-    """Calibration's measured peak is the step's activation peak as the prediction counts it, from the first
-    layer's forward: gradients that zero_grad(set_to_none=True) frees between steps are not in its base.
+    """Calibration's measured peak is the step's activation peak as the prediction counts it, from the
+    model's forward: gradients that zero_grad(set_to_none=True) frees between steps are not in its base.
     (Measured from the step boundary, it came out short by about the gradients' bytes, and a plan 2% over
     its budget was kept.)"""
     if not torch.cuda.is_available():
@@ -243,8 +243,9 @@ def test_gpu_calibration_measures_what_the_step_allocates_for_activations(tmp_pa
         measured = step(off)  # from just after zero_grad: the gradients count, as in the prediction
         seen = off._peak_since_mark()
         assert seen is not None
-        # what lies between the two bases is the embedding's output, far under the gradients' bytes
+        # both are measured from the model's forward (after zero_grad), the gradients inside the peak
         assert abs(seen - measured) < grad_bytes / 2, (seen, measured, grad_bytes)
+        assert abs(seen - measured) < 1 << 20, (seen, measured)
     finally:
         off.close()
         sched.close()

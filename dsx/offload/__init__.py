@@ -139,6 +139,7 @@ class ActivationOffload:
     ) -> None:
         self.cfg, self.sched = cfg, scheduler
         self.device = device or _device_of(model)
+        self._root = model  # its forward's start is where a step's activation memory is measured from
         self.layers = find_layers(model, cfg.layer_classes)
         # checked before any hook, file or buffer exists: a bad name leaves the model as it was
         self._subs = [_recompute_modules(layer, cfg.recompute_modules) for layer in self.layers]
@@ -193,7 +194,7 @@ class ActivationOffload:
         self.plan: Any = None
         self._model_budget = 0.0  # the budget the planner is given: memory_budget_gb less measured overshoot
         self._calibrations_left = 0
-        self._peak_base: int | None = None  # memory allocated as the measured step's first layer started
+        self._peak_base: int | None = None  # memory allocated as the measured step's forward started
         self._peak_hook: Any = None
         self.step = 0
         self.profiler: Profiler | None = None
@@ -208,7 +209,12 @@ class ActivationOffload:
             # a budget means the micro-batch may fit only with dsx: profile under recomputation then
             self._profile_rc = cfg.resolved("profile_mode") == "recompute"
             self.profiler = Profiler(
-                self.layers, self.hooks, self.device, cfg.recompute_modules, under_recompute=self._profile_rc
+                self.layers,
+                self.hooks,
+                self.device,
+                cfg.recompute_modules,
+                under_recompute=self._profile_rc,
+                root=model,
             )
             self._profile_next(cfg.profile_warmup_steps == 0)
         # last: a constructor that raised is never closed, and this setting is process-wide
@@ -309,8 +315,8 @@ class ActivationOffload:
 
     # ------------------------------------------------------------------------ budget calibration
     def _mark_peak(self) -> None:
-        """Measure the next step's activation peak (CUDA) as the profiler did for the prediction: from its
-        first layer's forward on, above the memory allocated then. Measured from the step boundary instead,
+        """Measure the next step's activation peak (CUDA) as the profiler did for the prediction: from the
+        model's forward on, above the memory allocated then. Measured from the step boundary instead,
         gradients that the optimizer's ``zero_grad(set_to_none=True)`` frees before the next forward would
         be in the base and not in the peak (a GPU test's plan ran 2% over its budget unseen that way)."""
         if self.device.type != "cuda":
@@ -318,12 +324,12 @@ class ActivationOffload:
         self._drop_peak_hook()
         self._peak_base = None
 
-        def first_layer_starts(module: nn.Module, args: Any) -> None:
+        def forward_starts(module: nn.Module, args: Any) -> None:
             self._drop_peak_hook()
             torch.cuda.reset_peak_memory_stats(self.device)
             self._peak_base = torch.cuda.memory_allocated(self.device)
 
-        self._peak_hook = self.layers[0].register_forward_pre_hook(first_layer_starts)
+        self._peak_hook = self._root.register_forward_pre_hook(forward_starts)
 
     def _drop_peak_hook(self) -> None:
         if self._peak_hook is not None:
@@ -331,7 +337,7 @@ class ActivationOffload:
             self._peak_hook = None
 
     def _peak_since_mark(self) -> int | None:
-        """The activation peak since the marked step's first layer started; None before it has."""
+        """The activation peak since the marked step's forward started; None before it has."""
         if self.device.type != "cuda" or self._peak_base is None:
             return None
         return torch.cuda.max_memory_allocated(self.device) - self._peak_base

@@ -17,7 +17,9 @@ them (gradients, the layer's input and output, what the model outside the layers
 after its forward (the next layer's start, or for the last layer the head, the loss and the start of
 backward) beyond the saved bytes so far; and its backward's workspace: the peak above the level at its start
 (gradient buffers and temporaries; with everything kept, net of what the backward frees). All are relative to
-the allocated memory when the step's first layer starts. The step resets CUDA's peak-memory statistics.
+the allocated memory when the model's forward starts (``root``; without one, when its first layer starts), so
+what the embedding allocates counts, and gradients freed between steps do not. The step resets CUDA's
+peak-memory statistics.
 
 Under recomputation (``profile_mode`` ``"recompute"``: the micro-batch may fit only with dsx) every layer runs
 through the reentrant checkpoint and :meth:`Profiler.wrap` sees its recomputation in backward: the saved
@@ -64,6 +66,7 @@ class Profiler:
         device: torch.device,
         recompute_modules: Iterable[str] = (),
         under_recompute: bool = False,
+        root: nn.Module | None = None,
     ) -> None:
         self.layers, self.hooks, self.device = layers, hooks, device
         self.under_recompute = under_recompute
@@ -85,6 +88,8 @@ class Profiler:
         self.enabled = True  # off during warm-up steps
         self._t: dict[tuple[str, int], float] = {}
         self._handles = []
+        if root is not None:
+            self._handles.append(root.register_forward_pre_hook(self._root_pre))
         names = set(recompute_modules)
         for i, m in enumerate(layers):
             self._handles += [
@@ -98,6 +103,11 @@ class Profiler:
                         sub.register_forward_pre_hook(self._sub_pre(i), with_kwargs=True),
                         sub.register_forward_hook(self._sub_post(i)),
                     ]
+
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        """The model's forward starts: the memory base, taken on the profiled step's first micro-batch."""
+        if self.enabled and self.device.type == "cuda" and self._base is None:
+            self._base = torch.cuda.memory_allocated(self.device)
 
     def _now(self) -> float:
         if self.device.type == "cuda":
