@@ -433,6 +433,17 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --pool-gb 20 --child-timeout 80 --configs recompute dsx_auto_budget_sel --name bench_offload_h2048_budget_expandable \
       --out benchmarks/results > "$OUT/bench-offload-h2048-budget-expandable.log" 2>&1
     ;;
+  offload38)  # 1 GPU: after the memory base moved to the model's forward start (profiler and calibration): the budget
+              # GPU tests again, then auto at full recompute's peak at both shapes beside recompute
+    log offload-gpu-tests-budget; timeout 100 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      -k "budget or calibration" > "$OUT/gpu-tests-offload-budget.log" 2>&1
+    for h in 2048 4096; do
+      heads=$((h / 128)); mb=$((h == 2048 ? 8 : 4))
+      log bench-offload-budget-base-h$h; timeout 150 python benchmarks/bench_offload.py --hidden $h --heads $heads \
+        --micro-batch $mb --warmup 2 --steps 3 --pool-gb 20 --child-timeout 80 --configs recompute dsx_auto_budget_sel \
+        --name bench_offload_budget_base_h$h --out benchmarks/results > "$OUT/bench-offload-budget-base-h$h.log" 2>&1
+    done
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
