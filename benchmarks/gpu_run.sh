@@ -444,6 +444,23 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
         --name bench_offload_budget_base_h$h --out benchmarks/results > "$OUT/bench-offload-budget-base-h$h.log" 2>&1
     done
     ;;
+  offload39)  # 1 GPU: the printed prediction now adds the profiled step's time outside the layers: the offload GPU
+              # tests, then hidden 2048 (auto at recompute's peak and with no budget, each beside its measured step),
+              # with no offload at micro-batches 2, 4 and 8 (what a smaller micro-batch gives at recompute's memory)
+    log offload-gpu-tests; timeout 150 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
+    log bench-offload-predict-h2048; timeout 400 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 80 --micro-batches none=2,4,8 --configs none recompute dsx_auto_budget_sel dsx_auto_hide_sel \
+      --name bench_offload_predict_h2048 --out benchmarks/results > "$OUT/bench-offload-predict-h2048.log" 2>&1
+    ;;
+  offload40)  # 1 GPU: the prediction where it missed most (1838-1864 ms predicted, 2451-2472 measured): hidden 4096 +
+              # ZeRO-2 CPU offload, auto at micro-batch 20
+    log bench-offload-predict-zero-cpu-h4096; timeout 300 python benchmarks/bench_offload.py --offload-optimizer \
+      --hidden 4096 --heads 32 --warmup 2 --steps 3 --pool-gb 40 --child-timeout 200 \
+      --micro-batches dsx_auto_budget_sel=20 --auto-budget-gb 62 --configs dsx_auto_budget_sel \
+      --name bench_offload_predict_zero_cpu_h4096 --out benchmarks/results \
+      > "$OUT/bench-offload-predict-zero-cpu-h4096.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

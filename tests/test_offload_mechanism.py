@@ -358,6 +358,41 @@ def test_profiler_times_backward_of_keyword_called_layers(tmp_path):
     assert sum(p.bwd_s for p in profiles) > 0.3 * total
 
 
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_profile_measures_the_step_outside_the_layers(tmp_path, mode):
+    """The printed prediction covers the whole step: the profiling step's time outside the layers (here a
+    0.2 s sleep where the optimizer runs) is measured and added; the layers' own time, their recomputation
+    under profile_mode recompute included (a 0.25 s sleep in each attention, which the recomputation runs
+    again), is not counted outside."""
+    import time
+
+    torch.manual_seed(11)
+    model = TinyGPT(by_keyword=True)
+    for b in model.blocks:
+        b.attn.register_forward_pre_hook(lambda *_: time.sleep(0.25))
+    sched = Scheduler()
+    cfg = _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0, profile_mode=mode)
+    off = ActivationOffload(model, cfg, sched)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for x in _batches("gpt", 2):
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            time.sleep(0.2)
+            opt.step()
+            off.end_step()
+        plan = off.plan
+    finally:
+        off.close()
+        sched.close()
+    assert 0.2 <= plan.outside_s < 0.2 + 0.25, plan.outside_s
+    assert plan.predicted_total_step_s == pytest.approx(plan.predicted_step_s + plan.outside_s)
+    assert plan.predicted_step_s >= 0.25 * len(model.blocks)  # each layer's forward, once
+    text = plan.describe()
+    assert f"predicted step {plan.predicted_total_step_s * 1e3:.1f} ms" in text
+    assert f"{plan.outside_s * 1e3:.1f} outside them" in text
+
+
 def test_unknown_recompute_module_is_a_clear_error(tmp_path):
     model = TinyGPT()
     with pytest.raises(ValueError, match=r"recompute_modules \['Nope'\] match no sub-module.*CoreAttention"):

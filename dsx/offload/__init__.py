@@ -198,6 +198,7 @@ class ActivationOffload:
         self._peak_hook: Any = None
         self.step = 0
         self.profiler: Profiler | None = None
+        self._outside_s = 0.0  # the profiled step's time outside the layers (Profiler.outside_s)
         self._profile_rc = False  # policy auto profiles under recomputation (set below)
         offload_tier = "ssd" if "ssd" in cfg.tiers else "host"
         if cfg.policy == "offload_all":
@@ -277,11 +278,16 @@ class ActivationOffload:
             self._profile_next(True)
         elif self.profiler is not None and self.step == warmup:
             profiles = self.profiler.finish()
+            self._outside_s = self.profiler.outside_s
             self.profiler = None
             if _rank() == 0 and len(profiles) > 16:  # tens of seconds from 32 layers on (plan.py's notes)
                 logger.warning("dsx activation offload: planning %d layers ...", len(profiles))
             self._uncheckpoint_layers()  # the profiler's wrappers go; the plan checkpoints what it recomputes
-            self._install(self._plan_mod.make_plan(profiles, self._bws, self.cfg, best_effort=True))
+            self._install(
+                self._plan_mod.make_plan(
+                    profiles, self._bws, self.cfg, best_effort=True, outside_s=self._outside_s
+                )
+            )
             if self.cfg.memory_budget_gb is not None:
                 self._model_budget = self.cfg.memory_budget_gb * GB
                 self._calibrations_left = MAX_CALIBRATIONS
@@ -361,7 +367,7 @@ class ActivationOffload:
         self._model_budget -= measured - budget
         cfg = self.cfg.model_copy(update={"memory_budget_gb": max(self._model_budget, 0.0) / GB})
         try:
-            plan = self._plan_mod.make_plan(self.plan.profiles, self._bws, cfg)
+            plan = self._plan_mod.make_plan(self.plan.profiles, self._bws, cfg, outside_s=self._outside_s)
         except self._plan_mod.PlanError as exc:
             if self._calibrations_left > 0 and any(not a.recomputed for a in self.plan.actions):
                 # the model has no plan with that margin, but its error runs both ways (on the H100 at hidden
@@ -375,7 +381,8 @@ class ActivationOffload:
                     exc,
                 )
                 self._install(self._plan_mod.make_plan(
-                    self.plan.profiles, self._bws, self.cfg.model_copy(update={"policy": "recompute_all"})))  # fmt: skip
+                    self.plan.profiles, self._bws, self.cfg.model_copy(update={"policy": "recompute_all"}),
+                    outside_s=self._outside_s))  # fmt: skip
                 self._mark_peak()
                 return
             self._calibrations_left = 0

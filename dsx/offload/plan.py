@@ -219,6 +219,14 @@ class Plan:
     # each layer's backward start (write_barrier())
     write_barrier: list[int] = field(default_factory=list)
     write_barrier_bwd: list[int] = field(default_factory=list)
+    # the step's time outside the layers (embedding, head, loss, optimizer), as the profiling step measured
+    # it; the same for every plan, so the search leaves it out and the printed prediction adds it
+    outside_s: float = 0.0
+
+    @property
+    def predicted_total_step_s(self) -> float:
+        """The whole step's predicted time: the layers' (``predicted_step_s``) plus ``outside_s``."""
+        return self.predicted_step_s + self.outside_s
 
     def describe(self) -> str:
         b = self.bound
@@ -257,8 +265,14 @@ class Plan:
                 if used
             )
         )
+        step = f"predicted step {self.predicted_total_step_s * 1e3:.1f} ms"
+        if self.outside_s:
+            step += (
+                f" ({self.predicted_step_s * 1e3:.1f} in the layers + {self.outside_s * 1e3:.1f} outside them,"
+                " as profiled)"
+            )
         lines.append(
-            f"predicted step {self.predicted_step_s * 1e3:.1f} ms vs {b['baseline_step_s'] * 1e3:.1f} ms keeping "
+            f"{step} vs {(b['baseline_step_s'] + self.outside_s) * 1e3:.1f} ms keeping "
             f"everything (stall {self.stall_s * 1e3:.1f} ms); peak activations {self.peak_bytes / GB:.2f} GiB vs "
             f"{b['keep_all_bytes'] / GB:.2f} GiB kept, budget "
             + (f"{b['budget_bytes'] / GB:.2f} GiB" if b["budget_bytes"] is not None else "none (hide only)")
@@ -537,6 +551,7 @@ def make_plan(
     *,
     exhaustive_limit: int = 4**7,
     best_effort: bool = False,
+    outside_s: float = 0.0,
 ) -> Plan:
     """Pick an action per layer: least predicted step time under ``cfg.memory_budget_gb``.
 
@@ -549,6 +564,9 @@ def make_plan(
         If even the most memory-frugal plan exceeds the budget; the message gives the minimum reachable.
         With ``best_effort`` the plan that exceeds the budget least is returned instead, with
         ``over_budget`` set (training then measures whether the model's estimate was pessimistic).
+
+    ``outside_s`` (the profiling step's time outside the layers: ``Profiler.outside_s``) does not enter the
+    search; it is carried into ``Plan.predicted_total_step_s`` and the printed plan.
 
     Notes
     -----
@@ -625,7 +643,7 @@ def make_plan(
     fwd_barrier, bwd_barrier = write_barrier(profiles, actions, bw, caps) if barrier else ([], [])
     return Plan(actions, depth, t, bound, profiles, peak, stall, over_budget=over, move_caps=caps,
                 search_s=time.perf_counter() - t_start, write_barrier=fwd_barrier,
-                write_barrier_bwd=bwd_barrier)  # fmt: skip
+                write_barrier_bwd=bwd_barrier, outside_s=outside_s)  # fmt: skip
 
 
 def _floor(

@@ -81,6 +81,10 @@ class Profiler:
         # memory (CUDA): see the module docstring; base is the level when the first layer starts
         self.fwd_peak, self.fwd_bg, self.gap_bg, self.bwd_bg = [0] * n, [0] * n, [0] * n, [0] * n
         self._base: int | None = None
+        # the step's wall time from the model's forward start (its first layer's without a root) to finish():
+        # what the layers' times leave is what runs outside them (embedding, head, loss, optimizer)
+        self._step_start: float | None = None
+        self.outside_s = 0.0
         self._fwd_start = 0
         self._gap: int | None = None  # the layer whose after-forward gap is being measured
         self._open: dict[int, int] = {}  # layers whose backward runs: memory allocated at its start
@@ -105,8 +109,13 @@ class Profiler:
                     ]
 
     def _root_pre(self, module: nn.Module, args: Any) -> None:
-        """The model's forward starts: the memory base, taken on the profiled step's first micro-batch."""
-        if self.enabled and self.device.type == "cuda" and self._base is None:
+        """The model's forward starts: the memory base and the step's start, taken on the profiled step's
+        first micro-batch."""
+        if not self.enabled:
+            return
+        if self._step_start is None:
+            self._step_start = self._now()
+        if self.device.type == "cuda" and self._base is None:
             self._base = torch.cuda.memory_allocated(self.device)
 
     def _now(self) -> float:
@@ -129,6 +138,8 @@ class Profiler:
         if not self.enabled:
             return
         self._t[(kind, i)] = self._now()
+        if self._step_start is None:
+            self._step_start = self._t[(kind, i)]
         if self.device.type != "cuda":
             return
         if kind == "f":
@@ -256,10 +267,16 @@ class Profiler:
         return hook
 
     def finish(self) -> list[Any]:
+        """Call at the profiled step's end (after the optimizer): the layers' profiles; ``outside_s`` is set
+        to the step's time outside the layers (their forward and backward intervals, recomputation
+        included, subtracted from the step's)."""
         from dsx.offload.plan import LayerProfile
 
         for h in self._handles:
             h.remove()
+        if self._step_start is not None:
+            wall = self._now() - self._step_start
+            self.outside_s = max(0.0, wall - sum(self.fwd) - sum(self.bwd))
         rc = self.under_recompute
         return [
             LayerProfile(
