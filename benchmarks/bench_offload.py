@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _kernel_trace
 import _memory_trace
 from _common import add_common_args, environment, save_png, write_json
 
@@ -217,6 +218,23 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         read_pool = rt.features["activation_offload"].offload.mover.read_pool
     # whether the steps ran with expandable allocator segments (dsx restores the setting at close)
     expandable = dev.type == "cuda" and allocator.expandable_segments()
+    kernel_trace = None
+    if args.kernel_trace and dev.type == "cuda":  # one more step, after the measured ones, under the profiler
+        from torch.profiler import ProfilerActivity, profile
+
+        path = Path(args.kernel_trace) / f"ktrace_{name}_mb{args.micro_batch}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            with ctx():
+                loss = engine(inp, tgt)
+            engine.backward(loss)
+            engine.step()
+            torch.cuda.synchronize()
+            traced_s = time.perf_counter() - t0
+        prof.export_chrome_trace(str(path))
+        kernel_trace = {"path": str(path), "step_s": traced_s, **_kernel_trace.summarize(path)}
     if rt:
         rt.close()
     del engine, model
@@ -228,6 +246,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             "activation_peak_gb": peak / 1e9, "peak_allocated_gb": peak_total / 1e9,
             "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan,
             "allocator_per_step": alloc_counts, "read_pool": read_pool, "expandable_segments": expandable,
+            **({"kernel_trace": kernel_trace} if kernel_trace else {}),
             **({"memory_trace": memory} if memory else {})}  # fmt: skip
 
 
@@ -341,6 +360,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "peak, by allocating line, to DIR/memory_<config>_mb<N>.json (slows the steps)")  # fmt: skip
     p.add_argument("--read-pool", choices=["auto", "compute", "prefetch"], default="auto",
                    help="dsx configs: the read_pool setting (allocator pool of read buffers)")  # fmt: skip
+    p.add_argument("--kernel-trace", default=None, metavar="DIR",
+                   help="CUDA: one more step after the measured ones under torch.profiler; its Chrome trace to "
+                        "DIR/ktrace_<config>_mb<N>.json and a summary (GPU busy and idle, copies, host blocked in "
+                        "CUDA calls) into the result")  # fmt: skip
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="dsx configs: the scheduler's timeline of the last steps (transfers, stalls) to "
                         "DIR/trace_<config>_mb<N>.json; `dsx trace` draws it")  # fmt: skip

@@ -461,6 +461,15 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --name bench_offload_predict_zero_cpu_h4096 --out benchmarks/results \
       > "$OUT/bench-offload-predict-zero-cpu-h4096.log" 2>&1
     ;;
+  offload41)  # 1 GPU: offload39's hide-only plan (host x6 partial, depth 1) ran 0.763x no offload with no waits on the host
+              # or the GPU: the same configs again, each with one more step under torch.profiler (where the step's time
+              # goes: compute stream busy or idle, copies, host blocked in CUDA calls), twice
+    for run in a b; do
+      log bench-offload-hide-ktrace-$run; timeout 280 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+        --child-timeout 80 --configs none dsx_auto_hide_sel dsx_auto_hide --kernel-trace "$OUT/ktrace_$run" \
+        --name bench_offload_hide_ktrace_$run --out benchmarks/results > "$OUT/bench-offload-hide-ktrace-$run.log" 2>&1
+    done
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
