@@ -150,6 +150,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     base = peak = peak_total = 0
     allocator_base: dict[str, int] = {}
     per_step: list[tuple[float, float]] = []  # (allocated at the step's start, its peak above that), GB
+    # the measured steps' wall-clock window (Unix time): to match samples taken beside the run (GPU clocks)
+    window = [0.0, 0.0]
     n_steps = min(args.steps, 2) if name in SLOW else args.steps
     # policy auto: the warm-up also covers the profiled step and the re-plans after a measured overshoot,
     # so that the measured steps run the plan that settled
@@ -168,6 +170,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
                     _memory_trace.start()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
+        if step == warmup:
+            window = [time.time(), 0.0]
         t0 = time.perf_counter()
         with ctx():
             loss = engine(inp, tgt)
@@ -182,6 +186,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         if step >= warmup:
             times.append(time.perf_counter() - t0)
             losses.append(float(loss))
+            window[1] = time.time()
     memory = None
     if args.memory_history and dev.type == "cuda":
         # one file per budget: a config runs at several (--budget-scales)
@@ -246,6 +251,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             "activation_peak_gb": peak / 1e9, "peak_allocated_gb": peak_total / 1e9,
             "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan,
             "allocator_per_step": alloc_counts, "read_pool": read_pool, "expandable_segments": expandable,
+            "measured_window_unix": window,
             **({"kernel_trace": kernel_trace} if kernel_trace else {}),
             **({"memory_trace": memory} if memory else {})}  # fmt: skip
 

@@ -470,6 +470,22 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
         --name bench_offload_hide_ktrace_$run --out benchmarks/results > "$OUT/bench-offload-hide-ktrace-$run.log" 2>&1
     done
     ;;
+  offload42)  # 1 GPU: offload41 found every kernel of the hide-only steps slower (GEMMs 1.3x, with or without a copy in
+              # flight), not waits: GPU clocks? no offload and the hide-only plan alternated, three times each, with the
+              # SM clock, power, temperature and throttle reasons sampled every 100 ms beside them
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+      --format=csv,noheader -lms 100 > "$OUT/gpu-clocks.csv" 2>&1 & smi=$!
+    nvidia-smi --query-gpu=timestamp,clocks_throttle_reasons.active --format=csv,noheader -lms 100 \
+      > "$OUT/gpu-throttle.csv" 2>&1 & smi2=$!
+    for i in 1 2 3; do
+      for c in none dsx_auto_hide_sel; do
+        log clocks-$c-$i; timeout 100 python benchmarks/bench_offload.py --warmup 2 --steps 5 --pool-gb 20 \
+          --child-timeout 80 --configs $c --name bench_offload_clocks_${c}_$i --out benchmarks/results \
+          > "$OUT/clocks-$c-$i.log" 2>&1
+      done
+    done
+    kill $smi $smi2 || true
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
