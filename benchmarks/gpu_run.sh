@@ -486,6 +486,18 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
     done
     kill $smi $smi2 || true
     ;;
+  offload43)  # 1 GPU: offload41 again (its hide-only steps had every kernel slower; offload42, on another machine, saw
+              # max clocks and 0.977-0.989x) with the clocks sampled beside it and the power limits logged
+    nvidia-smi -q -d POWER,CLOCK > "$OUT/gpu-power.log" 2>&1
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active \
+      --format=csv,noheader -lms 100 > "$OUT/gpu-clocks.csv" 2>&1 & smi=$!
+    for run in a b; do
+      log bench-offload-hide-ktrace-clocks-$run; timeout 280 python benchmarks/bench_offload.py --warmup 2 --steps 3 \
+        --pool-gb 20 --child-timeout 80 --configs none dsx_auto_hide_sel dsx_auto_hide --kernel-trace /tmp/ktrace_$run \
+        --name bench_offload_hide_ktrace_clocks_$run --out benchmarks/results > "$OUT/bench-offload-hide-ktrace-clocks-$run.log" 2>&1
+    done
+    kill $smi || true
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
