@@ -498,6 +498,14 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
     done
     kill $smi || true
     ;;
+  offload44)  # 1 GPU: partial layers planned at what their storages move (measured 0.79-0.85 of the bound before, the
+              # caps falling between storage sizes): the offload GPU tests, then no offload and the hide-only plans
+    log offload-gpu-tests; timeout 150 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
+    log bench-offload-hide-movable; timeout 280 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 80 --configs none dsx_auto_hide_sel dsx_auto_hide --name bench_offload_hide_movable \
+      --out benchmarks/results > "$OUT/bench-offload-hide-movable.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

@@ -331,6 +331,43 @@ def test_auto_profiles_selective_bytes_and_moves_what_it_predicts(tmp_path):
     assert hist[3].bytes_by_tier["host"] == profiles[1].sel_saved_bytes
 
 
+def test_partial_moves_move_what_the_plan_counts(tmp_path):
+    """A hide-only plan moves part of a layer (its first saved storages, each that still fits under the
+    cap): the profile records the storages in save order, and plan.movable() predicts the bytes the runtime
+    then moves, for caps that fall between storage sizes."""
+    from dsx.offload.plan import Action, movable
+
+    model, batches, want = _reference(12, 3)
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0), sched)
+    n = len(model.blocks)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        got = []
+        for step, x in enumerate(batches):
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            got.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            off.end_step()
+            if step == 0:
+                profiles = off.plan.profiles
+                caps = {
+                    i: int(p.saved_bytes * f) for i, (p, f) in enumerate(zip(profiles, (0.31, 0.55, 0.83)))
+                }
+                off._apply(["host"] * n, 1, caps)
+        moved = [h.bytes_by_tier.get("host", 0) for h in sched.telemetry.history]
+    finally:
+        off.close()
+        sched.close()
+    assert_same_grads(want, got)
+    for p in profiles:
+        assert sum(p.saved_sizes) == p.saved_bytes and len(p.saved_sizes) > 3
+    want_moved = sum(movable(p, Action.HOST, caps[i]) for i, p in enumerate(profiles))
+    assert 0 < want_moved < sum(caps.values())  # the caps fall between storages: less than the caps moves
+    assert moved[1:] == [want_moved, want_moved]
+
+
 def test_profiler_times_backward_of_keyword_called_layers(tmp_path):
     """Megatron passes hidden_states by keyword: per-layer backward times must still add up."""
     import time

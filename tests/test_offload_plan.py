@@ -16,6 +16,7 @@ from dsx.offload.plan import (
     PlanError,
     TierBandwidth,
     make_plan,
+    movable,
     simulate,
     tier_capacity,
     tier_usage,
@@ -301,6 +302,44 @@ def test_hide_only_fills_the_bound_with_partial_layers() -> None:
     # with a budget no partial layer is made: the search itself moves and recomputes whole layers
     budgeted = make_plan(prof, bw, ActivationOffloadConfig(tiers=["host"], memory_budget_gb=20))
     assert not budgeted.move_caps
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_partial_layers_are_planned_at_what_their_storages_move(seed: int) -> None:
+    # megatron-core-like layers (hidden 2048, micro-batch 8): 64-192 MiB storages around a 2 GiB softmax block
+    # and a 1 GiB one, in shuffled order. A storage is not split, so a cap moves the storages that fit in save
+    # order; the plan's caps must be exactly that (the runtime then moves what was planned) and the filled
+    # plan still reaches the bound, with more layers where each moves less
+    rng = random.Random(seed)
+    mib = 1 << 20
+    prof = []
+    for i in range(6):
+        sizes = [64 * mib] * 6 + [192 * mib, 2048 * mib, 1024 * mib, 128 * mib]
+        rng.shuffle(sizes)
+        prof.append(LayerProfile(i, f"L{i}", sum(sizes), 0.012, 0.020, saved_sizes=sizes))
+    bw = [TierBandwidth("host", 55e9, 55e9)]
+    plan = make_plan(prof, bw, ActivationOffloadConfig(tiers=["host"]))
+    assert plan.move_caps
+    for i, cap in plan.move_caps.items():
+        assert movable(prof[i], plan.actions[i], cap) == cap  # achievable exactly
+        done = 0  # and it is the sum of the storages the runtime's rule picks (LayerHooks._pack)
+        for n in prof[i].saved_sizes:
+            if done + n <= cap:
+                done += n
+        assert done == cap
+    whole = sum(
+        p.saved_bytes for i, p in enumerate(prof) if plan.actions[i].moved and i not in plan.move_caps
+    )
+    assert plan.bound["planned_bytes"] == whole + sum(plan.move_caps.values())
+    assert 0.9 <= plan.bound["fraction_of_bound"] <= 1.0 + 1e-9
+    assert plan.predicted_step_s <= plan.bound["baseline_step_s"] * 1.005 + 1e-12
+
+
+def test_movable_follows_the_runtime_rule() -> None:
+    p = LayerProfile(0, "a", 10, 0.01, 0.01, saved_sizes=[3, 5, 1, 1])
+    assert [movable(p, Action.HOST, c) for c in range(12)] == [0, 1, 2, 3, 4, 5, 5, 5, 8, 9, 10, 10]
+    assert movable(p, Action.HOST_SEL, 4) == 4  # +sel: what it saves differs, so the cap itself
+    assert movable(LayerProfile(0, "b", 10, 0.01, 0.01), Action.HOST, 4) == 4  # order unknown
 
 
 def test_tier_usage_counts_host_bytes_and_the_ssd_backlog_staged_in_the_pool() -> None:

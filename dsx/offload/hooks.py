@@ -93,6 +93,8 @@ class LayerHooks:
         self._lock = threading.Lock()
         self._fetched_layers: set[int] = set()
         self.profile_bytes = [0] * len(layers)
+        # each layer's saved storages in the order it saves them (what a partial move takes: its first ones)
+        self.profile_sizes: list[list[int]] = [[] for _ in layers]
         self._profile_seen: set[tuple[int, int]] = set()
         self._scope_profile = False  # inside profile_scope(): pack counts, whatever the layer's action
         # bytes are per micro-batch: with gradient accumulation the profiled step has several forwards (and
@@ -302,6 +304,7 @@ class LayerHooks:
             if key not in self._profile_seen:
                 self._profile_seen.add(key)
                 self.profile_bytes[i] += key[1]
+                self.profile_sizes[i].append(key[1])
             if self.sub_depth == 0:
                 self._outside[i][key] = key[1]
             return t

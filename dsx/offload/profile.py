@@ -287,6 +287,7 @@ class Profiler:
                 bwd_s=max(0.0, self.bwd[i] - self.rc[i]) if rc else self.bwd[i],
                 input_bytes=self.in_bytes[i],
                 recompute_only=rc and not self._rc_counted[i],
+                saved_sizes=list(self.hooks.profile_sizes[i]),
                 sel_saved_bytes=self.hooks.sel_saved_bytes(i) if self.has_sub[i] else None,
                 sel_recompute_s=self.sub[i],
                 bwd_workspace_bytes=self.workspace[i],
