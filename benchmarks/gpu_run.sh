@@ -506,6 +506,12 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --child-timeout 80 --configs none dsx_auto_hide_sel dsx_auto_hide --name bench_offload_hide_movable \
       --out benchmarks/results > "$OUT/bench-offload-hide-movable.log" 2>&1
     ;;
+  offload45)  # 1 GPU: offload44's hide-only comparison again after partial moves under a MiB were dropped (offload44's
+              # plans listed layers moving a few KiB as "0Mi of 4096Mi")
+    log bench-offload-hide-movable2; timeout 280 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 80 --configs none dsx_auto_hide_sel dsx_auto_hide --name bench_offload_hide_movable2 \
+      --out benchmarks/results > "$OUT/bench-offload-hide-movable2.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

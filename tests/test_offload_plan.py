@@ -314,14 +314,14 @@ def test_partial_layers_are_planned_at_what_their_storages_move(seed: int) -> No
     mib = 1 << 20
     prof = []
     for i in range(6):
-        sizes = [64 * mib] * 6 + [192 * mib, 2048 * mib, 1024 * mib, 128 * mib]
+        sizes = [64 * mib] * 6 + [192 * mib, 2048 * mib, 1024 * mib, 128 * mib, 16 << 10, 16 << 10]
         rng.shuffle(sizes)
         prof.append(LayerProfile(i, f"L{i}", sum(sizes), 0.012, 0.020, saved_sizes=sizes))
     bw = [TierBandwidth("host", 55e9, 55e9)]
     plan = make_plan(prof, bw, ActivationOffloadConfig(tiers=["host"]))
     assert plan.move_caps
     for i, cap in plan.move_caps.items():
-        assert movable(prof[i], plan.actions[i], cap) == cap  # achievable exactly
+        assert movable(prof[i], plan.actions[i], cap) == cap >= 1 << 20  # achievable exactly, a MiB or more
         done = 0  # and it is the sum of the storages the runtime's rule picks (LayerHooks._pack)
         for n in prof[i].saved_sizes:
             if done + n <= cap:

@@ -732,7 +732,7 @@ def _fill_bound(
                     hi = mid
             # what the runtime moves under that cap (a cap is then exactly the bytes it moves)
             lo = movable(profiles[i], act, lo & ~((1 << 20) - 1))
-            if lo == 0:
+            if lo < 1 << 20:  # storages under a MiB only (norm statistics): not worth a layer's hooks
                 continue
             peak = simulate(profiles, cand, bw, depth, {**caps, i: lo})[2]
             if best is None or (lo, -peak) > (best[0], -best[1]):
