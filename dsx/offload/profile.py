@@ -21,6 +21,13 @@ the allocated memory when the model's forward starts (``root``; without one, whe
 what the embedding allocates counts, and gradients freed between steps do not. The step resets CUDA's
 peak-memory statistics.
 
+The step's time outside the layers (``Profiler.outside_s``: embedding, head, loss, optimizer) is its wall time
+from the model's forward start to ``finish()`` less the layers' intervals; the printed prediction adds it. The
+synchronizations expose host-bound work there (many small optimizer kernels) that an unsynchronized step
+overlaps, so it can overstate (42.6 ms against ~9 ms at hidden 2048 on the H100; exact within 2% where a CPU
+optimizer dominates). Each layer's saved storages are also recorded in save order (``saved_sizes``): a partial
+move takes them in that order.
+
 Under recomputation (``profile_mode`` ``"recompute"``: the micro-batch may fit only with dsx) every layer runs
 through the reentrant checkpoint and :meth:`Profiler.wrap` sees its recomputation in backward: the saved
 bytes are counted there, the forward time and peak are the recomputation's (a forward that saves, as a kept
