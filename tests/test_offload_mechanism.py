@@ -275,8 +275,9 @@ def test_select_backend_auto_on_cpu_and_describe(tmp_path):
 
 
 # ------------------------------------------------------------------- selective recompute (recompute_modules)
-def _steps(model, batches, off, actions=()):
-    """Train on ``batches``; after step i (step 0 profiles under policy auto) install ``actions[i]``."""
+def _steps(model, batches, off, actions=(), after=None):
+    """Train on ``batches``; after step i (step 0 profiles under policy auto) install ``actions[i]``, then
+    call ``after(i)``."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     grads = []
     for i, x in enumerate(batches):
@@ -287,6 +288,8 @@ def _steps(model, batches, off, actions=()):
         off.end_step()
         if i < len(actions):
             off._apply(actions[i], 1)
+        if after is not None:
+            after(i)
     return grads
 
 
@@ -340,22 +343,18 @@ def test_partial_moves_move_what_the_plan_counts(tmp_path):
     model, batches, want = _reference(12, 3)
     sched = Scheduler(SchedulerConfig(io_workers=2))
     off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0), sched)
-    n = len(model.blocks)
+    profiles, caps = [], {}
+
+    def partial_moves(step: int) -> None:  # after the profiling step: parts of every layer, to the host
+        if step == 0:
+            profiles.extend(off.plan.profiles)
+            caps.update(
+                {i: int(p.saved_bytes * f) for i, (p, f) in enumerate(zip(profiles, (0.31, 0.55, 0.83)))}
+            )
+            off._apply(["host"] * len(profiles), 1, caps)
+
     try:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        got = []
-        for step, x in enumerate(batches):
-            opt.zero_grad()
-            model(x).float().pow(2).mean().backward()
-            got.append([p.grad.clone() for p in model.parameters()])
-            opt.step()
-            off.end_step()
-            if step == 0:
-                profiles = off.plan.profiles
-                caps = {
-                    i: int(p.saved_bytes * f) for i, (p, f) in enumerate(zip(profiles, (0.31, 0.55, 0.83)))
-                }
-                off._apply(["host"] * n, 1, caps)
+        got = _steps(model, batches, off, after=partial_moves)
         moved = [h.bytes_by_tier.get("host", 0) for h in sched.telemetry.history]
     finally:
         off.close()
