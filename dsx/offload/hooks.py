@@ -92,7 +92,6 @@ class LayerHooks:
         self._dedup: dict[tuple[int, int], tuple[Entry, weakref.ref]] = {}
         self._lock = threading.Lock()
         self._fetched_layers: set[int] = set()
-        self.profile_bytes = [0] * len(layers)
         # each layer's saved storages in the order it saves them (what a partial move takes: its first ones)
         self.profile_sizes: list[list[int]] = [[] for _ in layers]
         self._profile_seen: set[tuple[int, int]] = set()
@@ -231,6 +230,11 @@ class LayerHooks:
             resumed.record(stream)
             self.mover.sched.telemetry.add_gpu_wait(reached, resumed, name)
 
+    @property
+    def profile_bytes(self) -> list[int]:
+        """Per layer, the bytes of the storages it saved in the profiled step's first micro-batch."""
+        return [sum(sizes) for sizes in self.profile_sizes]
+
     def start_profile(self) -> None:
         """The coming step is profiled: count the bytes of its first micro-batch."""
         self._profile_from = self._forwards
@@ -303,7 +307,6 @@ class LayerHooks:
                 return t
             if key not in self._profile_seen:
                 self._profile_seen.add(key)
-                self.profile_bytes[i] += key[1]
                 self.profile_sizes[i].append(key[1])
             if self.sub_depth == 0:
                 self._outside[i][key] = key[1]
