@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -94,12 +95,35 @@ def test_impossible_budget_is_a_clear_error() -> None:
 
 
 @pytest.mark.parametrize(
-    ("policy", "expect"), [("none", "keep"), ("recompute_all", "recompute"), ("offload_all", "host")]
+    ("policy", "tiers", "expect"),
+    [
+        ("none", ["host", "ssd"], "keep"),
+        ("recompute_all", ["host", "ssd"], "recompute"),
+        # the runtime's rule: every layer to the last tier of ``tiers``, at prefetch_depth or 1
+        ("offload_all", ["host", "ssd"], "ssd"),
+        ("offload_all", ["ssd", "host"], "host"),
+        ("offload_all", ["host"], "host"),
+    ],
 )
-def test_fixed_policies(policy: str, expect: str) -> None:
+def test_fixed_policies(policy: str, tiers: list[str], expect: str) -> None:
     prof = _profiles(random.Random(2), 6)
-    plan = make_plan(prof, BW, _cfg(policy=policy))
+    plan = make_plan(prof, BW, ActivationOffloadConfig(tiers=tiers, policy=policy))
     assert {a.value for a in plan.actions} == {expect}
+    if policy == "offload_all":
+        assert plan.prefetch_depth == 1
+        assert (
+            make_plan(
+                prof, BW, ActivationOffloadConfig(tiers=tiers, policy=policy, prefetch_depth=3)
+            ).prefetch_depth
+            == 3
+        )
+        # no bandwidth for the last tier: the model cannot time what the runtime would do
+        with pytest.raises(ValueError, match="last tier"):
+            make_plan(
+                prof,
+                [b for b in BW if b.tier != tiers[-1]],
+                ActivationOffloadConfig(tiers=tiers, policy=policy),
+            )
 
 
 @settings(max_examples=40, deadline=None)
@@ -194,7 +218,7 @@ def test_offload_all_with_recompute_modules_uses_selective_variant() -> None:
     prof = _sel_profiles(random.Random(3), 3)
     prof[1].sel_saved_bytes = None  # a layer without the sub-module keeps the plain action
     plan = make_plan(prof, BW, _cfg(policy="offload_all", recompute_modules=["Attn"]))
-    assert [a.value for a in plan.actions] == ["host+sel", "host", "host+sel"]
+    assert [a.value for a in plan.actions] == ["ssd+sel", "ssd", "ssd+sel"]  # the last tier, as the runtime
     assert "+sel" in plan.describe() and "sub ms" in plan.describe()
 
 
@@ -572,3 +596,225 @@ def test_timeline_matches_the_plain_reference(n: int, seed: int, depth: int) -> 
     t, _, feet = _timeline(prof, actions, bw, depth, caps)
     t_ref, feet_ref = _timeline_reference(prof, actions, bw, depth, caps)
     assert feet == feet_ref and t == pytest.approx(t_ref, rel=1e-12)
+
+
+# ------------------------------------------------------------------------------- regressions (review fixes)
+def _hide_only_profiles(rng: random.Random, n: int) -> list[LayerProfile]:
+    """Layers of 64 MiB-896 MiB whose writes at a few GB/s take about one layer's forward: filling the bound
+    with a partial layer can hold the link while a whole layer's write would have ended."""
+    mib = 1 << 20
+    return [
+        LayerProfile(
+            i, f"L{i}", rng.randint(1, 14) * 64 * mib, rng.uniform(0.008, 0.02), rng.uniform(0.02, 0.04)
+        )
+        for i in range(n)
+    ]
+
+
+def test_filling_the_bound_never_raises_the_peak(monkeypatch) -> None:
+    import dsx.offload.plan as plan_mod
+
+    fill = plan_mod._fill_bound
+    filled = 0
+    for seed in range(24):
+        rng = random.Random(seed)
+        prof = _hide_only_profiles(rng, 6)
+        bws = [TierBandwidth("host", rng.uniform(4e9, 10e9), 26e9)]
+        cfg = ActivationOffloadConfig(tiers=["host"], host_pool_gb=64)
+        plan = make_plan(prof, bws, cfg)
+        with monkeypatch.context() as m:  # the whole-layer plan the search found, before any partial layer
+            m.setattr(plan_mod, "_fill_bound", lambda p, acts, *_: (list(acts), {}))
+            whole = make_plan(prof, bws, cfg)
+        assert not whole.move_caps
+        assert plan.peak_bytes <= whole.peak_bytes, (seed, plan.move_caps)
+        assert plan.predicted_step_s <= plan.bound["baseline_step_s"] * 1.005 + 1e-12
+        filled += bool(plan.move_caps)
+        # and each fill, at every depth, peaks no higher than the plan it started from
+        bw = {b.tier: b for b in bws}
+        for d in (1, 2, 3):
+            acts, caps = fill(prof, whole.actions, bw, d, whole.bound["baseline_step_s"] * 1.005, 1 << 40,
+                              tier_capacity(cfg))  # fmt: skip
+            assert simulate(prof, acts, bw, d, caps)[2] <= simulate(prof, whole.actions, bw, d)[2]
+    assert filled >= 12  # the fills still happen
+
+
+@pytest.mark.parametrize("tiers", [["host"], ["host", "ssd"], ["ssd"], ["ssd", "host"]])
+def test_the_bound_is_the_device_links(tiers: list[str]) -> None:
+    # every moved byte crosses the device->host link first (_forward): a second tier adds no write or read
+    # rate; without a host tier the SSD's rates are all there is
+    rng = random.Random(31)
+    prof = _profiles(rng, 10)
+    bws = [TierBandwidth("host", rng.uniform(5e9, 20e9), rng.uniform(20e9, 40e9)),
+           TierBandwidth("ssd", rng.uniform(1e9, 5e9), rng.uniform(2e9, 6e9))]  # fmt: skip
+    plan = make_plan(prof, bws, ActivationOffloadConfig(tiers=tiers, host_pool_gb=64, ssd_capacity_gb=64))
+    link = bws[0] if "host" in tiers else bws[1]
+    t_fwd, t_bwd = sum(p.fwd_s for p in prof), sum(p.bwd_s for p in prof)
+    assert plan.bound["hideable_write_bytes"] == pytest.approx(link.write_Bps * t_fwd)
+    assert plan.bound["hideable_read_bytes"] == pytest.approx(link.read_Bps * t_bwd)
+    assert plan.predicted_step_s <= plan.bound["baseline_step_s"] * 1.005 + 1e-12
+    if plan.move_caps:  # the partial layers fill no further than the link's bound
+        assert plan.bound["planned_bytes"] <= min(link.write_Bps * t_fwd, link.read_Bps * t_bwd) + 1
+
+
+def _memory_profiles(rng: random.Random, n: int) -> list[LayerProfile]:
+    """Layers whose forward peak and backward workspace differ from what they save: the plan with the least
+    summed footprint over a budget is not always the one with the lowest peak."""
+    mib64 = 64 << 20
+    out = []
+    for i in range(n):
+        s = rng.randint(1, 16) * mib64
+        out.append(LayerProfile(i, f"L{i}", s, rng.uniform(0.005, 0.02), rng.uniform(0.01, 0.04),
+                                fwd_peak_bytes=s + rng.randint(0, 24) * mib64,
+                                bwd_workspace_bytes=rng.randint(0, 24) * mib64,
+                                gap_background_bytes=rng.randint(0, 16) * mib64,
+                                bwd_background_bytes=rng.randint(0, 16) * mib64,
+                                input_bytes=rng.randint(1, 4) * (16 << 20)))  # fmt: skip
+    return out
+
+
+def _lowest_peak(prof: list[LayerProfile], bws: list[TierBandwidth]) -> int:
+    """Brute force at depth 1: the lowest peak of any assignment of keep, recompute (host, recompute+host)."""
+    bw = {b.tier: b for b in bws}
+    acts = [Action.KEEP, Action.RECOMPUTE] + ([Action.HOST, Action.RECOMPUTE_HOST] if bw else [])
+    return min(simulate(prof, list(c), bw, 1)[2] for c in itertools.product(acts, repeat=len(prof)))
+
+
+@pytest.mark.parametrize("with_tier", [False, True])
+def test_best_effort_installs_the_lowest_peak(with_tier: bool) -> None:
+    for seed in range(8):
+        rng = random.Random(seed)
+        prof = _memory_profiles(rng, 4)
+        bws = [TierBandwidth("host", rng.uniform(2e9, 20e9), rng.uniform(2e9, 20e9))] if with_tier else []
+        cfg = ActivationOffloadConfig(
+            tiers=["host"], host_pool_gb=64, memory_budget_gb=1e-3, prefetch_depth=1
+        )
+        plan = make_plan(prof, bws, cfg, best_effort=True)  # exhaustive: every plan considered
+        assert plan.over_budget and "OVER BUDGET" in plan.describe()
+        assert plan.peak_bytes == _lowest_peak(prof, bws), seed
+        # the local search: no higher than any plan it starts from (every uniform plan)
+        local = make_plan(prof, bws, cfg, best_effort=True, exhaustive_limit=0)
+        bw = {b.tier: b for b in bws}
+        uniform = [Action.KEEP, Action.RECOMPUTE] + ([Action.HOST, Action.RECOMPUTE_HOST] if bws else [])
+        assert local.peak_bytes <= min(simulate(prof, [a] * 4, bw, 1)[2] for a in uniform)
+
+
+def test_floor_is_the_lowest_peak_the_planner_reaches() -> None:
+    from dsx.offload.plan import floor_bytes
+
+    for seed in range(8):
+        rng = random.Random(100 + seed)
+        prof = _memory_profiles(rng, 4)
+        bws = [TierBandwidth("host", rng.uniform(2e9, 20e9), rng.uniform(2e9, 20e9))] if seed % 2 else []
+        cfg = ActivationOffloadConfig(tiers=["host"], host_pool_gb=64, memory_budget_gb=1.0, prefetch_depth=1)
+        floor = floor_bytes(prof, bws, cfg)
+        assert floor == _lowest_peak(prof, bws), seed  # exhaustive: no plan peaks lower
+        # a budget at the floor has a plan; one just under it gets the error, which names the floor
+        at = make_plan(prof, bws, cfg.model_copy(update={"memory_budget_gb": floor / GiB}))
+        assert at.peak_bytes <= floor and not at.over_budget
+        with pytest.raises(PlanError) as err:
+            make_plan(prof, bws, cfg.model_copy(update={"memory_budget_gb": (floor - (1 << 20)) / GiB}))
+        assert f"keeps {floor / GiB:.2f} GiB" in str(err.value)
+
+
+def test_partial_sel_moves_follow_the_sel_storages() -> None:
+    # +sel: the runtime moves, in save order, each storage of what the layer saves with its recompute modules
+    # recomputed that still fits under the cap; the planner counts exactly that
+    from dsx.offload.plan import _split
+
+    rng = random.Random(17)
+    mib = 1 << 20
+    prof = []
+    for i in range(4):
+        sizes = [rng.randint(1, 64) * mib for _ in range(rng.randint(3, 9))]
+        sel = [rng.randint(1, 48) * mib for _ in range(rng.randint(3, 7))]
+        prof.append(LayerProfile(i, f"L{i}", sum(sizes), 0.01, 0.02, saved_sizes=sizes,
+                                 sel_saved_bytes=sum(sel), sel_saved_sizes=sel))  # fmt: skip
+    for p in prof:
+        for cap in [rng.randint(0, p.sel_saved_bytes) for _ in range(50)]:
+            done = 0
+            for n in p.sel_saved_sizes:
+                if done + n <= cap:
+                    done += n
+            assert movable(p, Action.HOST_SEL, cap) == movable(p, Action.SSD_SEL, cap) == done
+    caps = {i: p.sel_saved_bytes * 11 // 20 for i, p in enumerate(prof)}
+    moved = _split(prof, [Action.HOST_SEL] * 4, caps)[0]
+    assert moved == [movable(p, Action.HOST_SEL, caps[i]) for i, p in enumerate(prof)]
+    assert all(m <= caps[i] for i, m in enumerate(moved)) and moved != list(caps.values())
+    # without the storages recorded, the cap itself (as before)
+    bare = LayerProfile(0, "b", 100 * mib, 0.01, 0.02, sel_saved_bytes=40 * mib)
+    assert movable(bare, Action.HOST_SEL, 25 * mib + 3) == 25 * mib + 3
+
+
+def test_plans_fit_the_real_pool_with_small_storages() -> None:
+    """The pool and the SSD file allocate each storage at its 4 KiB-aligned size: with storages of a few KiB
+    (min_tensor_bytes 0) that is up to twice their bytes, past tier_capacity's 1/128 reserve."""
+    from dsx.offload.store import HostPool, align_up
+
+    bws = [TierBandwidth("host", 20e9, 20e9)]
+    for seed in range(6):
+        rng = random.Random(seed)
+        prof = []
+        for i in range(6):
+            sizes = [rng.randint(1500, 9000) for _ in range(rng.randint(150, 400))]
+            fwd, bwd = rng.uniform(0.005, 0.02), rng.uniform(0.01, 0.04)
+            prof.append(LayerProfile(i, f"L{i}", sum(sizes), fwd, bwd, saved_sizes=sizes))
+        keep = sum(p.saved_bytes for p in prof)
+        for budget in (keep * 0.5 / GiB, None):
+            cfg = ActivationOffloadConfig(tiers=["host"], host_pool_gb=rng.uniform(3, 6) / 1024,
+                                          memory_budget_gb=budget, min_tensor_bytes=0)  # fmt: skip
+            try:
+                plan = make_plan(prof, bws, cfg)
+            except PlanError:
+                continue
+            pool = HostPool(int(cfg.host_pool_gb * GiB), pin=False)
+            aligned = 0
+            for i, (p, a) in enumerate(zip(prof, plan.actions)):
+                if not a.moved:
+                    continue
+                cap, done = plan.move_caps.get(i, p.saved_bytes), 0
+                for n in p.saved_sizes:  # the runtime's rule (LayerHooks._pack)
+                    if done + n <= cap:
+                        done += n
+                        aligned += align_up(n)
+                        assert pool.alloc(n) is not None, (seed, budget, plan.actions)
+            held = tier_usage(prof, plan.actions, {"host": bws[0]}, plan.move_caps)["host"]
+            assert held == aligned <= tier_capacity(cfg)["host"]
+    # a partial move counts the storages it takes, each aligned
+    p = LayerProfile(0, "a", 0, 0.01, 0.02, saved_sizes=[5000, 3000, 9000, 100, 4096])
+    p.saved_bytes = sum(p.saved_sizes)
+    usage = tier_usage([p], [Action.HOST], {"host": bws[0]}, {0: 12100})
+    assert usage["host"] == align_up(5000) + align_up(3000) + align_up(100)
+
+
+@pytest.mark.parametrize("policy", ["none", "recompute_all", "offload_all", "auto"])
+def test_over_budget_is_set_for_every_policy(policy: str) -> None:
+    rng = random.Random(23)
+    prof = _profiles(rng, 5)
+    for p in prof:
+        p.input_bytes = p.saved_bytes // 8
+    bw = {b.tier: b for b in BW}
+    keep_peak = simulate(prof, [Action.KEEP] * 5, bw, 1)[2]
+    for budget, over in ((keep_peak * 4 / GiB, False), (1e-3, True)):
+        plan = make_plan(prof, BW, _cfg(policy=policy, memory_budget_gb=budget), best_effort=True)
+        assert plan.over_budget is over and plan.over_budget == (plan.peak_bytes > budget * GiB)
+        assert ("OVER BUDGET" in plan.describe()) is over
+    assert not make_plan(prof, BW, _cfg(policy=policy)).over_budget  # no budget, nothing to be over
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("fwd_s", float("nan")), ("bwd_s", -0.01), ("saved_bytes", -1), ("sel_saved_bytes", float("nan")),
+     ("sel_recompute_s", float("inf")), ("bwd_workspace_bytes", -(1 << 20)), ("input_bytes", float("nan")),
+     ("fwd_peak_bytes", -5), ("gap_background_bytes", float("nan")), ("saved_sizes", [1 << 20, -4])],
+)  # fmt: skip
+def test_bad_profiles_are_a_clear_error(field: str, value) -> None:
+    prof = _profiles(random.Random(29), 4)
+    setattr(prof[2], field, value)
+    name = field if field != "saved_sizes" else "saved_sizes[1]"
+    for policy, budget in (("auto", None), ("auto", 2.0), ("recompute_all", None)):
+        with pytest.raises(ValueError, match=rf"layer 2 \('L2'\): {re.escape(name)} is"):
+            make_plan(prof, BW, _cfg(policy=policy, memory_budget_gb=budget))
+    # the background fields are differences of measured levels: negative is allowed
+    ok = _profiles(random.Random(29), 4)
+    ok[1].fwd_background_bytes = -(1 << 20)
+    make_plan(ok, BW, _cfg())

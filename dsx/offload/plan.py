@@ -16,8 +16,9 @@ layers n-1..0 (times ``bwd_s``); when layer ``i``'s backward starts, reads are i
 layers down to ``i - depth``; a layer whose read has not finished when its backward starts stalls. A
 recomputed layer runs its forward again in backward. Reads of the two tiers are independent (host: PCIe,
 per-rank share; SSD: the drive, per-rank share). The hideable bytes per step are
-``B_write x T_fwd`` and ``B_read x T_bwd``: the model reproduces that bound when compute is the only thing
-to hide behind.
+``B_write x T_fwd`` and ``B_read x T_bwd``, B being the device's link (the host tier's rates; the SSD
+tier's without a host tier): every byte moved, to either tier, crosses it. The model reproduces that bound
+when compute is the only thing to hide behind.
 
 Peak activation memory is the largest footprint at these points, each relative to the allocated memory when
 the step's first layer starts: during each layer's forward (its own forward peak on top of what earlier layers
@@ -30,9 +31,10 @@ the model outside the layers holds: LayerProfile's ``*_background_bytes``), so t
 model reproduces the measured peaks; a recomputed layer's re-run forward peaks at ``fwd_peak_bytes``.
 
 A plan never holds more in a tier than the tier can (``tier_usage`` within ``tier_capacity``: the host pool
-also stages SSD writes), and it carries ``write_barrier`` / ``write_barrier_bwd``: where in the forward and
-the backward the runtime waits for the copies the model has finished by then, so that the allocator, which
-sees frees in the host's order, frees what the model frees. Only where memory is the point
+also stages SSD writes; each storage whose size the profile recorded counts at its 4 KiB-aligned size, as
+the pool and the file allocate it), and it carries ``write_barrier`` / ``write_barrier_bwd``: where in the
+forward and the backward the runtime waits for the copies the model has finished by then, so that the
+allocator, which sees frees in the host's order, frees what the model frees. Only where memory is the point
 (``write_barrier``: "auto" sets it when ``memory_budget_gb`` is given; a hide-only plan runs without it).
 
 Search: exhaustive over all c^n assignments when c^n <= ``exhaustive_limit``, c being the number of actions
@@ -41,9 +43,10 @@ inputs also ``recompute+<tier>``: 9 with two tiers) — small models, and the te
 local search from each uniform plan: passes that give each layer in turn its best action with the others
 fixed, until a pass changes nothing, ordered by (memory over budget, step time, peak memory) — so it first
 reaches the budget, then shortens the step. With no budget the order is (time over baseline, peak memory,
-step time). Every prefetch depth 1..8 is searched. On this project's 2-core CI machine a plan for 16 layers
-takes ~2-3 s and for 32 layers ~11 s (steepest descent, evaluating every single-layer change per step, took
-50-70 s for 16 layers).
+step time). When no plan the search considers meets the budget, the best-effort plan is the one of them with
+the lowest peak (ranked by (over a tier's capacity, peak, step time)). Every prefetch depth 1..8 is
+searched. On this project's 2-core CI machine a plan for 16 layers takes ~2-3 s and for 32 layers ~11 s
+(steepest descent, evaluating every single-layer change per step, took 50-70 s for 16 layers).
 """
 
 from __future__ import annotations
@@ -51,12 +54,15 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from dsx.config import ActivationOffloadConfig
+from dsx.offload.store import align_up
 
 __all__ = [
     "Action",
@@ -159,6 +165,9 @@ class LayerProfile:
     recompute_only: bool = False
     # the storages it saves, in save order (what a partial move takes first); empty where not profiled
     saved_sizes: list[int] = field(default_factory=list)
+    # the same when its recompute_modules are recomputed (the storages of sel_saved_bytes, in the runtime's
+    # save order): what a partial ``+sel`` move takes first; empty where not profiled
+    sel_saved_sizes: list[int] = field(default_factory=list)
 
     def stored(self, a: Action) -> int:
         """Bytes kept on the device or moved to ``a.tier`` between the layer's forward and its backward."""
@@ -214,7 +223,9 @@ class Plan:
     profiles: list[LayerProfile] = field(default_factory=list, repr=False)
     peak_bytes: int = 0
     stall_s: float = 0.0
-    over_budget: bool = False  # best effort: no plan the model knows fits the budget; this one misses least
+    # the predicted peak exceeds memory_budget_gb (auto, best effort: no plan the search considered fits the
+    # budget, and this one peaks lowest among them; or a fixed policy over the budget)
+    over_budget: bool = False
     # layer -> bytes it moves when it moves only part of what it saves (the rest stays on the device)
     move_caps: dict[int, int] = field(default_factory=dict)
     search_s: float = 0.0  # wall time make_plan took (the search is once per run, plus re-plans)
@@ -293,23 +304,48 @@ class Plan:
 _CAPACITY_KEY = {"host": "host_pool_gb", "ssd": "ssd_capacity_gb"}
 
 
+def _sizes(p: LayerProfile, a: Action) -> list[int]:
+    """The storages layer ``p`` stores under ``a``, in the runtime's save order; empty where unknown (not
+    profiled, or a recomputed layer's inputs)."""
+    if a.recomputed:
+        return []
+    return p.sel_saved_sizes if a.sel else p.saved_sizes
+
+
+def _greedy(sizes: list[int], cap: int) -> list[int]:
+    """The runtime's rule (``LayerHooks._pack``): in save order, each storage still fitting under ``cap``."""
+    out, done = [], 0
+    for n in sizes:
+        if done + n <= cap:
+            done += n
+            out.append(n)
+    return out
+
+
 def movable(p: LayerProfile, a: Action, cap: int) -> int:
     """Bytes layer ``p`` moves under action ``a`` when at most ``cap`` may move: the runtime's rule
-    (``LayerHooks._pack``) over its saved storages in save order, each moving if it still fits under the cap.
-    A storage is not split, so a cap between storage sizes moves less than the cap (at hidden 2048 a
-    megatron-core layer saves a 2 GiB block and several of 64-192 MiB: caps of ~1 GiB moved 0.79-0.85 of
-    the bytes planned). Where the order is unknown (``+sel`` actions, profiles without ``saved_sizes``), the
-    cap itself."""
+    (``LayerHooks._pack``) over its saved storages in save order (``saved_sizes``; ``sel_saved_sizes`` for
+    ``+sel`` actions), each moving if it still fits under the cap. A storage is not split, so a cap between
+    storage sizes moves less than the cap (at hidden 2048 a megatron-core layer saves a 2 GiB block and
+    several of 64-192 MiB: caps of ~1 GiB moved 0.79-0.85 of the bytes planned). Where the order is unknown
+    (profiles without those sizes, recomputed layers' inputs), the cap itself."""
     s = p.stored(a)
     if cap >= s:
         return s
-    if a.sel or not p.saved_sizes:
-        return cap
-    done = 0
-    for n in p.saved_sizes:
-        if done + n <= cap:
-            done += n
-    return done
+    sizes = _sizes(p, a)
+    return sum(_greedy(sizes, cap)) if sizes else cap
+
+
+def _held(p: LayerProfile, a: Action, cap: int | None) -> int:
+    """Bytes a tier gives what layer ``p`` moves under ``a`` (at most ``cap``): the pool and the SSD file
+    allocate each storage at its 4 KiB-aligned size (``Arena``); where the storages are unknown, the bytes
+    moved (``tier_capacity``'s reserve covers their alignment)."""
+    sizes = _sizes(p, a)
+    if not sizes:
+        return p.stored(a) if cap is None else movable(p, a, cap)
+    if cap is not None and cap < p.stored(a):
+        sizes = _greedy(sizes, cap)
+    return sum(align_up(max(n, 1)) for n in sizes)
 
 
 def _split(
@@ -411,8 +447,13 @@ def tier_usage(
 ) -> dict[str, int]:
     """Peak bytes each tier holds in a step: every moved byte stays there until its layer's backward, and
     the host pool also stages the SSD writes not yet on the drive (a slot is the aligned O_DIRECT buffer
-    until its write completes), so a drive slower than the forward pass fills the pool with its backlog."""
-    moved, _ = _split(profiles, actions, caps)
+    until its write completes), so a drive slower than the forward pass fills the pool with its backlog.
+    Each storage a profile recorded counts at its 4 KiB-aligned size, as the pool and the SSD file allocate
+    it (storages of a few KiB take up to twice their bytes)."""
+    moved = [
+        _held(p, a, caps.get(i) if caps else None) if a.moved else 0
+        for i, (p, a) in enumerate(zip(profiles, actions))
+    ]
     _, _, write_done, _ = _forward(profiles, actions, bw, caps)
     host = ssd = staged = peak_host = 0
     pending: collections.deque[int] = collections.deque()  # SSD writes in order: one channel, FIFO
@@ -554,8 +595,11 @@ def _depth(profiles: list[LayerProfile], bw: dict[str, TierBandwidth]) -> int:
 
 
 def tier_capacity(cfg: ActivationOffloadConfig) -> dict[str, int]:
-    """Bytes a plan may keep in each tier: ``host_pool_gb`` and ``ssd_capacity_gb`` less 1/128, the room
-    for each storage's 4 KiB alignment in the pool and the file and for the SSD reads' staging in the pool."""
+    """Bytes a plan may keep in each tier: ``host_pool_gb`` and ``ssd_capacity_gb`` less 1/128. ``tier_usage``
+    counts the storages a profile recorded at their aligned sizes; the reserve is still needed for those it
+    did not record (older profiles, ``+sel`` without ``sel_saved_sizes``, recomputed layers' inputs), whose
+    alignment ``tier_usage`` cannot count, and for the SSD reads' staging slots in the pool during backward
+    (a read that finds the pool full stages in a buffer of its own, allocated per read)."""
     return {
         tier: int(gb * GB) - int(gb * GB) // 128
         for tier, gb in (("host", cfg.host_pool_gb), ("ssd", cfg.ssd_capacity_gb))
@@ -583,9 +627,18 @@ def make_plan(
     Raises
     ------
     PlanError
-        If even the most memory-frugal plan exceeds the budget; the message gives the minimum reachable.
-        With ``best_effort`` the plan that exceeds the budget least is returned instead, with
-        ``over_budget`` set (training then measures whether the model's estimate was pessimistic).
+        If no plan the search considers meets the budget (policy ``auto``); the message gives the lowest
+        peak the planner reaches (as ``floor_bytes``: the most frugal uniform plan's or the lowest-peak
+        plan's the search considered, if lower). With ``best_effort`` the plan of lowest peak among those
+        considered is returned instead, with ``over_budget`` set (training then measures whether the
+        model's estimate was pessimistic).
+    ValueError
+        If a profile's time or byte count is NaN, infinite or negative (naming the layer and the field), or
+        policy ``offload_all`` has no bandwidth for its tier (the last of ``cfg.tiers``, as the runtime).
+
+    Policies ``none``, ``recompute_all`` and ``offload_all`` give the runtime's fixed plans (``offload_all``:
+    every layer to the last tier of ``cfg.tiers``, at ``cfg.prefetch_depth`` or 1), with ``over_budget`` set
+    where a budget is given and their predicted peak exceeds it.
 
     ``outside_s`` (the profiling step's time outside the layers: ``Profiler.outside_s``) does not enter the
     search; it is carried into ``Plan.predicted_total_step_s`` and the printed plan.
@@ -596,57 +649,78 @@ def make_plan(
     64 ~45-70 s (``Plan.search_s``).
     """
     t_start = time.perf_counter()
-    bw = {b.tier: b for b in bandwidths if b.tier in cfg.tiers and b.write_Bps > 0 and b.read_Bps > 0}
+    _check_profiles(profiles)
+    bw = _bandwidths(bandwidths, cfg)
     n = len(profiles)
     depth = cfg.prefetch_depth or _depth(profiles, bw)
     keep_all = [Action.KEEP] * n
     base_t, _, keep_bytes = simulate(profiles, keep_all, bw, depth)
+    budget_bytes = None if cfg.memory_budget_gb is None else int(cfg.memory_budget_gb * GB)
     if cfg.policy == "none":
         actions = keep_all
     elif cfg.policy == "recompute_all":
         actions = [Action.RECOMPUTE] * n
     elif cfg.policy == "offload_all":
-        first = next((Action(t) for t in cfg.tiers if t in bw), Action.RECOMPUTE)
-        actions = [first] * n
-        if cfg.recompute_modules and first != Action.RECOMPUTE:
+        # the runtime's rule (ActivationOffload): every layer to the last tier, at prefetch_depth or 1
+        last = Action(cfg.tiers[-1])
+        if last.value not in bw:
+            raise ValueError(
+                f"policy 'offload_all' moves every layer to the last tier, {last.value!r}, and no bandwidth "
+                f"was given for it (bandwidths measured: {sorted(bw) or 'none'})"
+            )
+        depth = cfg.prefetch_depth or 1
+        actions = [last] * n
+        if cfg.recompute_modules:
             actions = [
-                Action(f"{first.value}+sel") if p.sel_saved_bytes is not None else first for p in profiles
+                Action(f"{last.value}+sel") if p.sel_saved_bytes is not None else last for p in profiles
             ]
     else:
         # The prefetch depth trades stall (too shallow) against memory (too deep): search it too.
         depths = [cfg.prefetch_depth] if cfg.prefetch_depth else list(range(1, min(n, MAX_DEPTH) + 1))
-        found: list[tuple[Any, int, Any, Any]] = []
-        for d in depths:
-            try:
-                acts, sc = _search(profiles, bw, cfg, d, base_t, exhaustive_limit, best_effort)
-            except PlanError as exc:
-                found.append(((float("inf"),), d, None, exc))
-                continue
-            found.append((sc, d, acts, None))
-        sc, depth, actions, err = min(found, key=lambda f: f[0])
-        if actions is None:
-            raise err
+        found = {d: _search(profiles, bw, cfg, d, base_t, exhaustive_limit) for d in depths}
+        budget = None if cfg.memory_budget_gb is None else cfg.memory_budget_gb * GB
+        fits = [d for d in depths if budget is None or found[d].peak <= budget]
+        if fits:
+            depth = min(fits, key=lambda d: found[d].score)
+            actions = found[depth].actions
+        else:
+            # no plan considered meets the budget: the lowest peak among them (what best effort installs)
+            depth = min(depths, key=lambda d: found[d].lowest[0])
+            actions = found[depth].lowest[1]
+            if not best_effort:
+                choices, capacity = _choices(cfg, bw, profiles), tier_capacity(cfg)
+                uniform = min(_floor(profiles, bw, choices, d, capacity) for d in depths)
+                floor = min(uniform, found[depth].lowest[0][1])
+                raise PlanError(
+                    f"memory_budget_gb={cfg.memory_budget_gb} cannot be met: the most frugal plan found "
+                    f"keeps {floor / GB:.2f} GiB of activations (raise the budget, add a tier, or lower the "
+                    "micro-batch)"
+                )
     t_fwd = sum(p.fwd_s for p in profiles)
     t_bwd = sum(p.bwd_s for p in profiles)
-    w = sum(b.write_Bps for b in bw.values())
-    r = sum(b.read_Bps for b in bw.values())
+    # every moved byte, to either tier, crosses the device's link first (_forward): the host tier's, or the
+    # SSD tier's where there is no host tier
+    link = bw.get("host") or bw.get("ssd")
+    hide_w = link.write_Bps * t_fwd if link else 0.0
+    hide_r = link.read_Bps * t_bwd if link else 0.0
     caps: dict[int, int] = {}
     if cfg.policy == "auto" and cfg.memory_budget_gb is None and bw:
         # Fill no further than the bound (past it, writes spilling into backward are the model's guess, not
         # measured), at each prefetch depth: a partial layer's read may need a deeper one than the whole-layer
-        # plan chose. _fill_bound only keeps caps whose plan stays within the limit.
-        room = int(min(w * t_fwd, r * t_bwd) - sum(_split(profiles, actions, None)[0]))
+        # plan chose. _fill_bound only keeps caps whose plan stays within the limit and does not peak higher
+        # than the plan it fills; a fill is kept only if it peaks no higher than the whole-layer plan.
+        whole_peak = simulate(profiles, actions, bw, depth)[2]
+        room = int(min(hide_w, hide_r) - sum(_split(profiles, actions, None)[0]))
         fills = [
             (*_fill_bound(profiles, actions, bw, d, base_t * 1.005, room, tier_capacity(cfg)), d)
             for d in depths
         ]
-        fills = [f for f in fills if f[1]]
+        fills = [f for f in fills if f[1] and simulate(profiles, f[0], bw, f[2], f[1])[2] <= whole_peak]
         if fills:
             actions, caps, depth = max(fills, key=lambda f: (sum(f[1].values()), -f[2]))
     t, stall, peak = simulate(profiles, actions, bw, depth, caps)
     planned = sum(_split(profiles, actions, caps)[0])
     usage, capacity = tier_usage(profiles, actions, bw, caps), tier_capacity(cfg)
-    hide_w, hide_r = w * t_fwd, r * t_bwd
     bound = {
         "hideable_write_bytes": hide_w,
         "hideable_read_bytes": hide_r,
@@ -654,18 +728,51 @@ def make_plan(
         "fraction_of_bound": planned / min(hide_w, hide_r) if min(hide_w, hide_r) > 0 else 0.0,
         "baseline_step_s": base_t,
         "keep_all_bytes": keep_bytes,
-        "budget_bytes": None if cfg.memory_budget_gb is None else int(cfg.memory_budget_gb * GB),
+        "budget_bytes": budget_bytes,
         "tiers": {k: {"write_Bps": v.write_Bps, "read_Bps": v.read_Bps} for k, v in bw.items()},
         "tier_bytes": {k: usage[k] for k in bw},
         "tier_capacity_bytes": {k: capacity[k] for k in bw},
     }
-    budget_bytes = bound["budget_bytes"]
-    over = cfg.policy == "auto" and budget_bytes is not None and peak > budget_bytes
+    over = budget_bytes is not None and peak > budget_bytes
     barrier = cfg.resolved("write_barrier") == "on"
     fwd_barrier, bwd_barrier = write_barrier(profiles, actions, bw, caps) if barrier else ([], [])
     return Plan(actions, depth, t, bound, profiles, peak, stall, over_budget=over, move_caps=caps,
                 search_s=time.perf_counter() - t_start, write_barrier=fwd_barrier,
                 write_barrier_bwd=bwd_barrier, outside_s=outside_s)  # fmt: skip
+
+
+_TIME_FIELDS = ("fwd_s", "bwd_s", "sel_recompute_s")
+_BYTE_FIELDS = ("saved_bytes", "sel_saved_bytes", "bwd_workspace_bytes", "fwd_peak_bytes", "input_bytes")
+# differences between measured memory levels (what is allocated beyond the saved bytes): may be negative
+_SIGNED_FIELDS = ("fwd_background_bytes", "gap_background_bytes", "bwd_background_bytes")
+
+
+def _check_profiles(profiles: list[LayerProfile]) -> None:
+    """ValueError naming the layer and the field where a time or a byte count is not a finite number, or is
+    negative (the background fields, differences of measured levels, may be)."""
+    for p in profiles:
+        values = [(f, getattr(p, f)) for f in (*_TIME_FIELDS, *_BYTE_FIELDS, *_SIGNED_FIELDS)]
+        values += [
+            (f"{f}[{k}]", v) for f in ("saved_sizes", "sel_saved_sizes") for k, v in enumerate(getattr(p, f))
+        ]
+        for name, v in values:
+            if v is None and name == "sel_saved_bytes":
+                continue
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, numbers.Real)
+                or not math.isfinite(v)
+                or (v < 0 and name not in _SIGNED_FIELDS)
+            ):
+                kind = "a finite number" if name in _SIGNED_FIELDS else "a finite number >= 0"
+                raise ValueError(
+                    f"activation offload profile of layer {p.index} ({p.name!r}): {name} is {v!r}, not {kind}"
+                )
+
+
+def _bandwidths(bandwidths: list[TierBandwidth], cfg: ActivationOffloadConfig) -> dict[str, TierBandwidth]:
+    """The configured tiers with a measured bandwidth."""
+    return {b.tier: b for b in bandwidths if b.tier in cfg.tiers and b.write_Bps > 0 and b.read_Bps > 0}
 
 
 def _floor(
@@ -688,12 +795,23 @@ def _floor(
 def floor_bytes(
     profiles: list[LayerProfile], bandwidths: list[TierBandwidth], cfg: ActivationOffloadConfig
 ) -> int:
-    """The lowest activation peak a uniform plan reaches (what the budget error reports), over prefetch
-    depths 1..``MAX_DEPTH`` (or ``cfg.prefetch_depth``): budgets below it have no plan."""
-    bw = {b.tier: b for b in bandwidths if b.tier in cfg.tiers and b.write_Bps > 0 and b.read_Bps > 0}
+    """The lowest activation peak the planner reaches, over prefetch depths 1..``MAX_DEPTH`` (or
+    ``cfg.prefetch_depth``): the lower of the most frugal uniform plan's peak and the peak of the lowest-peak
+    plan policy ``auto``'s search considers (``make_plan`` under a zero budget, best effort). Where the search
+    is exhaustive no plan peaks lower, so budgets below it have no plan; the local search may miss lower ones.
+    """
+    _check_profiles(profiles)
+    bw = _bandwidths(bandwidths, cfg)
     choices = _choices(cfg, bw, profiles)
     depths = [cfg.prefetch_depth] if cfg.prefetch_depth else range(1, min(len(profiles), MAX_DEPTH) + 1)
-    return min(_floor(profiles, bw, choices, d, tier_capacity(cfg)) for d in depths)
+    uniform = min(_floor(profiles, bw, choices, d, tier_capacity(cfg)) for d in depths)
+    lowest = make_plan(
+        profiles,
+        bandwidths,
+        cfg.model_copy(update={"policy": "auto", "memory_budget_gb": 0.0}),
+        best_effort=True,
+    )
+    return min(uniform, lowest.peak_bytes)
 
 
 def _fill_bound(
@@ -708,11 +826,13 @@ def _fill_bound(
     """Hide-only plans move whole layers, so they stop short of the bound by up to one layer (on the H100 a
     megatron-core layer is 4 GiB of a 4.9 GiB bound). Move part of more kept layers, one at a time: each
     time the most bytes any single kept layer can move, up to the ``room`` left under the bound, while the
-    step stays within ``limit_s`` (bisection on the byte count) and the tier within ``capacity``, until no
-    layer adds a MiB."""
+    step stays within ``limit_s`` (bisection on the byte count), the tier within ``capacity`` and the peak
+    no higher than the plan's so far (moving part of a layer can hold the link while another layer's write
+    would have ended), until no layer adds a MiB."""
     actions, caps = list(actions), {}
     tier = next(iter(bw))
     room = min(room, capacity[tier] - tier_usage(profiles, actions, bw)[tier])
+    cur_peak = simulate(profiles, actions, bw, depth)[2]
     while room >= 1 << 20:
         best: tuple[int, int, int, Action] | None = None
         for i, a in enumerate(actions):
@@ -720,13 +840,18 @@ def _fill_bound(
                 continue
             act = Action(f"{tier}+sel") if a.sel else Action(tier)
             cand = [*actions[:i], act, *actions[i + 1 :]]
+
+            def fits(cap: int, cand: list[Action] = cand, i: int = i) -> tuple[bool, int]:
+                """(within the step limit, the peak so far and the capacity; the peak) with layer i capped."""
+                trial = {**caps, i: cap}
+                t, _, peak = simulate(profiles, cand, bw, depth, trial)
+                ok = t <= limit_s and peak <= cur_peak  # noqa: B023 (called in this iteration only)
+                return ok and not _over_capacity(tier_usage(profiles, cand, bw, trial), capacity), peak
+
             lo, hi = 0, min(profiles[i].stored(act), room)
             while hi - lo > max(1 << 20, hi // 256):
                 mid = (lo + hi) // 2
-                trial = {**caps, i: mid}
-                if simulate(profiles, cand, bw, depth, trial)[0] <= limit_s and not _over_capacity(
-                    tier_usage(profiles, cand, bw, trial), capacity
-                ):
+                if fits(mid)[0]:
                     lo = mid
                 else:
                     hi = mid
@@ -734,15 +859,26 @@ def _fill_bound(
             lo = movable(profiles[i], act, lo & ~((1 << 20) - 1))
             if lo < 1 << 20:  # storages under a MiB only (norm statistics): not worth a layer's hooks
                 continue
-            peak = simulate(profiles, cand, bw, depth, {**caps, i: lo})[2]
-            if best is None or (lo, -peak) > (best[0], -best[1]):
+            ok, peak = fits(lo)  # rounded down, it moves fewer bytes: checked again
+            if ok and (best is None or (lo, -peak) > (best[0], -best[1])):
                 best = (lo, peak, i, act)
         if best is None:
             break
-        lo, _, i, act = best
+        lo, cur_peak, i, act = best
         actions[i], caps[i] = act, lo
         room -= lo
     return actions, caps
+
+
+@dataclass
+class _Found:
+    """One depth's search: its best plan, that plan's score and peak, and the lowest-peak plan it considered,
+    ranked by (over a tier's capacity, peak, step time) (with a budget only; the best-effort plan)."""
+
+    actions: list[Action]
+    score: tuple[float, ...]
+    peak: int
+    lowest: tuple[tuple[float, ...], list[Action]] | None
 
 
 def _search(
@@ -752,23 +888,32 @@ def _search(
     depth: int,
     base_t: float,
     exhaustive_limit: int,
-    best_effort: bool = False,
-) -> tuple[list[Action], tuple[float, ...]]:
+) -> _Found:
     choices = _choices(cfg, bw, profiles)
     n = len(profiles)
     budget = None if cfg.memory_budget_gb is None else cfg.memory_budget_gb * GB
     capacity = tier_capacity(cfg)
     roomy = min(capacity.values())
+    held: dict[tuple[int, Action], int] = {}
+    lowest: tuple[tuple[float, ...], list[Action]] | None = None
 
     def score(actions: list[Action]) -> tuple[float, ...]:
+        nonlocal lowest
         # first what no tier can hold (the mover would leave those bytes on the device, over the plan); a
         # tier never holds more than all moved bytes, so most plans skip the second forward pass
-        moved = sum(p.stored(a) for p, a in zip(profiles, actions) if a.moved)
+        moved = 0
+        for i, a in enumerate(actions):
+            if a.moved:
+                if (i, a) not in held:
+                    held[i, a] = _held(profiles[i], a, None)
+                moved += held[i, a]
         full = _over_capacity(tier_usage(profiles, actions, bw), capacity) if moved > roomy else 0
         if budget is None:  # hide only: no slower than baseline, then least memory, then least time
             t, _, peak = simulate(profiles, actions, bw, depth)
             return (full, max(0.0, t - base_t * 1.005), peak, t)
         t, over, peak = _overflow(profiles, actions, bw, depth, budget)
+        if lowest is None or (full, peak, t) < lowest[0]:
+            lowest = ((full, peak, t), list(actions))
         return (full, over, t, peak)
 
     if len(choices) ** n <= exhaustive_limit:
@@ -782,7 +927,9 @@ def _search(
         # evaluation of all n x c changes per step (which made 16 layers take a minute).
         ends = []
         starts = {tuple(_fit(start, p) for p in profiles) for start in choices}
-        for start_plan in starts:
+        # in a fixed order: the plans considered, and so the lowest-peak one among ties, do not depend on
+        # the set's (hash-seeded) order
+        for start_plan in sorted(starts, key=lambda s: [a.value for a in s]):
             cur_plan = list(start_plan)
             cur = score(cur_plan)
             changed = True
@@ -797,12 +944,5 @@ def _search(
                             cur, cur_plan[i], changed = cand, a, True
             ends.append((cur, cur_plan))
         best = min(ends, key=lambda e: (e[0], [a.value for a in e[1]]))[1]
-    if budget is not None:
-        _, _, peak = simulate(profiles, best, bw, depth)
-        if peak > budget and not best_effort:
-            floor = _floor(profiles, bw, choices, depth, capacity)
-            raise PlanError(
-                f"memory_budget_gb={cfg.memory_budget_gb} cannot be met: the most frugal plan found keeps "
-                f"{floor / GB:.2f} GiB of activations (raise the budget, add a tier, or lower the micro-batch)"
-            )
-    return best, score(best)
+    sc = score(best)
+    return _Found(best, sc, int(sc[3] if budget is not None else sc[2]), lowest)
