@@ -277,7 +277,7 @@ def test_select_backend_auto_on_cpu_and_describe(tmp_path):
 # ------------------------------------------------------------------- selective recompute (recompute_modules)
 def _steps(model, batches, off, actions=(), after=None):
     """Train on ``batches``; after step i (step 0 profiles under policy auto) install ``actions[i]``, then
-    call ``after(i)``."""
+    call ``after(i)``; ``off=None`` trains without offload (the reference)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     grads = []
     for i, x in enumerate(batches):
@@ -285,6 +285,8 @@ def _steps(model, batches, off, actions=(), after=None):
         model(x).float().pow(2).mean().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
         opt.step()
+        if off is None:  # the reference run
+            continue
         off.end_step()
         if i < len(actions):
             off._apply(actions[i], 1)
@@ -862,3 +864,55 @@ def test_read_pool_setting(tmp_path, setting, budget_gb, pool):
         sched.close()
     with pytest.raises(ValueError, match="read_pool"):
         _cfg(tmp_path, ["host"], read_pool="managed")
+
+
+class _ReluBlock(torch.nn.Module):
+    """Saves its output (ReLU keeps its result), which the next block's Linear saves too, as its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(128, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+class _ReluNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Linear(128, 128)
+        self.blocks = torch.nn.ModuleList(_ReluBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.emb(x)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("actions", [["keep", "host", "keep"], ["host", "keep", "host"]], ids=["khk", "hkh"])
+def test_a_storage_two_layers_save_moves_as_planned(tmp_path, actions):
+    """The profile counts a storage two layers save under the first; the runtime must move it exactly when
+    that layer moves, and a kept neighbour must not hold it: a moved layer leaves what a kept one saved
+    before it, and a kept layer shares what a moved one moved before it."""
+    from dsx.offload.plan import Action, _split
+
+    torch.manual_seed(3)
+    model = _ReluNet()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randn(64, 128, generator=g) for _ in range(3)]
+    want = _steps(ref, batches, None)
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0), sched)
+    try:
+        got = _steps(model, batches, off, actions=[actions, actions])
+        profiles = off.plan.profiles
+        moved = [r.bytes_by_tier.get("host", 0) for r in sched.telemetry.history[1:]]
+    finally:
+        off.close()
+        sched.close()
+    assert [len(p.saved_sizes) for p in profiles] == [2, 1, 1]  # emb out + out0; out1; out2
+    planned = sum(_split(profiles, [Action(a) for a in actions], None)[0])
+    assert moved == [planned, planned] and planned > 0
+    assert_same_grads(want, got)

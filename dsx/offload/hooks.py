@@ -14,6 +14,7 @@ its data is dropped) and unpack raises autograd's own error when the version mov
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -35,6 +36,15 @@ def find_layers(model: nn.Module, layer_classes: list[str] | None) -> list[nn.Mo
     if layer_classes:
         names = set(layer_classes)
         layers = [m for m in model.modules() if type(m).__name__ in names]
+        unmatched = sorted(names - {type(m).__name__ for m in layers})
+        if unmatched:  # a misspelt name beside a right one would silently leave those blocks alone
+            lists = sorted(
+                {type(c).__name__ for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
+            )
+            raise ValueError(
+                f"dsx activation offload: layer_classes {unmatched} match no module of {type(model).__name__}; "
+                f"classes held in its nn.ModuleLists: {lists}"
+            )
     else:
         best: list[nn.Module] = []
         for m in model.modules():
@@ -43,8 +53,9 @@ def find_layers(model: nn.Module, layer_classes: list[str] | None) -> list[nn.Mo
         layers = best
     if not layers:
         raise ValueError(
-            f"dsx activation offload found no layers in {type(model).__name__} (layer_classes={layer_classes}); "
-            "set activation_offload.layer_classes to the class names of its repeated blocks"
+            f"dsx activation offload found no layers in {type(model).__name__} (layer_classes={layer_classes}): "
+            "no nn.ModuleList holds modules of one class; set activation_offload.layer_classes to the class "
+            "names of its repeated blocks"
         )
     return layers
 
@@ -58,11 +69,25 @@ def _tensors(out: Any) -> list[torch.Tensor]:
 class _Handle:
     """What autograd keeps instead of the tensor: the moved storage plus how to view it."""
 
-    __slots__ = ("__weakref__", "dtype", "entry", "layer", "offset", "probe", "size", "stride", "version")
+    __slots__ = (
+        "__weakref__",
+        "conj",
+        "dtype",
+        "entry",
+        "layer",
+        "neg",
+        "offset",
+        "probe",
+        "size",
+        "stride",
+        "version",
+    )
 
     def __init__(self, entry: Entry, layer: int, t: torch.Tensor) -> None:
         self.entry, self.layer = entry, layer
         self.offset, self.size, self.stride, self.dtype = t.storage_offset(), t.size(), t.stride(), t.dtype
+        # lazy conjugate and negative views are bits on the tensor, not in its bytes (c.conj() saved by mul)
+        self.conj, self.neg = t.is_conj(), t.is_neg()
         probe = t.detach()  # shares t's version counter ...
         probe.data = torch.empty(0, dtype=t.dtype, device=t.device)  # ... but not its memory
         self.probe, self.version = probe, t._version
@@ -89,8 +114,16 @@ class LayerHooks:
         self._params: set[int] = set()
         # storages of the current layer's inputs that need no gradient: kept like parameters
         self._inputs: set[int] = set()
-        self._dedup: dict[tuple[int, int], tuple[Entry, weakref.ref]] = {}
+        # (address, bytes) -> (entry, weak reference to the base tensor, the version its bytes were moved at)
+        self._dedup: dict[tuple[int, int], tuple[Entry, weakref.ref, int]] = {}
         self._lock = threading.Lock()
+        # handles are released by finalizers, which Python's cyclic GC runs on whatever thread allocates, at
+        # any point, holding whatever lock it holds (this one in _pack, an entry's in Mover.fetch): they only
+        # queue here, and the queue runs where no dsx lock is held (release_dead())
+        self._releases: collections.deque[Entry] = collections.deque()
+        self._final_drain = False  # a drain is queued for the end of the running backward
+        # storages a kept layer beside a moved one saved this step: (address, bytes) -> (base, version)
+        self._kept: dict[tuple[int, int], tuple[weakref.ref, int]] = {}
         self._fetched_layers: set[int] = set()
         # each layer's saved storages in the order it saves them (what a partial move takes: its first ones)
         self.profile_sizes: list[list[int]] = [[] for _ in layers]
@@ -100,11 +133,11 @@ class LayerHooks:
         # recomputations); only the first one's are counted
         self._forwards = 0
         self._profile_from = 0
-        # what each layer would still save with its recompute_modules recomputed: storages saved outside
-        # them, plus their inputs (checkpointing saves those); sub_depth > 0 while one of them runs
+        # what each layer would still save with its recompute_modules recomputed, in the order it would save
+        # them: storages saved outside them, and their inputs where they are called (the non-reentrant
+        # checkpoint saves those); sub_depth > 0 while one of them runs
         self.sub_depth = 0
-        self._outside: list[dict[tuple[int, int], int]] = [{} for _ in layers]
-        self._sub_in: list[dict[tuple[int, int], int]] = [{} for _ in layers]
+        self._sel_saved: list[dict[tuple[int, int], int]] = [{} for _ in layers]
         self._handles: list[Any] = [model.register_forward_pre_hook(self._root_pre)]
         self._handles.append(model.register_forward_hook(self._root_post))
         for i, layer in enumerate(layers):
@@ -115,6 +148,7 @@ class LayerHooks:
     def _root_pre(self, module: nn.Module, args: Any) -> None:
         # a forward under no_grad (an evaluation between micro-batches) saves nothing and is no micro-batch:
         # counting it would end the profiled step's byte count before its recomputations run
+        self.release_dead()
         if not torch.is_grad_enabled():
             return
         self._forwards += 1
@@ -124,6 +158,7 @@ class LayerHooks:
         self._cur = None
         self._fetched_layers.clear()
         self._moved_bytes.clear()
+        self._kept.clear()
         with self._lock:  # forget storages that died or were released: the table stays one step long
             self._dedup = {k: v for k, v in self._dedup.items() if v[1]() is not None and not v[0].released}
 
@@ -146,7 +181,7 @@ class LayerHooks:
                 self.await_writes(self.write_barrier[i])
             self._fwd_t0[i] = time.perf_counter()  # the trace's host-side layer span (after any wait)
             self._note_inputs(args, kwargs)  # (for keep layers too: the profiler counts inputs through it)
-            if self.actions[i] == "keep":
+            if self.actions[i] == "keep" and not self._beside_moved(i):
                 return
             self._cur = i
             self._note_params()
@@ -178,6 +213,11 @@ class LayerHooks:
 
         return post
 
+    def _beside_moved(self, i: int) -> bool:
+        """Whether a neighbour of layer ``i`` moves: a storage two layers save (a layer's output, saved by its
+        last op and the next layer's first) is then seen by both, whichever saves it first (``_pack``)."""
+        return any(0 <= j < len(self.actions) and self.actions[j] in ("host", "ssd") for j in (i - 1, i + 1))
+
     def _moved_from(self, i: int) -> list[int]:
         """The moved layers whose reads are due once layer ``i``'s backward starts: ``i`` down to
         ``i - prefetch_depth`` (the window of the planner's model)."""
@@ -188,6 +228,7 @@ class LayerHooks:
         ]
 
     def _backward_starts(self, i: int, upto: int | None) -> None:
+        self._drain_after_backward()
         if upto is not None:
             self.await_writes(upto)
         # issued here even when layer i itself is kept (it has nothing to unpack): the reads below it get
@@ -234,6 +275,11 @@ class LayerHooks:
     def profile_bytes(self) -> list[int]:
         """Per layer, the bytes of the storages it saved in the profiled step's first micro-batch."""
         return [sum(sizes) for sizes in self.profile_sizes]
+
+    @property
+    def forwards_since_profile(self) -> int:
+        """Micro-batches (grad-enabled model forwards) since :meth:`start_profile`."""
+        return self._forwards - self._profile_from
 
     def start_profile(self) -> None:
         """The coming step is profiled: count the bytes of its first micro-batch."""
@@ -309,13 +355,30 @@ class LayerHooks:
                 self._profile_seen.add(key)
                 self.profile_sizes[i].append(key[1])
             if self.sub_depth == 0:
-                self._outside[i][key] = key[1]
+                self._sel_saved[i].setdefault(key, key[1])
             return t
         base = t._base if t._base is not None else t
+        self.release_dead()
         with self._lock:
             hit = self._dedup.get(key)
-            # the weak reference proves the storage is still the same one: a freed address may be reused
-            entry = hit[0] if hit is not None and hit[1]() is not None and not hit[0].released else None
+            # the weak reference proves the storage is still the same one (a freed address may be reused), the
+            # version that its moved bytes are still its bytes (saved, changed in place, saved again: legal
+            # when the first saver never runs backward)
+            live = hit is not None and hit[1]() is not None and not hit[0].released
+            entry = hit[0] if live and hit[2] == t._version else None
+            if self.actions[i] == "keep":
+                # a kept layer beside a moved one: a storage the neighbour moved already is shared (kept here,
+                # it would stay on the device and the move would free nothing); any other is recorded
+                if entry is None:
+                    self._kept[key] = (weakref.ref(base), t._version)
+                    return t
+            elif (
+                entry is None
+                and (k := self._kept.get(key)) is not None
+                and k[0]() is not None
+                and k[1] == t._version
+            ):
+                return t  # a kept layer holds these bytes: moving them would free nothing
             if entry is None:
                 cap = self.move_caps.get(i)
                 done = self._moved_bytes.get(i, 0)
@@ -327,7 +390,7 @@ class LayerHooks:
                 if entry is None:  # no room in any tier: stays on the device (the mover warned once)
                     return t
                 self._moved_bytes[i] = done + key[1]
-                self._dedup[key] = (entry, weakref.ref(base))
+                self._dedup[key] = (entry, weakref.ref(base), t._version)
             entry.refs += 1
         h = _Handle(entry, i, t)
         weakref.finalize(h, self._release, entry)
@@ -335,17 +398,50 @@ class LayerHooks:
 
     def note_sub_inputs(self, i: int, values: list[Any]) -> None:
         """Record the storages a recompute module of layer ``i`` takes as input (profiling step)."""
-        self._sub_in[i].update(self.storages(values))
+        for key, n in self.storages(values).items():
+            self._sel_saved[i].setdefault(key, n)
+
+    def sel_saved_sizes(self, i: int) -> list[int]:
+        """The storages layer ``i`` saves with its recompute modules recomputed, in save order (profiled)."""
+        return list(self._sel_saved[i].values())
 
     def sel_saved_bytes(self, i: int) -> int:
         """Bytes layer ``i`` saves with its recompute modules recomputed (measured in the profiling step)."""
-        return sum({**self._outside[i], **self._sub_in[i]}.values())
+        return sum(self._sel_saved[i].values())
 
     def _release(self, entry: Entry) -> None:
+        """A handle died (its finalizer): queued, never run here (see ``_releases``)."""
+        self._releases.append(entry)
+
+    def release_dead(self) -> None:
+        """Give back the slots and read buffers of entries whose handles all died. Called where this thread
+        holds no dsx lock: each pack and unpack, a model forward's start, the end of a backward, a step's
+        end. A finalizer run by the GC during this only queues."""
+        if not self._releases:
+            return
         with self._lock:
-            entry.refs -= 1
-            if entry.refs == 0:
-                self.mover.release(entry)
+            while self._releases:
+                entry = self._releases.popleft()
+                entry.refs -= 1
+                if entry.refs == 0:
+                    self.mover.release(entry)
+
+    def _drain_after_backward(self) -> None:
+        """Release what the backward freed once it ends (the graph's last nodes free their handles after the
+        last unpack, and the next safe point would be the next forward: their read buffers would stay on
+        the device through the optimizer step)."""
+        if self._final_drain:
+            return
+        self._final_drain = True
+
+        def drain() -> None:
+            self._final_drain = False
+            self.release_dead()
+
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(drain)
+        except RuntimeError:  # not in a backward (a saved tensor read from Python): nothing to wait for
+            self._final_drain = False
 
     # ------------------------------------------------------------------------------------ unpack
     def _prefetch_layer(self, i: int) -> None:
@@ -358,6 +454,8 @@ class LayerHooks:
     def _unpack(self, h: Any) -> torch.Tensor:
         if not isinstance(h, _Handle):
             return h
+        self.release_dead()
+        self._drain_after_backward()
         if h.probe._version != h.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace "
@@ -369,9 +467,15 @@ class LayerHooks:
             self._prefetch_layer(j)
         data = self.mover.wait(h.entry)
         out = torch.empty(0, dtype=h.dtype, device=data.device)
-        return out.set_(data.untyped_storage(), h.offset, h.size, h.stride)
+        out = out.set_(data.untyped_storage(), h.offset, h.size, h.stride)
+        if h.conj:
+            out = out.conj()
+        if h.neg:
+            out = torch._neg_view(out)
+        return out
 
     def remove(self) -> None:
+        self.release_dead()
         while self._ctx:
             self._ctx.pop().__exit__(None, None, None)
         for handle in self._handles:

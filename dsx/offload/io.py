@@ -145,6 +145,9 @@ class AioBackend(IOBackend):
         return buf.numel()
 
     def _pread(self, buf: torch.Tensor, offset: int) -> int:
+        size = os.fstat(self.fd).st_size  # DeepSpeed asserts (the process aborts) on a read past the end
+        if offset + buf.numel() > size:
+            raise OSError(errno.EIO, f"unexpected end of file ({size} bytes)")
         h = self._handle()
         rc = h.sync_pread(buf, self.path, offset)
         if rc < 0:
@@ -227,7 +230,16 @@ def auto_choice(backends: dict[str, dict[str, Any]] | None = None) -> str:
 def select_backend(name: str, path: str, fd: int, threads: int = 4) -> IOBackend:
     """Open ``name`` (or the best available for ``"auto"``) on an open file; explicit names fail loudly."""
     if name != "auto":
-        return _BACKENDS[name](path, fd, threads)
+        try:
+            return _BACKENDS[name](path, fd, threads)
+        except Exception as exc:
+            reason = describe_backends().get(name, {}).get("reason", "")
+            hint = {"kvikio": "pip install dsx[gds] (kvikio for your CUDA), ", "aio": "install libaio-dev, "}
+            raise RuntimeError(
+                f"dsx activation offload: io_backend={name!r} is not available here ({type(exc).__name__}: "
+                f"{exc}; {reason}): {hint.get(name, '')}or set io_backend to 'auto' (the best available) or "
+                "'posix'"
+            ) from exc
     order = (["kvikio"] if torch.cuda.is_available() else []) + ["aio", "posix"]
     for cand in order:
         try:

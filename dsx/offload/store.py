@@ -167,7 +167,11 @@ class SsdFile:
             self.fd = os.open(self.path, flags, 0o600)
         self._allocated = 0
         self._lock = threading.Lock()
-        self.io: IOBackend = select_backend(backend, self.path, self.fd, threads)
+        try:
+            self.io: IOBackend = select_backend(backend, self.path, self.fd, threads)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.bytes_written = 0
 
     def _reserve(self, end: int) -> None:

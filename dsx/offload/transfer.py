@@ -19,11 +19,13 @@ issue. ``"prefetch"`` lets the copy start at once, a lead as large as the host's
 
 from __future__ import annotations
 
+import copy
 import errno
 import logging
 import threading
 import time
 import zlib
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,7 +87,9 @@ class Mover:
         self.read_pool = read_pool  # which stream's allocator pool read buffers come from (config read_pool)
         self._cuda = device.type == "cuda"
         self._entries: dict[int, list[Entry]] = {}
-        self._lock = threading.Lock()
+        # reentrant: a handle's finalizer (LayerHooks._release) may run inside the cyclic GC on a thread that
+        # holds it already (an allocation in entries_of) and release an entry
+        self._lock = threading.RLock()
         self._warned: set[str] = set()
         self.demoted: set[int] = set()  # layers whose SSD writes failed: host from now on
         if self._cuda:  # create both side streams here, not lazily from I/O threads
@@ -127,6 +131,9 @@ class Mover:
                     "any other layer that hits this fall back to the host tier; training continues.",
                 )
                 e.tier = "host"
+            except BaseException:  # any other error reserving the file's space: the staging slot goes back
+                self.host.free(slot[0], nbytes)
+                raise
         src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
         if self._cuda:
             ready = torch.cuda.Event()
@@ -212,16 +219,20 @@ class Mover:
             torch.cuda.set_device(self.device)  # I/O threads start on device 0; ranks may own another
         t0 = time.perf_counter()
         tmp = None
-        if e.tier == "ssd":
-            size = align_up(e.nbytes)
-            tmp = self.host.alloc(size)
-            buf = tmp[1] if tmp is not None else _aligned_host(size, self._cuda)
-            self.ssd.io.pread(buf, e.ssd_off).result()
-            tier = "ssd"
-        else:
-            buf = e.host[1]
-            tier = "host"
         try:
+            with e.lock:
+                # the graph was dropped before the read ran (release() gives the slots back): nothing will
+                # consume it, and the slot it would read may already hold another tensor
+                if e.released:
+                    raise _Dropped(e.name)
+                tier, host, ssd_off = e.tier, e.host, e.ssd_off
+            if tier == "ssd":
+                size = align_up(e.nbytes)
+                tmp = self.host.alloc(size)
+                buf = tmp[1] if tmp is not None else _aligned_host(size, self._cuda)
+                self.ssd.io.pread(buf, ssd_off).result()
+            else:
+                buf = host[1]
             if self.verify and zlib.crc32(buf[: e.nbytes].numpy()) != e.crc:
                 where = f"{self.ssd.path} offset {e.ssd_off}" if tier == "ssd" else "host pool"
                 raise OffloadIntegrityError(
@@ -254,8 +265,15 @@ class Mover:
         fut = self.fetch(e)
         if not fut.done():
             t0 = time.perf_counter()
-            fut.result()
+            futures.wait([fut])
             self.sched.telemetry.add_stall(t0, time.perf_counter(), f"unpack:layer{e.layer}")
+        exc = fut.exception()
+        if exc is not None:
+            # raise a copy: raising the future's own exception would add this thread's frames (the autograd
+            # graph, the loss) to the traceback the entry keeps, and nothing of that graph would ever be freed
+            err = copy.copy(exc)
+            err.__cause__, err.__traceback__ = exc.__cause__, None
+            raise err
         out, ev = fut.result()
         if ev is not None:
             cur = torch.cuda.current_stream(self.device)
@@ -271,16 +289,17 @@ class Mover:
     # ------------------------------------------------------------------------------------- release
     def release(self, e: Entry) -> None:
         """All handles of ``e`` are gone (the graph was freed): give its slots back once writes end."""
-        e.released = True
+        with e.lock:  # (a read that has not started yet sees released and gives up: _read)
+            e.released = True
+            fetched, e.fetched = e.fetched, None
         with self._lock:
             lst = self._entries.get(e.layer)
             if lst is not None and e in lst:
                 lst.remove(e)
-        if e.fetched is not None and not e.consumed and self._cuda:
+        if fetched is not None and not e.consumed and self._cuda:
             # read but never used (the graph was dropped): no stream is ordered after the copy, so its buffer
             # goes back to the allocator only once the copy has ended
-            e.fetched.add_done_callback(_free_after_copy)
-        e.fetched = None
+            fetched.add_done_callback(_free_after_copy)
 
         def free(_: Any = None) -> None:
             if e.host is not None:
@@ -300,6 +319,10 @@ class Mover:
             futs = [e.written for lst in self._entries.values() for e in lst if e.written is not None]
         for f in futs:
             f.result()
+
+
+class _Dropped(RuntimeError):
+    """A read found its entry released (the graph was dropped before the read ran)."""
 
 
 def _free_after_copy(fut: Future[Any]) -> None:
