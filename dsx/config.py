@@ -14,7 +14,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 __all__ = [
     "ActivationOffloadConfig",
@@ -41,16 +50,23 @@ class _Section(BaseModel):
 
 
 def _check_dir(value: str | None, key: str) -> str | None:
-    """A directory dsx writes into must exist and be writable at start-up, not at the first step."""
+    """A directory dsx writes into must exist and be writable at start-up, not at the first step.
+
+    The messages complete ``<key>: "<value>" ...`` (see :func:`_format_errors`)."""
     if value is None:
         return None
+    if not value.strip():
+        raise ValueError(f"is empty: give {key} a directory")
     path = Path(value).expanduser()
     if not path.exists():
-        raise ValueError(f"directory does not exist (create it, or point {key} at an existing directory)")
+        raise ValueError(f"does not exist: create it, or point {key} at an existing directory")
     if not path.is_dir():
-        raise ValueError("is not a directory")
+        raise ValueError(f"is not a directory: point {key} at a directory")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError("directory is not writable by this user")
+        raise ValueError(
+            f"is not writable by this user (uid {os.getuid()}): change its permissions, or point {key} at a "
+            "directory this user can write"
+        )
     return str(path)
 
 
@@ -64,7 +80,7 @@ class ActivationOffloadConfig(_Section):
     ssd_capacity_gb: float = Field(default=64.0, ge=0)
     memory_budget_gb: float | None = Field(default=None, ge=0)
     policy: Literal["auto", "offload_all", "recompute_all", "none"] = "auto"
-    layer_classes: list[str] | None = None
+    layer_classes: list[str] | None = Field(default=None, min_length=1)  # null: detect the repeated blocks
     # Megatron's selective recompute, as a per-layer choice: sub-modules (class names, e.g.
     # "DotProductAttention") that policy auto may recompute in backward instead of storing; offload_all
     # always does. They must not draw random numbers from anything but torch's default generators.
@@ -100,7 +116,9 @@ class ActivationOffloadConfig(_Section):
     verify: bool = False
     prefetch_depth: int | None = Field(default=None, ge=1)
     io_threads: int = Field(default=4, ge=1, le=64)
-    block_size_kb: int = Field(default=1024, ge=4)
+    # SSD wear: the drive's rated endurance in TB written (its datasheet's TBW); with it, dsx warns once when
+    # the rate this node writes activations at would use it up within wear_warn_years. null: no check
+    ssd_endurance_tbw: float | None = Field(default=None, gt=0)
     wear_warn_years: float = Field(default=3.0, gt=0)
 
     # the settings whose "auto" follows memory_budget_gb: (the value under a budget, the value without one)
@@ -126,18 +144,22 @@ class ActivationOffloadConfig(_Section):
     @classmethod
     def _tiers_unique(cls, v: list[str]) -> list[str]:
         if len(set(v)) != len(v):
-            raise ValueError("each tier may appear once")
+            raise ValueError("names a tier twice: each tier may appear once")
         return v
 
     @field_validator("ssd_path")
     @classmethod
-    def _ssd_path(cls, v: str | None) -> str | None:
-        return _check_dir(v, "ssd_path")
+    def _ssd_path(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # a disabled section is not used: its directory need not exist on this machine
+        return _check_dir(v, "ssd_path") if info.data.get("enabled", False) else v
 
     @model_validator(mode="after")
     def _ssd_needs_path(self) -> ActivationOffloadConfig:
         if self.enabled and "ssd" in self.tiers and self.ssd_path is None:
-            raise ValueError("tiers contains 'ssd' but ssd_path is not set: give the directory on the SSD")
+            raise PydanticCustomError(
+                "dsx_missing",
+                "ssd_path is not set, and tiers contains 'ssd': give ssd_path, a directory on the SSD",
+            )
         return self
 
 
@@ -159,7 +181,9 @@ class UnifiedConfig(_Section):
 
     @field_validator("shared_memory_dir")
     @classmethod
-    def _shm(cls, v: str) -> str:
+    def _shm(cls, v: str, info: ValidationInfo) -> str:
+        if not info.data.get("enabled", False):  # a disabled section is not used here
+            return v
         out = _check_dir(v, "shared_memory_dir")
         assert out is not None
         return out
@@ -255,8 +279,10 @@ def _allowed(err: dict[str, Any]) -> str:
         return f"a number {sign} {bound}"
     if kind in ("value_error", "assertion_error"):
         return str(ctx.get("error", err["msg"]))
-    if kind in ("too_short", "too_long"):
-        return err["msg"].lower()
+    if kind == "too_short":
+        return f"a list of at least {ctx.get('min_length')} item(s)"
+    if kind == "too_long":
+        return f"a list of at most {ctx.get('max_length')} item(s)"
     return err["msg"]
 
 
@@ -273,10 +299,16 @@ def _format_errors(exc: ValidationError) -> str:
             valid = ", ".join(model.model_fields) if model is not None else "?"
             lines.append(f"{_fmt_loc(loc)}: unknown key; valid keys here are: {valid}")
             continue
+        if err["type"] == "dsx_missing":  # a key that must be given (its message says which and why)
+            lines.append(f"{_fmt_loc(loc)}: {err['msg']}")
+            continue
         value = err.get("input")
         shown = json.dumps(value, default=repr)
         if len(shown) > 80:
             shown = shown[:77] + "..."
+        if err["type"] in ("value_error", "assertion_error"):  # our checks: the message says what is wrong
+            lines.append(f"{_fmt_loc(loc)}: {shown} {err.get('ctx', {}).get('error', err['msg'])}")
+            continue
         lines.append(f"{_fmt_loc(loc)}: value {shown} is not allowed; expected {_allowed(err)}")
     # One line per problem, deduplicated (a union reports each member's failure).
     seen: list[str] = []

@@ -153,6 +153,16 @@ def initialize(
     engine gains an ``engine.dsx`` :class:`DsxRuntime`.
     """
     ds_config, dsx_config = split_config(_config_source(args, config, config_params))
+    if model is not None:  # what the model must match is checked before DeepSpeed starts (and builds ops)
+        for name, module_name in _FEATURES.items():
+            section = getattr(dsx_config, name)
+            check = (
+                getattr(importlib.import_module(module_name), "check_model", None)
+                if section.enabled
+                else None
+            )
+            if check is not None:
+                check(model, section)
     if args is not None and hasattr(args, "deepspeed_config"):
         # DeepSpeed re-reads args.deepspeed_config when config is None; we always pass the dict instead.
         args.deepspeed_config = None

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import os
+import time
 
 import deepspeed
 import torch
@@ -78,6 +80,12 @@ def main() -> None:
     )
     want = _train(e0, batches)
     model = copy.deepcopy(base)
+    if a.policy == "auto" and rank == 1:  # one rank's layer 1 runs slower: the ranks must still plan alike
+        block, fwd = (
+            model.blocks[1],
+            model.blocks[1].forward,
+        )  # (in its forward: the recomputation runs it too)
+        block.forward = lambda *args, **kw: (time.sleep(0.05), fwd(*args, **kw))[1]
     e1, *_ = dsx.initialize(
         model=model,
         model_parameters=model.parameters(),
@@ -96,6 +104,10 @@ def main() -> None:
         assert all(p.saved_bytes > p.input_bytes > 0 and not p.recompute_only for p in plan.profiles), (
             plan.profiles
         )
+        # the ranks planned from the same (agreed) profiles: the slow rank's time for layer 1
+        assert plan.profiles[1].fwd_s > 0.05, plan.profiles[1]
+        digest = hashlib.sha256(repr((plan.profiles, plan.actions, plan.move_caps)).encode()).hexdigest()
+        print(f"PLAN-DIGEST rank={rank} {digest[:16]}", flush=True)
     else:
         assert ssd_bytes > 0, f"rank {rank}: the SSD tier moved nothing"
     assert shared and pauses == len(batches), f"rank {rank}: shared={shared} gate pauses={pauses}"

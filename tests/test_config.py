@@ -7,6 +7,7 @@ import os
 import re
 import stat
 import subprocess
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -74,16 +75,54 @@ def test_negative_sizes(key: str, value: float) -> None:
     assert f"dsx.activation_offload.{key}: value {value}" in msg and ">= 0" in msg
 
 
+def _ao(**kw: object) -> dict:
+    return {"activation_offload": {"enabled": True, **kw}}
+
+
 def test_missing_directory(tmp_path) -> None:
     missing = tmp_path / "nope"
-    msg = _err({"activation_offload": {"ssd_path": str(missing)}})
-    assert "dsx.activation_offload.ssd_path" in msg and str(missing) in msg and "does not exist" in msg
+    msg = _err(_ao(ssd_path=str(missing)))
+    assert msg.splitlines()[1].strip() == (
+        f'dsx.activation_offload.ssd_path: "{missing}" does not exist: create it, or point ssd_path at an '
+        "existing directory"
+    )
+
+
+def test_directories_of_disabled_sections_are_not_checked(tmp_path) -> None:
+    # a shared config may name a directory that exists only where the feature is used
+    missing = str(tmp_path / "nope")
+    cfg = parse_dsx_config(
+        {"activation_offload": {"ssd_path": missing}, "unified": {"shared_memory_dir": missing}}
+    )
+    assert cfg.activation_offload.ssd_path == missing and not cfg.activation_offload.enabled
 
 
 def test_path_is_a_file(tmp_path) -> None:
     f = tmp_path / "file"
     f.write_text("x")
-    assert "is not a directory" in _err({"unified": {"shared_memory_dir": str(f)}})
+    msg = _err({"unified": {"enabled": True, "shared_memory_dir": str(f)}})
+    assert (
+        f'dsx.unified.shared_memory_dir: "{f}" is not a directory: point shared_memory_dir at a directory'
+        in msg
+    )
+
+
+def test_empty_ssd_path() -> None:
+    assert 'ssd_path: "" is empty: give ssd_path a directory' in _err(_ao(ssd_path=""))
+
+
+def test_empty_layer_classes() -> None:
+    msg = _err(_ao(layer_classes=[]))
+    assert (
+        "dsx.activation_offload.layer_classes: value [] is not allowed; expected a list of at least 1" in msg
+    )
+
+
+def test_tier_named_twice() -> None:
+    msg = _err(_ao(tiers=["host", "host"]))
+    assert (
+        'dsx.activation_offload.tiers: ["host", "host"] names a tier twice: each tier may appear once' in msg
+    )
 
 
 @pytest.mark.skipif(
@@ -93,7 +132,7 @@ def test_unwritable_directory(tmp_path) -> None:
     d = tmp_path / "ro"
     d.mkdir()
     d.chmod(stat.S_IRUSR | stat.S_IXUSR)
-    assert "not writable" in _err({"activation_offload": {"ssd_path": str(d)}})
+    assert "is not writable by this user" in _err(_ao(ssd_path=str(d)))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="covered by test_unwritable_directory for non-root users")
@@ -107,14 +146,17 @@ def test_unwritable_directory_as_root(tmp_path) -> None:
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        assert "not writable" in _err({"activation_offload": {"ssd_path": str(d)}})
+        assert "is not writable by this user" in _err(_ao(ssd_path=str(d)))
     finally:
         subprocess.run(["umount", str(d)], check=True)
 
 
 def test_ssd_tier_needs_path() -> None:
     msg = _err({"activation_offload": {"enabled": True, "tiers": ["ssd"]}})
-    assert "ssd_path is not set" in msg
+    assert msg.splitlines()[1].strip() == (
+        "dsx.activation_offload: ssd_path is not set, and tiers contains 'ssd': give ssd_path, a directory on "
+        "the SSD"
+    )
 
 
 def test_section_not_an_object() -> None:
@@ -185,3 +227,12 @@ def test_every_shipped_config_parses():
             Path(off["ssd_path"]).mkdir(parents=True, exist_ok=True)
         _, section = split_config(str(path))
         assert section is not None, path
+
+
+def test_readme_lists_every_key_with_its_default() -> None:
+    """The README's "dsx" block is the reference users copy: every key of every section, with the default the
+    models give it, and nothing else."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r'```json\n"dsx": (\{.*?\n\})\n```', readme, re.S)
+    assert block is not None, 'README.md has no ```json "dsx": {...}``` block'
+    assert json.loads(block.group(1)) == DsxConfig().model_dump()

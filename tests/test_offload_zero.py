@@ -43,6 +43,9 @@ def test_zero2_auto_with_a_budget_profiles_under_recomputation_two_ranks(tmp_pat
     tail = "\n".join(out.splitlines()[-60:])
     assert rc == 0, tail
     assert out.count("OFFLOAD-OK") == 2, tail
+    # rank 1's layer 1 is 50 ms slower; both ranks planned from the agreed profiles: one plan
+    digests = {line.split()[-1] for line in out.splitlines() if "PLAN-DIGEST" in line}
+    assert out.count("PLAN-DIGEST") == 2 and len(digests) == 1, tail
     assert not os.listdir(ssd), f"run dirs left behind: {os.listdir(ssd)}"
 
 

@@ -209,3 +209,11 @@ def test_gpt_trace_flag_two_ranks(tmp_path) -> None:
     for r in (0, 1):
         tl = load_timeline(tmp_path / f"gpt.rank{r}.json")
         assert tl.rank == r and [s for s, *_ in tl.steps] == [0, 1, 2]
+
+
+def test_dsx_trace_points_at_the_rank_files_of_a_multi_rank_run(offload_run, tmp_path, capsys) -> None:
+    for r in (0, 1):
+        (tmp_path / f"trace.rank{r}.json").write_text(offload_run["trace"].read_text())
+    assert dsx_main(["trace", str(tmp_path / "trace.json"), "-o", str(tmp_path / "t.png")]) == 2
+    assert "a multi-rank run wrote trace.rank0.json, trace.rank1.json" in capsys.readouterr().err
+    assert dsx_main(["trace", str(tmp_path / "trace.rank1.json"), "-o", str(tmp_path / "t.png")]) == 0

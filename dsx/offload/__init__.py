@@ -14,16 +14,25 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dsx.config import ActivationOffloadConfig
+from dsx.config import ActivationOffloadConfig, DsxConfigError
+from dsx.offload.agree import agree_peak, agree_profiles
 from dsx.offload.hooks import LayerHooks, find_layers
 from dsx.offload.io import describe_backends, select_backend
 from dsx.offload.profile import Profiler
 from dsx.offload.store import HostPool, RunDir, SsdFile
 from dsx.offload.transfer import Mover, OffloadIntegrityError
+from dsx.offload.wear import WearWatch
 from dsx.runtime import allocator
 from dsx.runtime.scheduler import Scheduler
 
-__all__ = ["ActivationOffload", "OffloadIntegrityError", "attach", "describe_backends", "select_backend"]
+__all__ = [
+    "ActivationOffload",
+    "OffloadIntegrityError",
+    "attach",
+    "check_model",
+    "describe_backends",
+    "select_backend",
+]
 
 logger = logging.getLogger("dsx.offload")
 GB = 1 << 30
@@ -44,6 +53,25 @@ def _st_dev(path: str) -> int:
     return os.stat(path).st_dev
 
 
+# settings only policy auto reads, with their defaults
+_AUTO_ONLY = ("memory_budget_gb", "profile_mode", "profile_warmup_steps", "write_barrier")
+
+
+def _warn_unused_auto_settings(cfg: ActivationOffloadConfig) -> None:
+    """A fixed policy has no profile and no plan: say so when the config sets what only a plan uses."""
+    set_keys = [
+        k
+        for k in _AUTO_ONLY
+        if k in cfg.model_fields_set and getattr(cfg, k) != type(cfg).model_fields[k].default
+    ]
+    if set_keys and _rank() == 0:
+        logger.warning(
+            "dsx activation offload: policy %r ignores %s (read by policy 'auto' only)",
+            cfg.policy,
+            ", ".join(f"{k}={getattr(cfg, k)!r}" for k in set_keys),
+        )
+
+
 def _device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -59,6 +87,33 @@ def _recompute_modules(layer: nn.Module, names: list[str]) -> list[nn.Module]:
         if m is not layer and type(m).__name__ in names and not any(m in set(o.modules()) for o in out):
             out.append(m)
     return out
+
+
+def _layers_and_subs(
+    model: nn.Module, cfg: ActivationOffloadConfig
+) -> tuple[list[nn.Module], list[list[nn.Module]]]:
+    """The layers (``layer_classes``) and each one's ``recompute_modules``; ValueError naming what is there
+    when a name matches nothing."""
+    layers = find_layers(model, cfg.layer_classes)
+    subs = [_recompute_modules(layer, cfg.recompute_modules) for layer in layers]
+    missing = [name for name in cfg.recompute_modules if not any(
+        type(m).__name__ == name for s in subs for m in s)]  # fmt: skip
+    if missing:
+        found = sorted({type(m).__name__ for layer in layers for m in layer.modules()} - {""})
+        raise ValueError(
+            f"dsx activation offload: recompute_modules {missing} match no sub-module of the layers "
+            f"({type(layers[0]).__name__}); classes inside a layer: {found}"
+        )
+    return layers, subs
+
+
+def check_model(model: nn.Module, section: ActivationOffloadConfig) -> None:
+    """What ``attach`` would find wrong with ``model`` (``layer_classes``, ``recompute_modules``), as a
+    :class:`~dsx.config.DsxConfigError`: ``dsx.initialize`` calls it before DeepSpeed starts."""
+    try:
+        _layers_and_subs(model, section)
+    except ValueError as exc:
+        raise DsxConfigError(str(exc)) from None
 
 
 def _reentrant(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], wrap: Any = None) -> Any:
@@ -140,19 +195,11 @@ class ActivationOffload:
         self.cfg, self.sched = cfg, scheduler
         self.device = device or _device_of(model)
         self._root = model  # its forward's start is where a step's activation memory is measured from
-        self.layers = find_layers(model, cfg.layer_classes)
         # checked before any hook, file or buffer exists: a bad name leaves the model as it was
-        self._subs = [_recompute_modules(layer, cfg.recompute_modules) for layer in self.layers]
-        missing = [name for name in cfg.recompute_modules if not any(
-            type(m).__name__ == name for subs in self._subs for m in subs)]  # fmt: skip
-        if missing:
-            found = sorted({type(m).__name__ for layer in self.layers for m in layer.modules()} - {""})
-            raise ValueError(
-                f"dsx activation offload: recompute_modules {missing} match no sub-module of the layers "
-                f"({type(self.layers[0]).__name__}); classes inside a layer: {found}"
-            )
+        self.layers, self._subs = _layers_and_subs(model, cfg)
         self.run_dir: RunDir | None = None
         self.ssd: SsdFile | None = None
+        self.wear: WearWatch | None = None  # ssd_endurance_tbw given: warns when the drive would wear out
         self.shared_ssd = False
         if cfg.policy == "auto":
             from dsx.offload import plan as _plan
@@ -160,13 +207,21 @@ class ActivationOffload:
             self._plan_mod = _plan
         if "ssd" in cfg.tiers and cfg.policy != "none":
             self.run_dir = RunDir(cfg.ssd_path, _rank())
-            self.ssd = SsdFile(self.run_dir, int(cfg.ssd_capacity_gb * GB), cfg.io_backend, cfg.io_threads)
+            try:
+                self.ssd = SsdFile(
+                    self.run_dir, int(cfg.ssd_capacity_gb * GB), cfg.io_backend, cfg.io_threads
+                )
+            except BaseException:  # (an unavailable io_backend): a failed start leaves no directory behind
+                self.run_dir.remove()
+                raise
             logger.info(
                 "dsx activation offload: SSD file %s, backend %s, %s",
                 self.ssd.path,
                 self.ssd.io.name,
                 self.ssd.direct_reason,
             )
+            if cfg.ssd_endurance_tbw is not None:
+                self.wear = WearWatch(cfg.ssd_path, cfg.ssd_endurance_tbw, cfg.wear_warn_years)
             if shared_ssd_with:
                 self.shared_ssd = _st_dev(shared_ssd_with) == _st_dev(cfg.ssd_path)
                 if self.shared_ssd:
@@ -200,9 +255,11 @@ class ActivationOffload:
         self.profiler: Profiler | None = None
         self._outside_s = 0.0  # the profiled step's time outside the layers (Profiler.outside_s)
         self._profile_rc = False  # policy auto profiles under recomputation (set below)
-        offload_tier = "ssd" if "ssd" in cfg.tiers else "host"
+        if cfg.policy != "auto":
+            _warn_unused_auto_settings(cfg)
         if cfg.policy == "offload_all":
-            sel = [f"{offload_tier}+sel" if subs else offload_tier for subs in self._subs]
+            last = cfg.tiers[-1]  # "ordered": writes pass the tiers in order and rest in the last
+            sel = [f"{last}+sel" if subs else last for subs in self._subs]
             self._apply(sel, cfg.prefetch_depth or 1)
         elif cfg.policy == "recompute_all":
             self._apply(["recompute"] * len(self.layers), 1)
@@ -277,8 +334,8 @@ class ActivationOffload:
         if self.profiler is not None and self.step + 1 == warmup:
             self._profile_next(True)
         elif self.profiler is not None and self.step == warmup:
-            profiles = self.profiler.finish()
-            self._outside_s = self.profiler.outside_s
+            # every rank plans from the same numbers, so that all recompute the same layers (a collective)
+            profiles, self._outside_s = agree_profiles(self.profiler.finish(), self.profiler.outside_s)
             self.profiler = None
             if _rank() == 0 and len(profiles) > 16:  # tens of seconds from 32 layers on (plan.py's notes)
                 logger.warning("dsx activation offload: planning %d layers ...", len(profiles))
@@ -293,9 +350,12 @@ class ActivationOffload:
                 self._calibrations_left = MAX_CALIBRATIONS
                 self._mark_peak()
         elif self._calibrations_left > 0:
-            peak = self._peak_since_mark()
+            peak = agree_peak(self._peak_since_mark(), len(self.layers))  # (a collective)
             if peak is not None:
                 self._calibrate(peak)
+        self.hooks.release_dead()
+        if self.wear is not None and self.ssd is not None:
+            self.wear.step(self.ssd.bytes_written)
         self.step += 1
         self.sched.end_step()
 

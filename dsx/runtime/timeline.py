@@ -38,7 +38,13 @@ def load_timeline(path: str | os.PathLike[str]) -> Timeline:
     """Read a trace written by ``scheduler.trace_path``; :class:`TraceError` says what is wrong."""
     p = Path(path)
     if not p.is_file():
-        raise TraceError(f"{p}: no such file")
+        ranks = sorted(p.parent.glob(f"{p.stem}.rank*{p.suffix}"))  # a multi-rank run writes one file a rank
+        hint = (
+            f" (a multi-rank run wrote {', '.join(r.name for r in ranks)}: give one of those)"
+            if ranks
+            else ""
+        )
+        raise TraceError(f"{p}: no such file{hint}")
     try:
         doc = json.loads(p.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
