@@ -512,6 +512,50 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --child-timeout 80 --configs none dsx_auto_hide_sel dsx_auto_hide --name bench_offload_hide_movable2 \
       --out benchmarks/results > "$OUT/bench-offload-hide-movable2.log" 2>&1
     ;;
+  offload46)  # 1 GPU: after the review fixes of stop 17 (kept layers beside moved ones record what they save; dedup by
+              # version; handles released by the GC; agreed profiles; the planner's fill, bound and floor): the offload
+              # GPU tests, then no offload against the hide-only plans
+    log offload-gpu-tests; timeout 170 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
+    log bench-offload-hide-s17; timeout 330 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 100 --configs none dsx_auto_hide_sel dsx_auto_hide --name bench_offload_hide_s17 \
+      --out benchmarks/results > "$OUT/bench-offload-hide-s17.log" 2>&1
+    ;;
+  offload47)  # 1 GPU: the same code at full recompute's peak: recompute against auto with the budget, and save_on_cpu
+    log bench-offload-budget-s17; timeout 420 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 120 --configs recompute save_on_cpu dsx_auto_budget dsx_auto_budget_sel \
+      --name bench_offload_budget_s17 --out benchmarks/results > "$OUT/bench-offload-budget-s17.log" 2>&1
+    ;;
+  offload48)  # 1 GPU: offload46's hide-only runs again, alternating (its +sel plan ran 0.931x): no offload and auto,
+              # then no offload and auto +sel, twice each (logs bench-offload-hide-h100-s17b/c, -hide-sel-h100-s17-1/2)
+    for i in 1 2; do
+      log bench-offload-hide-s17-$i; timeout 250 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+        --child-timeout 100 --configs none dsx_auto_hide --name bench_offload_hide_s17_$i --out benchmarks/results \
+        > "$OUT/bench-offload-hide-s17-$i.log" 2>&1
+    done
+    for i in 1 2; do
+      log bench-offload-hide-sel-s17-$i; timeout 250 python benchmarks/bench_offload.py --warmup 2 --steps 3 \
+        --pool-gb 20 --child-timeout 100 --configs none dsx_auto_hide_sel --name bench_offload_hide_sel_s17_$i \
+        --out benchmarks/results > "$OUT/bench-offload-hide-sel-s17-$i.log" 2>&1
+    done
+    ;;
+  offload49)  # 1 GPU: the final code of stop 17 (handle releases queued and run at safe points, the backward's end
+              # included): the offload GPU tests, the hide-only plans and the budget comparison in one command
+    log offload-gpu-tests; timeout 170 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
+    log bench-offload-hide-s17final; timeout 200 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 100 --configs none dsx_auto_hide dsx_auto_hide_sel --name bench_offload_hide_s17final \
+      --out benchmarks/results > "$OUT/bench-offload-hide-s17final.log" 2>&1
+    log bench-offload-budget-s17final; timeout 200 python benchmarks/bench_offload.py --warmup 2 --steps 3 \
+      --pool-gb 20 --child-timeout 100 --configs recompute save_on_cpu dsx_auto_budget \
+      --name bench_offload_budget_s17final --out benchmarks/results > "$OUT/bench-offload-budget-s17final.log" 2>&1
+    ;;
+  offload50)  # 1 GPU: offload49's hide-only plan ran 0.655x: no offload and that config twice more on the same machine,
+              # each with one step under torch.profiler (bench_offload_hide_ktrace_s17.json)
+    log bench-offload-hide-ktrace-s17; timeout 400 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 120 --configs none dsx_auto_hide dsx_auto_hide --kernel-trace /tmp/kt \
+      --name bench_offload_hide_ktrace_s17 --out benchmarks/results > "$OUT/bench-offload-hide-ktrace-s17.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
