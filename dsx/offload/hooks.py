@@ -149,6 +149,7 @@ class LayerHooks:
         # a forward under no_grad (an evaluation between micro-batches) saves nothing and is no micro-batch:
         # counting it would end the profiled step's byte count before its recomputations run
         self.release_dead()
+        self._final_drain = False  # (a backward that raised never ran its final callback)
         if not torch.is_grad_enabled():
             return
         self._forwards += 1
