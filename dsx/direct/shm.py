@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dsx.runtime.process import pid_alive
+from dsx.runtime.process import all_gather, pid_alive
 
 __all__ = [
     "NodeGroup",
@@ -74,7 +74,7 @@ def local_group() -> NodeGroup:
     """The ranks on this node (collective over the default process group; one object all-gather)."""
     if not _distributed():
         return NodeGroup(ranks=(0,), rank=0)
-    keys = _all_gather(_node_key())
+    keys = all_gather(_node_key())
     mine = _node_key()
     ranks = tuple(r for r, k in enumerate(keys) if k == mine)
     return NodeGroup(ranks=ranks, rank=dist.get_rank())
@@ -123,14 +123,6 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _all_gather(obj: object) -> list[object]:
-    if not _distributed():
-        return [obj]
-    out: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _job_id() -> str:
     """A per-job id agreed through the process group (rank 0 draws it)."""
     obj = [uuid.uuid4().hex[:16]]
@@ -141,7 +133,7 @@ def _job_id() -> str:
 
 def _all_ok(local_error: str | None) -> None:
     """Exchange errors: if any rank failed, every rank raises (nobody waits forever at a later barrier)."""
-    bad = [(r, e) for r, e in enumerate(_all_gather(local_error)) if e is not None]
+    bad = [(r, e) for r, e in enumerate(all_gather(local_error)) if e is not None]
     if bad:
         r, e = bad[0]
         raise SharedMemoryError(f"rank {r}: {e}")
@@ -212,7 +204,7 @@ def share_tensor(
             if path is not None and os.path.exists(path):
                 os.unlink(path)
     # Every rank learns every leader's error or path.
-    metas = _all_gather((error, meta[0]))
+    metas = all_gather((error, meta[0]))
     _, leader_meta = metas[group.leader]  # type: ignore[misc]
     bad = [(r, m[0]) for r, m in enumerate(metas) if m[0] is not None]  # type: ignore[index]
     if bad:

@@ -14,19 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch.distributed as dist
+from dsx.runtime.process import all_gather
 
 __all__ = ["agree_peak", "agree_profiles"]
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _gather(obj: Any) -> list[Any]:
-    out: list[Any] = [None] * _world()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _merge(rows: list[Any]) -> Any:
@@ -37,7 +27,7 @@ def _merge(rows: list[Any]) -> Any:
         values = [getattr(r, f.name) for r in rows]
         if f.name in ("saved_sizes", "sel_saved_sizes"):
             total = "saved_bytes" if f.name == "saved_sizes" else "sel_saved_bytes"
-            kw[f.name] = max(rows, key=lambda r: getattr(r, total) or 0).__getattribute__(f.name)
+            kw[f.name] = getattr(max(rows, key=lambda r: getattr(r, total) or 0), f.name)
         elif f.name in ("index", "name"):
             kw[f.name] = values[0]
         elif f.name == "sel_saved_bytes":
@@ -53,9 +43,7 @@ def _merge(rows: list[Any]) -> Any:
 def agree_profiles(profiles: list[Any], outside_s: float) -> tuple[list[Any], float]:
     """The profiles (``LayerProfile``) and outside time every rank with as many layers plans from: per layer
     and field the largest any of them measured. A collective: every rank calls it at the same step."""
-    if _world() == 1:
-        return profiles, outside_s
-    peers = [p for p in _gather((profiles, outside_s)) if len(p[0]) == len(profiles)]
+    peers = [p for p in all_gather((profiles, outside_s)) if len(p[0]) == len(profiles)]
     merged = [_merge([p[0][i] for p in peers]) for i in range(len(profiles))]
     return merged, max(p[1] for p in peers)
 
@@ -63,7 +51,5 @@ def agree_profiles(profiles: list[Any], outside_s: float) -> tuple[list[Any], fl
 def agree_peak(peak: int | None, layers: int) -> int | None:
     """The largest activation peak measured by the ranks with ``layers`` layers (None where none measured).
     A collective."""
-    if _world() == 1:
-        return peak
-    peaks = [p for p, n in _gather((peak, layers)) if n == layers and p is not None]
+    peaks = [p for p, n in all_gather((peak, layers)) if n == layers and p is not None]
     return max(peaks) if peaks else None

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dsx.offload.plan import TierBandwidth
+from dsx.runtime.process import all_gather
 
 __all__ = ["measure_file_bandwidth", "measure_host_bandwidth", "measure_tier_bandwidth"]
 
@@ -109,9 +110,7 @@ def _node_peers() -> list[int]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [0]
     me = (socket.gethostname(), os.environ.get("CROSS_RANK", os.environ.get("GROUP_RANK", "")))
-    allk: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(allk, me)
-    return [r for r, k in enumerate(allk) if tuple(k) == me]
+    return [r for r, k in enumerate(all_gather(me)) if tuple(k) == me]
 
 
 def measure_tier_bandwidth(
@@ -157,8 +156,7 @@ def _agree(measured: list[TierBandwidth], peers: list[int]) -> list[TierBandwidt
     with the same, slowest one keeps their plans, and so their step times, alike. Each node's first rank
     logs every rank's measurement and the agreed share.
     """
-    allm: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(allm, [(b.tier, b.write_Bps, b.read_Bps) for b in measured])
+    allm = all_gather([(b.tier, b.write_Bps, b.read_Bps) for b in measured])
     mine = [allm[r] for r in peers]
     agreed = [
         TierBandwidth(b.tier, min(m[k][1] for m in mine), min(m[k][2] for m in mine))

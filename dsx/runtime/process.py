@@ -1,5 +1,5 @@
-"""Process lifetime: liveness of other ranks' processes, a clean distributed exit, and the shared-memory
-buffers DeepSpeed's CPU backend leaves behind."""
+"""Process lifetime: liveness of other ranks' processes, gathering from every rank, a clean distributed exit,
+and the shared-memory buffers DeepSpeed's CPU backend leaves behind."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "all_gather",
     "deepspeed_shm_buffer",
     "exit_distributed",
     "pid_alive",
@@ -21,6 +22,17 @@ __all__ = [
 ]
 
 SHM_DIR = Path("/dev/shm")
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """``obj`` from every rank, in rank order; ``[obj]`` without a process group. A collective call."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def shm_prefix() -> str:
