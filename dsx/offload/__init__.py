@@ -53,7 +53,7 @@ def _st_dev(path: str) -> int:
     return os.stat(path).st_dev
 
 
-# settings only policy auto reads, with their defaults
+# settings only policy auto reads
 _AUTO_ONLY = ("memory_budget_gb", "profile_mode", "profile_warmup_steps", "write_barrier")
 
 

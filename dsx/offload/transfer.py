@@ -87,9 +87,7 @@ class Mover:
         self.read_pool = read_pool  # which stream's allocator pool read buffers come from (config read_pool)
         self._cuda = device.type == "cuda"
         self._entries: dict[int, list[Entry]] = {}
-        # reentrant: a handle's finalizer (LayerHooks._release) may run inside the cyclic GC on a thread that
-        # holds it already (an allocation in entries_of) and release an entry
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # (handle finalizers only queue releases: LayerHooks.release_dead)
         self._warned: set[str] = set()
         self.demoted: set[int] = set()  # layers whose SSD writes failed: host from now on
         if self._cuda:  # create both side streams here, not lazily from I/O threads
