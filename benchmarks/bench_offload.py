@@ -168,7 +168,11 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         from dsx.offload import MAX_CALIBRATIONS
 
         warmup += 1 + MAX_CALIBRATIONS
+    gc_clock = _GcClock()
+    host_probe = [_host_probe_s()]  # the host CPU's speed before and after the measured steps
     for step in range(warmup + n_steps):
+        if step == warmup:
+            gc_clock.start()
         if dev.type == "cuda":
             torch.cuda.synchronize()
             if step == warmup:
@@ -192,6 +196,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             times.append(time.perf_counter() - t0)
             losses.append(float(loss))
             window[1] = time.time()
+    gc_clock.stop()
+    host_probe.append(_host_probe_s())
     memory = None
     if args.memory_history and dev.type == "cuda":
         # one file per budget: a config runs at several (--budget-scales)
@@ -253,9 +259,50 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             "activation_peak_gb": peak / 1e9, "peak_allocated_gb": peak_total / 1e9,
             "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan,
             "allocator_per_step": alloc_counts, "read_pool": read_pool, "expandable_segments": expandable,
-            "measured_window_unix": window,
+            "measured_window_unix": window, "step_times_s": times, "gc_in_measured_steps": gc_clock.summary(),
+            "host_probe_s": host_probe,
             **({"kernel_trace": kernel_trace} if kernel_trace else {}),
             **({"memory_trace": memory} if memory else {})}  # fmt: skip
+
+
+class _GcClock:
+    """Python's cyclic collections during the measured steps, per generation, and the seconds they took: a
+    full collection stops the host thread that queues the GPU's work."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    def _cb(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._t0
+
+    def start(self) -> None:
+        gc.callbacks.append(self._cb)
+
+    def stop(self) -> None:
+        if self._cb in gc.callbacks:
+            gc.callbacks.remove(self._cb)
+
+    def summary(self) -> dict[str, Any]:
+        return {"collections_by_generation": self.count, "seconds": self.seconds}
+
+
+def _host_probe_s() -> float:
+    """Seconds a fixed pure-Python loop takes (best of 3): the host CPU's speed for this process, to tell a
+    slow host (the GPU starved of work) from a slow GPU."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(300_000):
+            acc += i & 7
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _allocator_counts() -> dict[str, int]:

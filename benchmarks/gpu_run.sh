@@ -556,6 +556,20 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --child-timeout 120 --configs none dsx_auto_hide dsx_auto_hide --kernel-trace /tmp/kt \
       --name bench_offload_hide_ktrace_s17 --out benchmarks/results > "$OUT/bench-offload-hide-ktrace-s17.log" 2>&1
     ;;
+  offload51)  # 1 GPU: the hide-only plan ran 0.655-1.02x no offload across runs (stop 17) with no GPU waits for reads;
+              # no offload and auto with no budget alternated four times, 8 measured steps each, every run with its
+              # per-step times, Python's collections, a host-CPU speed probe and one profiled step, beside the
+              # SM clock, power, temperature and throttle reasons sampled every 100 ms
+    nvidia-smi -q -d POWER,CLOCK,PERFORMANCE > "$OUT/gpu-power.log" 2>&1; lscpu > "$OUT/lscpu.log" 2>&1
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active \
+      --format=csv,noheader -lms 100 > "$OUT/gpu-clocks.csv" 2>&1 & smi=$!
+    for i in 1 2 3 4; do
+      log bench-offload-hide-s18-$i; timeout 130 python benchmarks/bench_offload.py --warmup 2 --steps 8 --pool-gb 20 \
+        --child-timeout 60 --configs none dsx_auto_hide --kernel-trace /tmp/kt$i --name bench_offload_hide_s18_$i \
+        --out benchmarks/results > "$OUT/bench-offload-hide-s18-$i.log" 2>&1
+    done
+    kill $smi || true
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
