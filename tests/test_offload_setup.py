@@ -39,6 +39,18 @@ def test_a_layer_class_that_matches_nothing_is_an_error_beside_one_that_matches(
         _attach(TinyGPT(), _cfg(tmp_path, layer_classes=["Block", "Blok"]))
 
 
+def test_nested_layer_classes_are_an_error(tmp_path):
+    # CoreAttention sits inside each Block: as layers of their own, their time would count twice and the
+    # planner would plan a part of a layer apart from the layer
+    with pytest.raises(
+        ValueError, match=r"layer_classes nest: a CoreAttention sits inside a Block.*recompute_modules"
+    ):
+        _attach(TinyGPT(), _cfg(tmp_path, layer_classes=["Block", "CoreAttention"]))
+    off, sched = _attach(TinyGPT(), _cfg(tmp_path, layer_classes=["CoreAttention"]))  # either alone is fine
+    off.close()
+    sched.close()
+
+
 def test_dsx_initialize_checks_the_model_before_deepspeed(tmp_path):
     config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     config["dsx"] = {"activation_offload": {"enabled": True, "layer_classes": ["Blok"]}}

@@ -45,6 +45,17 @@ def find_layers(model: nn.Module, layer_classes: list[str] | None) -> list[nn.Mo
                 f"dsx activation offload: layer_classes {unmatched} match no module of {type(model).__name__}; "
                 f"classes held in its nn.ModuleLists: {lists}"
             )
+        # a layer inside another would be profiled twice (its time in both) and planned on its own while its
+        # outer layer's action already covers it
+        ids = {id(m) for m in layers}
+        for outer in layers:
+            inner = next((m for m in outer.modules() if m is not outer and id(m) in ids), None)
+            if inner is not None:
+                raise ValueError(
+                    f"dsx activation offload: layer_classes nest: a {type(inner).__name__} sits inside a "
+                    f"{type(outer).__name__}; layers must not nest. Name only the outer class (to recompute "
+                    f"a part of each layer, name it in recompute_modules)"
+                )
     else:
         best: list[nn.Module] = []
         for m in model.modules():
