@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import signal
@@ -15,7 +16,8 @@ import torch
 
 from dsx.config import ActivationOffloadConfig, SchedulerConfig
 from dsx.offload import ActivationOffload
-from dsx.offload.store import RunDir
+from dsx.offload.store import OWNER, RunDir, clean_stale_runs
+from dsx.runtime.process import owner_record
 from dsx.runtime.scheduler import Scheduler
 from tests._offload_models import OddModel
 
@@ -135,6 +137,28 @@ def test_run_dir_is_private_and_removed(tmp_path):
     assert os.stat(d.path).st_mode & 0o777 == 0o700
     d.remove()
     assert not os.path.exists(d.path)
+
+
+def test_stale_runs_are_judged_only_where_their_owner_can_be(tmp_path):
+    """A shared ssd_path: run dirs of other machines or other containers' pid namespaces stay, whatever their
+    pid means here; dead owners, owners from before this machine rebooted and reused pids go."""
+    me = owner_record()
+    dead = 2**22 + 12345  # above pid_max's default: no such process
+    owners = {
+        "dead": dict(me, pid=dead),
+        "reused-pid": dict(me, start=(me["start"] or 0) + 1),  # this pid, started at another time
+        "rebooted": dict(me, pid=dead, boot="an earlier boot"),
+        "other-machine": dict(me, pid=dead, boot="another boot", host="another-host"),
+        "other-container": dict(me, pid=dead, pidns="pid:[1]"),
+        "live": me,
+    }
+    for name, rec in owners.items():
+        os.mkdir(tmp_path / f"dsx-{name}")
+        (tmp_path / f"dsx-{name}" / OWNER).write_text(json.dumps(rec))
+    removed = sorted(os.path.basename(d) for d in clean_stale_runs(str(tmp_path)))
+    want = ["dsx-dead", "dsx-rebooted"] + (["dsx-reused-pid"] if me["start"] is not None else [])
+    assert removed == sorted(want)
+    assert sorted(os.listdir(tmp_path)) == sorted({f"dsx-{n}" for n in owners} - set(want))
 
 
 @pytest.mark.slow

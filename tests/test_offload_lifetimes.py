@@ -255,3 +255,80 @@ def test_a_backward_gives_its_slots_back_as_it_ends(tmp_path):
     finally:
         off.close()
         sched.close()
+
+
+def test_a_layer_that_raises_closes_its_saved_tensor_hooks(tmp_path):
+    """A forward that raises inside a moved layer leaves no dsx hooks behind: the caller's own hooks around
+    the model come off as they exit, what runs next is not packed by dsx, and training goes on to the
+    gradients of a run that never failed."""
+    torch.manual_seed(3)
+    ref = TinyGPT()
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(2)]
+    want = []
+    for x in batches:
+        ref.zero_grad()
+        ref(x).float().pow(2).mean().backward()
+        want.append([p.grad.clone() for p in ref.parameters()])
+
+    def boom(module, args):
+        raise RuntimeError("layer 1 failed")
+
+    off, sched = _off(model, tmp_path, ["host"])
+    try:
+        packed = []
+        h = model.blocks[1].fc1.register_forward_pre_hook(boom)
+        with pytest.raises(RuntimeError, match="layer 1 failed"):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+                model(batches[0])
+        h.remove()
+        n_packed, n_entries = len(packed), len(off.mover.entries_of(1))  # (the embedding's, before layer 0)
+        a = torch.randn(64, 64, requires_grad=True)
+        (a * a).sum().backward()  # no hooks of anyone's: neither the caller's (exited) nor layer 1's
+        assert len(packed) == n_packed and len(off.mover.entries_of(1)) == n_entries
+        for x, w in zip(batches, want):
+            model.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            off.end_step()
+            for p, q in zip(model.parameters(), w):
+                assert torch.equal(p.grad, q)
+    finally:
+        off.close()
+        sched.close()
+
+
+def test_a_tensor_moved_off_its_storage_by_data_is_not_matched_at_the_address_it_left(tmp_path):
+    """``h.data = ...`` (as Megatron frees pipeline outputs) leaves ``h`` alive on another storage. Its old
+    address, freed once the write ends, comes back as the next tensor of that size; saved then, that tensor
+    must be moved as itself, not matched to ``h``'s bytes (the first saver never runs backward: legal)."""
+    seen = {"reused": 0}
+
+    class Swap(torch.nn.Module):
+        def forward(self, x):
+            h = x * 2
+            self.y = h.sin()  # saves h (moved); y is never backpropagated
+            old = h.untyped_storage().data_ptr()
+            h.data = torch.empty(1)
+            for e in off.mover.entries_of(0):
+                e.written.result()  # the write ended: h's old storage is free
+            z = x * 3
+            seen["reused"] += z.untyped_storage().data_ptr() == old
+            return z.cos()
+
+    model = _Stack(Swap, n=1)
+    off, sched = _off(model, tmp_path, ["host"])
+    try:
+        x = torch.randn(16, 16, requires_grad=True)
+        want = -torch.sin(3 * x.detach()) * 3
+        for _ in range(20):
+            x.grad = None
+            model(x).sum().backward()
+            off.end_step()
+            assert torch.equal(x.grad, want)
+            if seen["reused"] >= 2:
+                break
+    finally:
+        off.close()
+        sched.close()
+    assert seen["reused"] >= 1, "the allocator never gave the address back: the test checked nothing"

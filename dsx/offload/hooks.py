@@ -77,6 +77,19 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return [t for t in items if isinstance(t, torch.Tensor)]
 
 
+def _holds(ref: weakref.ref, key: tuple[int, int]) -> bool:
+    """Whether the tensor behind ``ref`` is alive and still on the storage ``key`` (address, bytes) names.
+
+    Alive is not enough: ``t.data = ...`` (Megatron frees pipeline outputs so) moves a live tensor to another
+    storage, and the address it left may come back as a new tensor's, which would be matched to the old bytes.
+    """
+    t = ref()
+    if t is None:
+        return False
+    st = t.untyped_storage()
+    return (st.data_ptr(), st.nbytes()) == key
+
+
 class _Handle:
     """What autograd keeps instead of the tensor: the moved storage plus how to view it."""
 
@@ -153,7 +166,10 @@ class LayerHooks:
         self._handles.append(model.register_forward_hook(self._root_post))
         for i, layer in enumerate(layers):
             self._handles.append(layer.register_forward_pre_hook(self._make_pre(i), with_kwargs=True))
-            self._handles.append(layer.register_forward_hook(self._make_post(i)))
+            # always_call: a forward that raises still closes the layer's saved-tensor hooks, which would
+            # otherwise stay on the thread's stack (under, and popped by, any hooks the caller opened around
+            # the model) until the next forward
+            self._handles.append(layer.register_forward_hook(self._make_post(i), always_call=True))
 
     # -------------------------------------------------------------------------------- layer scoping
     def _root_pre(self, module: nn.Module, args: Any) -> None:
@@ -376,7 +392,7 @@ class LayerHooks:
             # the weak reference proves the storage is still the same one (a freed address may be reused), the
             # version that its moved bytes are still its bytes (saved, changed in place, saved again: legal
             # when the first saver never runs backward)
-            live = hit is not None and hit[1]() is not None and not hit[0].released
+            live = hit is not None and _holds(hit[1], key) and not hit[0].released
             entry = hit[0] if live and hit[2] == t._version else None
             if self.actions[i] == "keep":
                 # a kept layer beside a moved one: a storage the neighbour moved already is shared (kept here,
@@ -387,7 +403,7 @@ class LayerHooks:
             elif (
                 entry is None
                 and (k := self._kept.get(key)) is not None
-                and k[0]() is not None
+                and _holds(k[0], key)
                 and k[1] == t._version
             ):
                 return t  # a kept layer holds these bytes: moving them would free nothing

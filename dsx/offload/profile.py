@@ -115,7 +115,7 @@ class Profiler:
                     self.has_sub[i] = True
                     self._handles += [
                         sub.register_forward_pre_hook(self._sub_pre(i), with_kwargs=True),
-                        sub.register_forward_hook(self._sub_post(i)),
+                        sub.register_forward_hook(self._sub_post(i), always_call=True),  # (sub_depth)
                     ]
 
     def _root_pre(self, module: nn.Module, args: Any) -> None:

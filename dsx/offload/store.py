@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import errno
+import json
 import logging
 import os
 import shutil
@@ -19,11 +20,13 @@ import uuid
 import torch
 
 from dsx.offload.io import ALIGN, IOBackend, select_backend
-from dsx.runtime.process import pid_alive
+from dsx.runtime.process import owner_gone, owner_record
 
 __all__ = ["Arena", "HostPool", "RunDir", "SsdFile", "SsdFull", "align_up", "clean_stale_runs"]
 
 logger = logging.getLogger("dsx.offload")
+
+OWNER = "owner.json"  # in each run directory: who made it (dsx.runtime.process.owner_record)
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -104,22 +107,34 @@ class HostPool:
 
 # ------------------------------------------------------------------------------------------- run dirs
 def clean_stale_runs(root: str) -> list[str]:
-    """Remove ``root/dsx-*`` run directories whose owner pid (in ``owner.pid``) is no longer alive."""
+    """Remove ``root/dsx-*`` run directories whose owner (``owner.json``) has ended, here or before a reboot.
+
+    Directories of other machines or other containers' pid namespaces (an ``ssd_path`` on a shared drive) are
+    left alone: their pids mean nothing here, and removing a live run's file would lose its activations.
+    """
     removed = []
     if not os.path.isdir(root):
         return removed
+    foreign = 0
     for name in os.listdir(root):
         d = os.path.join(root, name)
         if not name.startswith("dsx-") or not os.path.isdir(d):
             continue
         try:
-            with open(os.path.join(d, "owner.pid")) as f:
-                pid = int(f.read().strip())
-        except (OSError, ValueError):
-            continue  # not ours or being created right now
-        if not pid_alive(pid):
+            with open(os.path.join(d, OWNER)) as f:
+                record = json.load(f)
+            gone = owner_gone(record)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not ours, or being created right now
+        if gone:
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
+        elif gone is None:
+            foreign += 1
+    if foreign:
+        logger.info(
+            "dsx: %d run dir(s) under %s belong to other machines or containers; left alone", foreign, root
+        )
     return removed
 
 
@@ -133,8 +148,8 @@ class RunDir:
             logger.warning("dsx: removed %d leftover offload dir(s) of crashed runs: %s", len(stale), stale)
         self.path = os.path.join(root, f"dsx-{os.getpid()}-r{rank}-{uuid.uuid4().hex[:8]}")
         os.mkdir(self.path, 0o700)
-        with open(os.path.join(self.path, "owner.pid"), "w") as f:
-            f.write(str(os.getpid()))
+        with open(os.path.join(self.path, OWNER), "w") as f:
+            json.dump(owner_record(), f)
         atexit.register(self.remove)
 
     def remove(self) -> None:

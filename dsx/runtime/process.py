@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ __all__ = [
     "all_gather",
     "deepspeed_shm_buffer",
     "exit_distributed",
+    "owner_gone",
+    "owner_record",
     "pid_alive",
     "release_deepspeed_shm",
     "release_deepspeed_shm_at_exit",
@@ -49,6 +52,61 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot, /proc/<pid>/stat field 22): tells a reused pid apart."""
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    try:  # the command name (field 2) may hold spaces and parentheses: count from the last ')'
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def owner_record() -> dict[str, Any]:
+    """Who this process is, for a file that outlives it: pid, its start time, host name, boot id, pid
+    namespace. :func:`owner_gone` reads it back in another process, maybe on another machine."""
+    pid = os.getpid()
+    return {"pid": pid, "start": _start_ticks(pid), "host": socket.gethostname(),
+            "boot": _read("/proc/sys/kernel/random/boot_id"), "pidns": _pid_namespace()}  # fmt: skip
+
+
+def owner_gone(record: dict[str, Any]) -> bool | None:
+    """Whether the process an :func:`owner_record` describes has ended: True, False, or None when this process
+    cannot tell (it ran on another machine, or in another container's pid namespace, where its pid means
+    nothing here). A directory on a drive that several machines or containers share is judged only by those
+    that can.
+    """
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    if record.get("boot") and boot and record["boot"] != boot:
+        # this machine since rebooted (its owner is gone), or another machine
+        return True if record.get("host") == socket.gethostname() else None
+    ns = _pid_namespace()
+    if record.get("pidns") and ns and record["pidns"] != ns:
+        return None
+    pid = int(record["pid"])
+    if not pid_alive(pid):
+        return True
+    start = record.get("start")
+    now = _start_ticks(pid)
+    return start is not None and now is not None and now != start  # a live pid, reused by another process
 
 
 def exit_distributed() -> None:
