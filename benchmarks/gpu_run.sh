@@ -570,6 +570,23 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
     done
     kill $smi || true
     ;;
+  offload52)  # 1 GPU: host-tier reads without verify queued on the fetching thread, ordered after their writes by an
+              # event (offload51: hide-only 0.970-0.983x, the GPU idle 20-40 ms more a step while the host waited at
+              # unpack for reads queued behind the writes' completions): the offload GPU tests, then no offload and
+              # hide-only alternated three times (logs bench-offload-hide-s18b-*)
+    log offload-gpu-tests; timeout 200 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
+    for i in 1 2 3; do
+      log bench-offload-hide-s18b-$i; timeout 130 python benchmarks/bench_offload.py --warmup 2 --steps 8 --pool-gb 20 \
+        --child-timeout 60 --configs none dsx_auto_hide --kernel-trace /tmp/kt$i --name bench_offload_hide_s18b_$i \
+        --out benchmarks/results > "$OUT/bench-offload-hide-s18b-$i.log" 2>&1
+    done
+    ;;
+  offload53)  # 1 GPU: the same code at full recompute's peak: recompute, save_on_cpu and auto with the budget
+    log bench-offload-budget-s18; timeout 300 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 120 --configs recompute save_on_cpu dsx_auto_budget --name bench_offload_budget_s18 \
+      --out benchmarks/results > "$OUT/bench-offload-budget-s18.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

@@ -58,18 +58,28 @@ def _measured_step(model, opt, x, off=None) -> int:
 
 
 @pytest.mark.parametrize(
-    "tiers,backend,sel,read_pool",
+    "tiers,backend,sel,read_pool,verify",
     [
-        (["host"], "posix", False, "compute"),
-        (["ssd"], "posix", False, "compute"),
-        (["host", "ssd"], "aio", False, "compute"),
-        (["host", "ssd"], "kvikio", False, "compute"),
-        (["host"], "posix", True, "compute"),  # recompute_modules: attention recomputed, the rest moved
-        (["host"], "posix", False, "prefetch"),  # read buffers from the side stream's pool (the old way)
-        (["ssd"], "posix", False, "prefetch"),
+        (["host"], "posix", False, "compute", True),
+        (["ssd"], "posix", False, "compute", True),
+        (["host", "ssd"], "aio", False, "compute", True),
+        (["host", "ssd"], "kvikio", False, "compute", True),
+        (["host"], "posix", True, "compute", True),  # recompute_modules: attention recomputed, the rest moved
+        (
+            ["host"],
+            "posix",
+            False,
+            "prefetch",
+            True,
+        ),  # read buffers from the side stream's pool (the old way)
+        (["ssd"], "posix", False, "prefetch", True),
+        # without verify, host reads are queued on the fetching thread, ordered after their writes on the GPU
+        (["host"], "posix", False, "compute", False),
+        (["host"], "posix", False, "prefetch", False),
+        (["host"], "posix", True, "prefetch", False),
     ],
 )
-def test_gpu_bitwise(tmp_path, tiers, backend, sel, read_pool):
+def test_gpu_bitwise(tmp_path, tiers, backend, sel, read_pool, verify):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     if backend != "posix" and not describe_backends()[backend]["available"]:
@@ -85,7 +95,7 @@ def test_gpu_bitwise(tmp_path, tiers, backend, sel, read_pool):
         ssd_capacity_gb=1,
         min_tensor_bytes=0,
         io_backend=backend,
-        verify=True,
+        verify=verify,
         recompute_modules=["CoreAttention"] if sel else [],
         read_pool=read_pool,
     )
@@ -93,7 +103,11 @@ def test_gpu_bitwise(tmp_path, tiers, backend, sel, read_pool):
     off = ActivationOffload(model, cfg, sched)
     try:
         assert off.mover.read_pool == read_pool
+        inline = []  # which path each read took: the test must cover the one it names
+        reads_inline = off.mover._reads_inline
+        off.mover._reads_inline = lambda e: inline.append(reads_inline(e)) or inline[-1]
         got = _train(model, batches, off)
+        assert inline and all(inline) == (tiers == ["host"] and not verify) and any(inline) == all(inline)
         assert sum(sched.telemetry.history[0].bytes_by_tier.values()) > 0
         # every read's device-side wait was timed and resolved (zero when the data were back in time)
         summary = sched.telemetry.summary()
@@ -101,6 +115,40 @@ def test_gpu_bitwise(tmp_path, tiers, backend, sel, read_pool):
     finally:
         off.close()
         sched.close()
+    assert_same_grads(want, got)
+
+
+@pytest.mark.parametrize("read_pool", ["compute", "prefetch"])
+def test_gpu_host_reads_wait_for_their_writes_on_the_gpu(tmp_path, read_pool):
+    """Host reads queued on the fetching thread (no verify) are ordered after their writes by an event, not by
+    a host wait: with the offload stream held back (a sleep queued on it), every copy out lands after the
+    forward has ended on the host and the copies back are queued; they must still read what was written."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model, batches, want = _reference(seed=2, n_batches=3)
+    cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=1,
+                                  min_tensor_bytes=0, read_pool=read_pool)  # fmt: skip
+    sched = Scheduler(SchedulerConfig(io_workers=4), device=torch.device("cuda"))
+    off = ActivationOffload(model, cfg, sched)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    got, late = [], []
+    try:
+        for x in batches:
+            opt.zero_grad()
+            with torch.cuda.stream(sched.stream("offload")):
+                torch.cuda._sleep(200_000_000)  # ~0.1 s: longer than the step takes the host to queue
+            loss = model(x).float().pow(2).mean()
+            late.append(sum(not e.copied.query() for i in range(4) for e in off.mover.entries_of(i)))
+            loss.backward()
+            got.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            off.end_step()
+    finally:
+        off.close()
+        sched.close()
+    assert all(n > 0 for n in late), (
+        f"writes had landed before backward: the test would check nothing ({late})"
+    )
     assert_same_grads(want, got)
 
 

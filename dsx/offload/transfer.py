@@ -65,6 +65,7 @@ class Entry:
     # set once the device bytes are given back (the copy to the host ended, or failed): what the forward's
     # write barrier waits for; an SSD entry is set before its file write, which needs only the host slot
     off_device: threading.Event = field(default_factory=threading.Event)
+    copied: Any = None  # CUDA: the event after the device-to-host copy on the offload stream
 
 
 class Mover:
@@ -142,7 +143,7 @@ class Mover:
                 slot[1][:nbytes].copy_(src, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(side)
-            e.src = src
+            e.src, e.copied = src, copied
             e.written = self.sched.submit(self._finish_write, e, copied)
         else:
             e.src = src
@@ -208,8 +209,60 @@ class Mover:
                     issued = torch.cuda.Event()
                     issued.record(torch.cuda.current_stream(self.device))
                     dst = (out, issued)
-                e.fetched = self.sched.submit(self._read, e, dst)
+                if self._reads_inline(e):
+                    e.fetched = self._read_inline(e, dst)
+                else:
+                    e.fetched = self.sched.submit(self._read, e, dst)
             return e.fetched
+
+    def _reads_inline(self, e: Entry) -> bool:
+        """Whether ``e``'s read needs no host wait: on CUDA, a host-tier entry (never on the SSD) without
+        ``verify`` (a checksum needs the bytes on the host first), whose write did not fail. The copy back is
+        then ordered after the copy out on the GPU (an event), and is queued on this thread."""
+        return (
+            self._cuda
+            and e.copied is not None
+            and e.tier == "host"
+            and e.ssd_off is None
+            and not self.verify
+            and not (e.written is not None and e.written.done() and e.written.exception() is not None)
+        )
+
+    def _read_inline(self, e: Entry, dst: tuple[torch.Tensor, Any] | None) -> Future[Any]:
+        """The read of a host-tier entry queued here, on the thread that fetches (caller holds ``e.lock``).
+
+        An I/O thread would first wait, on the host, for the write to land (``written``) and for the pool's
+        earlier tasks, the writes still in flight among them: with the host ahead of the GPU, the consumer
+        then waited at unpack while the GPU ran dry (stop 18). Here the prefetch stream waits on the write's
+        event instead and the host goes on.
+        """
+        fut: Future[Any] = Future()
+        if e.released:
+            fut.set_exception(_Dropped(e.name))
+            return fut
+        t0 = time.perf_counter()
+        fut.set_result(self._copy_to_device(e.host[1], e.nbytes, dst, after=e.copied))
+        self.sched.telemetry.add_transfer("host_read", e.nbytes, t0, time.perf_counter(), e.name)
+        return fut
+
+    def _copy_to_device(
+        self, buf: torch.Tensor, nbytes: int, dst: tuple[torch.Tensor, Any] | None, after: Any = None
+    ) -> tuple[torch.Tensor, Any]:
+        """Queue ``buf[:nbytes]`` to the device on the prefetch stream, after ``dst``'s issue event and
+        ``after`` (events); the buffer (``dst``'s, or one from the prefetch stream's pool) and the copy's event."""
+        side = self.sched.stream("prefetch")
+        with torch.cuda.stream(side):
+            if dst is None:
+                out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            else:  # (no record_stream(side): a freed block would wait for every copy queued after
+                out, issued = dst  # it; release() holds a buffer never read instead)
+                side.wait_event(issued)
+            if after is not None:
+                side.wait_event(after)
+            out.copy_(buf[:nbytes], non_blocking=True)
+            ev = torch.cuda.Event(enable_timing=True)  # the consumer times its wait against it
+            ev.record(side)
+        return out, ev
 
     def _read(self, e: Entry, dst: tuple[torch.Tensor, Any] | None = None) -> tuple[torch.Tensor, Any]:
         e.written.result()  # a failed write re-raises here
@@ -239,16 +292,7 @@ class Mover:
                     "compute gradients from them"
                 )
             if self._cuda:
-                side = self.sched.stream("prefetch")
-                with torch.cuda.stream(side):
-                    if dst is None:
-                        out = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
-                    else:  # (no record_stream(side): a freed block would wait for every copy queued after
-                        out, issued = dst  # it; release() holds a buffer never read instead)
-                        side.wait_event(issued)
-                    out.copy_(buf[: e.nbytes], non_blocking=True)
-                    ev = torch.cuda.Event(enable_timing=True)  # the consumer times its wait against it
-                    ev.record(side)
+                out, ev = self._copy_to_device(buf, e.nbytes, dst)
                 if tmp is not None:
                     ev.synchronize()  # the staging slot is reused right after
             else:
