@@ -260,7 +260,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan,
             "allocator_per_step": alloc_counts, "read_pool": read_pool, "expandable_segments": expandable,
             "measured_window_unix": window, "step_times_s": times, "gc_in_measured_steps": gc_clock.summary(),
-            "host_probe_s": host_probe,
+            "host_probe_s": host_probe, "dsx_path": str(Path(dsx.__file__).parent),
             **({"kernel_trace": kernel_trace} if kernel_trace else {}),
             **({"memory_trace": memory} if memory else {})}  # fmt: skip
 

@@ -587,6 +587,27 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --child-timeout 120 --configs recompute save_on_cpu dsx_auto_budget --name bench_offload_budget_s18 \
       --out benchmarks/results > "$OUT/bench-offload-budget-s18.log" 2>&1
     ;;
+  offload54)  # 1 GPU: the offload GPU tests (host reads queued inline). Run once with the write events made blocking
+              # (cudaEventBlockingSync): the new test failed, the forward's host time had grown to the sleep queued on
+              # the offload stream (docs/logs/s18-blocking-events-diag.log): blocking events were dropped
+    log offload-gpu-tests; timeout 240 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_offload_gpu.py \
+      > "$OUT/gpu-tests-offload.log" 2>&1
+    ;;
+  offload55)  # 1 GPU: A/B on one machine of the hide-only plan, three rounds of: no offload; dsx trees in .ab/<v>/dsx
+              # (git-ignored, carried: earlier commits' dsx packages) and this checkout's, each in its own process
+    for i in 1 2 3; do
+      [ $SECONDS -gt 400 ] && break  # a round takes ~170 s: stop before the command's 600 s
+      log ab-none-$i; timeout 90 python benchmarks/bench_offload.py --warmup 2 --steps 8 --pool-gb 20 \
+        --child-timeout 80 --configs none --name bench_offload_ab_s18_none_$i --out benchmarks/results \
+        > "$OUT/ab-none-$i.log" 2>&1
+      for v in $(ls .ab 2>/dev/null) tree; do
+        pp=$PYTHONPATH; [ "$v" = tree ] || pp=$PWD/.ab/$v:$PYTHONPATH
+        log ab-$v-$i; PYTHONPATH=$pp timeout 100 python benchmarks/bench_offload.py --warmup 2 --steps 8 \
+          --pool-gb 20 --child-timeout 90 --configs dsx_auto_hide --name bench_offload_ab_s18_${v}_$i \
+          --out benchmarks/results > "$OUT/ab-$v-$i.log" 2>&1
+      done
+    done
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

@@ -136,7 +136,7 @@ def test_gpu_host_reads_wait_for_their_writes_on_the_gpu(tmp_path, read_pool):
         for x in batches:
             opt.zero_grad()
             with torch.cuda.stream(sched.stream("offload")):
-                torch.cuda._sleep(200_000_000)  # ~0.1 s: longer than the step takes the host to queue
+                torch.cuda._sleep(400_000_000)  # ~0.2 s: longer than a warm step takes the host to queue
             loss = model(x).float().pow(2).mean()
             late.append(sum(not e.copied.query() for i in range(4) for e in off.mover.entries_of(i)))
             loss.backward()
@@ -146,8 +146,9 @@ def test_gpu_host_reads_wait_for_their_writes_on_the_gpu(tmp_path, read_pool):
     finally:
         off.close()
         sched.close()
-    assert all(n > 0 for n in late), (
-        f"writes had landed before backward: the test would check nothing ({late})"
+    # (the first step's host work, cold, can outlast the sleep)
+    assert all(n > 0 for n in late[1:]), (
+        f"writes had landed before backward: the test checked nothing ({late})"
     )
     assert_same_grads(want, got)
 
