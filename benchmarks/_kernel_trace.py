@@ -10,6 +10,7 @@ and the host not blocked in CUDA is host-bound: Python (hooks, I/O threads holdi
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -71,6 +72,7 @@ def summarize(trace: str | Path, gap_us: float = 20.0) -> dict[str, Any]:
                 blocked[name] += (b - a) / 1e6
     if not gpu:
         return {"error": "no GPU activity in the trace"}
+    gap_causes = _gap_causes(events, gap_us)
     compute_stream, compute = max(by_stream.items(), key=lambda kv: sum(b - a for a, b in kv[1]))
     start, end = min(a for a, _ in gpu), max(b for _, b in gpu)
     idle, n_gaps = _gaps(compute, gap_us)
@@ -84,4 +86,67 @@ def summarize(trace: str | Path, gap_us: float = 20.0) -> dict[str, Any]:
         "kernel_s_by_stream": {str(k): sum(b - a for a, b in v) / 1e6 for k, v in by_stream.items()},
         "copies": {k: {"s": v[0], "gb": v[1] / 1e9} for k, v in copies.items()},
         "host_blocked_in_cuda_s": dict(sorted(blocked.items(), key=lambda kv: -kv[1])),
+        "gap_causes": gap_causes,
     }
+
+
+def _gap_causes(events: list[dict[str, Any]], gap_us: float) -> dict[str, Any]:
+    """Why the compute stream sat idle, gap by gap: the kernel ending a gap was either launched after the gap
+    began (``host_late``: the host was behind; split by launching thread and by the outermost CPU op running
+    the launch) or queued before it (``queued_early``: the stream waited on the GPU, for an event or a copy)."""
+    kernels: dict[Any, list[tuple[float, float, Any]]] = defaultdict(list)
+    launches: dict[Any, tuple[float, Any]] = {}  # correlation -> (host end of the launch call, thread)
+    ops: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        a, b, cat, args = (
+            float(e["ts"]),
+            float(e["ts"]) + float(e["dur"]),
+            e.get("cat", ""),
+            e.get("args", {}),
+        )
+        if cat == "kernel":
+            kernels[args.get("stream")].append((a, b, args.get("correlation")))
+        elif cat == "cuda_runtime" and "correlation" in args:
+            launches[args["correlation"]] = (b, e.get("tid"))
+        elif cat in ("cpu_op", "user_annotation"):
+            ops[e.get("tid")].append((a, b, e.get("name", "?")))
+    if not kernels:
+        return {}
+    stream = max(kernels, key=lambda k: sum(b - a for a, b, _ in kernels[k]))
+    tops = {tid: _top_level(lst) for tid, lst in ops.items()}
+    late: dict[str, float] = defaultdict(float)
+    late_ops: dict[str, float] = defaultdict(float)
+    out = {"host_late": [0.0, 0], "queued_early": [0.0, 0], "launch_unknown": [0.0, 0]}
+    end = None
+    for a, b, corr in sorted(kernels[stream]):
+        if end is not None and a - end >= gap_us:
+            gap = a - end
+            launch = launches.get(corr)
+            kind = "launch_unknown" if launch is None else "host_late" if launch[0] > end else "queued_early"
+            out[kind][0] += gap / 1e6
+            out[kind][1] += 1
+            if kind == "host_late":
+                late[f"thread {launch[1]}"] += gap / 1e6
+                late_ops[_outermost(tops.get(launch[1], ([], [])), launch[0])] += gap / 1e6
+        end = b if end is None else max(end, b)
+    top = sorted(late_ops.items(), key=lambda kv: -kv[1])[:10]
+    return {**{k: {"s": v[0], "gaps": v[1]} for k, v in out.items()},
+            "host_late_by_thread_s": dict(late), "host_late_by_outer_op_s": dict(top)}  # fmt: skip
+
+
+def _top_level(ops: list[tuple[float, float, str]]) -> tuple[list[float], list[tuple[float, float, str]]]:
+    """A thread's CPU ops that no other op of the thread contains, in time order (and their starts)."""
+    top: list[tuple[float, float, str]] = []
+    for a, b, name in sorted(ops, key=lambda o: (o[0], -o[1])):
+        if not top or a >= top[-1][1]:
+            top.append((a, b, name))
+    return [a for a, _, _ in top], top
+
+
+def _outermost(tops: tuple[list[float], list[tuple[float, float, str]]], t: float) -> str:
+    """The name of the top-level CPU op running at host time ``t`` (``"(no op)"``: Python between ops)."""
+    starts, top = tops
+    i = bisect.bisect_right(starts, t) - 1
+    return top[i][2] if i >= 0 and top[i][1] >= t else "(no op)"

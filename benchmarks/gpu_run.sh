@@ -608,6 +608,15 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       done
     done
     ;;
+  offload56)  # 1 GPU: where the hide-only step's extra compute-stream idle comes from: no offload and hide-only, twice,
+              # each with one profiled step whose gaps are split into host-late (by thread and top-level op) and
+              # queued-early (kernel_trace.gap_causes)
+    for i in 1 2; do
+      log bench-offload-gaps-s18-$i; timeout 200 python benchmarks/bench_offload.py --warmup 2 --steps 5 --pool-gb 20 \
+        --child-timeout 90 --configs none dsx_auto_hide --kernel-trace /tmp/kt$i --name bench_offload_gaps_s18_$i \
+        --out benchmarks/results > "$OUT/bench-offload-gaps-s18-$i.log" 2>&1
+    done
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

@@ -65,3 +65,50 @@ def test_a_trace_without_gpu_activity_says_so(tmp_path) -> None:
         json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 3}]})
     )
     assert "error" in _kernel_trace.summarize(path)
+
+
+def test_gap_causes_split_host_late_from_queued_early(tmp_path) -> None:
+    """Each compute-stream gap of 20 us or more goes to the host (the kernel ending it was launched after the
+    gap began: by thread, by the top-level op around the launch) or to the GPU (it was queued before)."""
+    rng = random.Random(11)
+    events, t, want = [], 0.0, {"host_late": 0.0, "queued_early": 0.0}
+    by_thread: dict[str, float] = {}
+    by_op: dict[str, float] = {}
+    prev_end = None
+    for corr in range(300):
+        t += rng.choice([2.0, 25.0, 80.0])
+        d = rng.uniform(10, 200)
+        late = rng.random() < 0.5
+        tid = rng.choice([1, 2])
+        # launched after the previous kernel ended (late) or well before it (early)
+        launch_end = (
+            (prev_end + rng.uniform(0.5, t - prev_end)) if (late and prev_end is not None) else t - 1e4
+        )
+        events.append(
+            {"ph": "X", "cat": "kernel", "ts": t, "dur": d, "args": {"stream": 7, "correlation": corr}}
+        )
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launch_end - 1.0,
+                       "dur": 1.0, "tid": tid, "args": {"correlation": corr}})  # fmt: skip
+        op = f"op{corr % 3}"
+        events.append(
+            {"ph": "X", "cat": "cpu_op", "name": op, "ts": launch_end - 1.5, "dur": 1.6, "tid": tid}
+        )
+        events.append(
+            {"ph": "X", "cat": "cpu_op", "name": "inner", "ts": launch_end - 1.2, "dur": 1.0, "tid": tid}
+        )
+        if prev_end is not None and t - prev_end >= 20:
+            kind = "host_late" if launch_end > prev_end else "queued_early"
+            want[kind] += (t - prev_end) / 1e6
+            if kind == "host_late":
+                by_thread[f"thread {tid}"] = by_thread.get(f"thread {tid}", 0.0) + (t - prev_end) / 1e6
+                by_op[op] = by_op.get(op, 0.0) + (t - prev_end) / 1e6
+        t += d
+        prev_end = t
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    g = _kernel_trace.summarize(path)["gap_causes"]
+    assert want["host_late"] > 0 and want["queued_early"] > 0
+    assert g["host_late"]["s"] == pytest.approx(want["host_late"])
+    assert g["queued_early"]["s"] == pytest.approx(want["queued_early"])
+    assert g["host_late_by_thread_s"] == pytest.approx(by_thread)
+    assert g["host_late_by_outer_op_s"] == pytest.approx(by_op)

@@ -141,8 +141,8 @@ class Mover:
             with torch.cuda.stream(side):
                 side.wait_event(ready)
                 slot[1][:nbytes].copy_(src, non_blocking=True)
-                # (not blocking=True: an I/O thread asleep in a blocking-sync event's synchronize held the
-                # fetching thread's CUDA calls until the copy ended, the whole forward on the H100 (stop 18))
+                # (not blocking=True: with I/O threads asleep in a blocking-sync event's synchronize, the
+                # forward's own CUDA calls waited for the copies to end, on the H100: stop 18)
                 copied = torch.cuda.Event()
                 copied.record(side)
             e.src, e.copied = src, copied
