@@ -617,6 +617,12 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
         --out benchmarks/results > "$OUT/bench-offload-gaps-s18-$i.log" 2>&1
     done
     ;;
+  offload57)  # 1 GPU: the final code of stop 18 (layer pre-hooks walk their own parameters): no offload, hide-only,
+              # full recompute and auto at its peak, in one invocation
+    log bench-offload-final-s18; timeout 400 python benchmarks/bench_offload.py --warmup 2 --steps 5 --pool-gb 20 \
+      --child-timeout 100 --configs none dsx_auto_hide recompute dsx_auto_budget --name bench_offload_final_s18 \
+      --out benchmarks/results > "$OUT/bench-offload-final-s18.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
