@@ -72,8 +72,8 @@ def summarize(trace: str | Path, gap_us: float = 20.0) -> dict[str, Any]:
                 blocked[name] += (b - a) / 1e6
     if not gpu:
         return {"error": "no GPU activity in the trace"}
-    gap_causes = _gap_causes(events, gap_us)
     compute_stream, compute = max(by_stream.items(), key=lambda kv: sum(b - a for a, b in kv[1]))
+    gap_causes = _gap_causes(events, compute_stream, gap_us)
     start, end = min(a for a, _ in gpu), max(b for _, b in gpu)
     idle, n_gaps = _gaps(compute, gap_us)
     return {
@@ -90,11 +90,11 @@ def summarize(trace: str | Path, gap_us: float = 20.0) -> dict[str, Any]:
     }
 
 
-def _gap_causes(events: list[dict[str, Any]], gap_us: float) -> dict[str, Any]:
+def _gap_causes(events: list[dict[str, Any]], stream: Any, gap_us: float) -> dict[str, Any]:
     """Why the compute stream sat idle, gap by gap: the kernel ending a gap was either launched after the gap
     began (``host_late``: the host was behind; split by launching thread and by the outermost CPU op running
     the launch) or queued before it (``queued_early``: the stream waited on the GPU, for an event or a copy)."""
-    kernels: dict[Any, list[tuple[float, float, Any]]] = defaultdict(list)
+    kernels: list[tuple[float, float, Any]] = []  # the compute stream's
     launches: dict[Any, tuple[float, Any]] = {}  # correlation -> (host end of the launch call, thread)
     ops: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)
     for e in events:
@@ -106,21 +106,18 @@ def _gap_causes(events: list[dict[str, Any]], gap_us: float) -> dict[str, Any]:
             e.get("cat", ""),
             e.get("args", {}),
         )
-        if cat == "kernel":
-            kernels[args.get("stream")].append((a, b, args.get("correlation")))
+        if cat == "kernel" and args.get("stream") == stream:
+            kernels.append((a, b, args.get("correlation")))
         elif cat == "cuda_runtime" and "correlation" in args:
             launches[args["correlation"]] = (b, e.get("tid"))
         elif cat in ("cpu_op", "user_annotation"):
             ops[e.get("tid")].append((a, b, e.get("name", "?")))
-    if not kernels:
-        return {}
-    stream = max(kernels, key=lambda k: sum(b - a for a, b, _ in kernels[k]))
     tops = {tid: _top_level(lst) for tid, lst in ops.items()}
     late: dict[str, float] = defaultdict(float)
     late_ops: dict[str, float] = defaultdict(float)
     out = {"host_late": [0.0, 0], "queued_early": [0.0, 0], "launch_unknown": [0.0, 0]}
     end = None
-    for a, b, corr in sorted(kernels[stream]):
+    for a, b, corr in sorted(kernels):
         if end is not None and a - end >= gap_us:
             gap = a - end
             launch = launches.get(corr)

@@ -136,7 +136,8 @@ class LayerHooks:
         self._ctx: list[Any] = []
         self._cur: int | None = None
         self._params: set[int] = set()
-        self._model_params: set[int] = set()  # the model's parameter storages at its forward's start
+        # the model's parameter storages, taken at the first moved layer of each forward (None: not yet)
+        self._model_params: set[int] | None = None
         # storages of the current layer's inputs that need no gradient: kept like parameters
         self._inputs: set[int] = set()
         # (address, bytes) -> (entry, weak reference to the base tensor, the version its bytes were moved at)
@@ -185,7 +186,9 @@ class LayerHooks:
         while self._ctx:  # a forward that raised left a layer context open: close it now
             self._ctx.pop().__exit__(None, None, None)
         self._cur = None
-        self._model_params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._model_params = (
+            None  # (taken only if a layer of this forward moves: keep-only forwards pay nothing)
+        )
         self._fetched_layers.clear()
         self._moved_bytes.clear()
         self._kept.clear()
@@ -320,10 +323,12 @@ class LayerHooks:
         return self._forwards - self._profile_from <= 1
 
     def _note_params(self, i: int) -> None:
-        """The storages of parameters, kept where they are: the model's, as of this forward's start, and layer
-        ``i``'s own as of now (ZeRO-3 gathers them in its pre-hooks, registered earlier, so they ran already).
-        (Walking every parameter of the model at each layer took ~0.1 ms a layer of host time, where the GPU
-        can be waiting for the layer's first kernel.)"""
+        """The storages of parameters, kept where they are: the model's, as of this forward's first moved layer,
+        and layer ``i``'s own as of now (ZeRO-3 gathers them in its pre-hooks, registered earlier, so they ran
+        already). (Walking every parameter of the model at each layer took ~0.1 ms a layer of host time, where
+        the GPU can be waiting for the layer's first kernel.)"""
+        if self._model_params is None:
+            self._model_params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         self._params = self._model_params | {
             p.untyped_storage().data_ptr() for p in self.layers[i].parameters()
         }
