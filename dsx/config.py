@@ -210,6 +210,10 @@ class SchedulerConfig(_Section):
     trace_path: str | None = None  # Chrome trace JSON; ".rank<r>" goes before the extension when ranks > 1
     trace_steps: int = Field(default=50, ge=1)  # the trace file holds (and memory keeps) the last N steps
     bandwidth_probe_mb: int = Field(default=64, ge=1)
+    # how I/O threads wait on the host for a copy on a side stream (dsx.runtime.events): "spin"
+    # (cudaEventSynchronize: a busy core per waiting thread), "poll" (event queries with a short sleep: idle
+    # cores, but each query takes the GIL), "auto" (spin)
+    event_wait: Literal["auto", "poll", "spin"] = "auto"
 
 
 class DsxConfig(_Section):

@@ -118,6 +118,62 @@ def test_gpu_bitwise(tmp_path, tiers, backend, sel, read_pool, verify):
     assert_same_grads(want, got)
 
 
+@pytest.mark.parametrize("event_wait", ["spin", "poll"])
+def test_gpu_bitwise_whichever_way_the_io_threads_wait(tmp_path, event_wait):
+    """The I/O threads' wait for each write (scheduler.event_wait) decides when a slot is reused and when an SSD
+    write starts: gradients stay bitwise, through the host and the SSD tier."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model, batches, want = _reference(seed=3, n_batches=3)
+    (tmp_path / "ssd").mkdir()
+    cfg = ActivationOffloadConfig(enabled=True, tiers=["host", "ssd"], ssd_path=str(tmp_path / "ssd"),
+                                  policy="offload_all", host_pool_gb=1, ssd_capacity_gb=1, min_tensor_bytes=0,
+                                  io_backend="posix")  # fmt: skip
+    sched = Scheduler(SchedulerConfig(io_workers=4, event_wait=event_wait), device=torch.device("cuda"))
+    off = ActivationOffload(model, cfg, sched)
+    try:
+        assert sched.waiter.mode == event_wait
+        got = _train(model, batches, off)
+        assert sched.telemetry.history[0].bytes_by_tier.get("ssd", 0) > 0
+    finally:
+        off.close()
+        sched.close()
+    assert_same_grads(want, got)
+
+
+@pytest.mark.parametrize("read_pool", ["compute", "prefetch"])
+def test_gpu_late_reads_are_waited_for_once_per_run_of_the_stream(tmp_path, read_pool):
+    """The compute stream waits for a read's copy unless it already waited for a later one (the prefetch stream
+    ends copies in order). With the prefetch stream held back past the forward (a sleep queued on it), every
+    read lands late: the gradients must still be bitwise, with fewer device-side waits than reads."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model, batches, want = _reference(seed=4, n_batches=3)
+    cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=1,
+                                  min_tensor_bytes=0, read_pool=read_pool)  # fmt: skip
+    sched = Scheduler(SchedulerConfig(io_workers=4), device=torch.device("cuda"))
+    off = ActivationOffload(model, cfg, sched)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    got = []
+    try:
+        for x in batches:
+            opt.zero_grad()
+            with torch.cuda.stream(sched.stream("prefetch")):
+                torch.cuda._sleep(400_000_000)  # ~0.2 s: the reads queued at the forward's end start after it
+            model(x).float().pow(2).mean().backward()
+            got.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            off.end_step()
+        reads, waits = off.mover._read_seq, off.mover.device_waits
+        waited_s = sched.telemetry.summary()["gpu_wait_s"]
+    finally:
+        off.close()
+        sched.close()
+    assert waited_s > 0.05, f"the reads were not late ({waited_s} s waited): the test checked nothing"
+    assert 0 < waits < reads
+    assert_same_grads(want, got)
+
+
 @pytest.mark.parametrize("read_pool", ["compute", "prefetch"])
 def test_gpu_host_reads_wait_for_their_writes_on_the_gpu(tmp_path, read_pool):
     """Host reads queued on the fetching thread (no verify) are ordered after their writes by an event, not by
@@ -199,6 +255,7 @@ def test_gpu_dropped_graph_gives_read_buffers_back(tmp_path):
     sched = Scheduler(SchedulerConfig(io_workers=4), device=torch.device("cuda"))
     off = ActivationOffload(model, cfg, sched)
     try:
+        gc.collect()  # (what earlier tests left in reference cycles would be freed below, under `before`)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         y = model(batches[0]).float().pow(2).mean()

@@ -90,6 +90,10 @@ class Mover:
         self._entries: dict[int, list[Entry]] = {}
         self._lock = threading.Lock()  # (handle finalizers only queue releases: LayerHooks.release_dead)
         self._warned: set[str] = set()
+        self._read_lock = threading.Lock()
+        self._read_seq = 0  # reads queued on the prefetch stream so far (CUDA)
+        self._waited: dict[int, int] = {}  # consumer stream -> the latest read (its number) it waited for
+        self.device_waits = 0  # device-side waits for reads queued so far (fewer than reads: ``wait``)
         self.demoted: set[int] = set()  # layers whose SSD writes failed: host from now on
         if self._cuda:  # create both side streams here, not lazily from I/O threads
             scheduler.stream("offload")
@@ -142,7 +146,8 @@ class Mover:
                 side.wait_event(ready)
                 slot[1][:nbytes].copy_(src, non_blocking=True)
                 # (not blocking=True: with I/O threads asleep in a blocking-sync event's synchronize, the
-                # forward's own CUDA calls waited for the copies to end, on the H100: stop 18)
+                # forward's own CUDA calls waited for the copies to end, on the H100: stop 18; how the I/O
+                # thread waits is scheduler.event_wait)
                 copied = torch.cuda.Event()
                 copied.record(side)
             e.src, e.copied = src, copied
@@ -159,7 +164,7 @@ class Mover:
         host = e.host[1]
         try:
             if copied is not None:
-                copied.synchronize()
+                self.sched.waiter.wait(copied)
             else:
                 host[: e.nbytes].copy_(e.src)
         finally:
@@ -249,11 +254,13 @@ class Mover:
 
     def _copy_to_device(
         self, buf: torch.Tensor, nbytes: int, dst: tuple[torch.Tensor, Any] | None, after: Any = None
-    ) -> tuple[torch.Tensor, Any]:
+    ) -> tuple[torch.Tensor, Any, int]:
         """Queue ``buf[:nbytes]`` to the device on the prefetch stream, after ``dst``'s issue event and
-        ``after`` (events); the buffer (``dst``'s, or one from the prefetch stream's pool) and the copy's event."""
+        ``after`` (events); the buffer (``dst``'s, or one from the prefetch stream's pool), the copy's event
+        and its place in the stream's order (``wait`` skips waits that an earlier one covers)."""
         side = self.sched.stream("prefetch")
-        with torch.cuda.stream(side):
+        # (the number and the queueing under one lock: inline reads and I/O threads' reads share the stream)
+        with self._read_lock, torch.cuda.stream(side):
             if dst is None:
                 out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             else:  # (no record_stream(side): a freed block would wait for every copy queued after
@@ -264,9 +271,10 @@ class Mover:
             out.copy_(buf[:nbytes], non_blocking=True)
             ev = torch.cuda.Event(enable_timing=True)  # the consumer times its wait against it
             ev.record(side)
-        return out, ev
+            self._read_seq += 1
+            return out, ev, self._read_seq
 
-    def _read(self, e: Entry, dst: tuple[torch.Tensor, Any] | None = None) -> tuple[torch.Tensor, Any]:
+    def _read(self, e: Entry, dst: tuple[torch.Tensor, Any] | None = None) -> tuple[torch.Tensor, Any, int]:
         e.written.result()  # a failed write re-raises here
         if self._cuda:
             torch.cuda.set_device(self.device)  # I/O threads start on device 0; ranks may own another
@@ -294,16 +302,16 @@ class Mover:
                     "compute gradients from them"
                 )
             if self._cuda:
-                out, ev = self._copy_to_device(buf, e.nbytes, dst)
-                if tmp is not None:
-                    ev.synchronize()  # the staging slot is reused right after
+                out, ev, seq = self._copy_to_device(buf, e.nbytes, dst)
+                if tmp is not None:  # the staging slot is reused right after
+                    self.sched.waiter.wait(ev)
             else:
-                out, ev = buf[: e.nbytes].clone(), None
+                out, ev, seq = buf[: e.nbytes].clone(), None, 0
         finally:
             if tmp is not None:
                 self.host.free(tmp[0], align_up(e.nbytes))
         self.sched.telemetry.add_transfer(f"{tier}_read", e.nbytes, t0, time.perf_counter(), e.name)
-        return out, ev
+        return out, ev, seq
 
     def wait(self, e: Entry) -> torch.Tensor:
         fut = self.fetch(e)
@@ -318,13 +326,20 @@ class Mover:
             err = copy.copy(exc)
             err.__cause__, err.__traceback__ = exc.__cause__, None
             raise err
-        out, ev = fut.result()
+        out, ev, seq = fut.result()
         if ev is not None:
             cur = torch.cuda.current_stream(self.device)
-            reached = torch.cuda.Event(enable_timing=True)
-            reached.record(cur)
-            cur.wait_event(ev)  # a device-side wait: the host goes on queueing kernels
-            self.sched.telemetry.add_gpu_wait(reached, ev, f"unpack:layer{e.layer}")
+            # copies on the prefetch stream end in the order they were queued: once this stream waits for one,
+            # every earlier one is covered. A layer's reads are queued in save order and unpacked mostly in
+            # reverse, so its first unpack's wait covers the rest (on the H100, a cross-stream wait per saved
+            # tensor left the compute stream idle ~0.2 ms each, dozens a step: stop 19)
+            if self._waited.get(cur.cuda_stream, 0) < seq:
+                reached = torch.cuda.Event(enable_timing=True)
+                reached.record(cur)
+                cur.wait_event(ev)  # a device-side wait: the host goes on queueing kernels
+                self._waited[cur.cuda_stream] = seq  # (after the wait is queued: another thread may read it)
+                self.device_waits += 1
+                self.sched.telemetry.add_gpu_wait(reached, ev, f"unpack:layer{e.layer}")
             if self.read_pool == "prefetch":
                 out.record_stream(cur)
         e.consumed = True
@@ -341,9 +356,8 @@ class Mover:
             if lst is not None and e in lst:
                 lst.remove(e)
         if fetched is not None and not e.consumed and self._cuda:
-            # read but never used (the graph was dropped): no stream is ordered after the copy, so its buffer
-            # goes back to the allocator only once the copy has ended
-            fetched.add_done_callback(_free_after_copy)
+            # read but never used (the graph was dropped): no stream is ordered after the copy yet
+            fetched.add_done_callback(self._drop_unread)
 
         def free(_: Any = None) -> None:
             if e.host is not None:
@@ -358,6 +372,17 @@ class Mover:
         else:
             e.written.add_done_callback(free)
 
+    def _drop_unread(self, fut: Future[Any]) -> None:
+        """A read's buffer that nothing consumed goes back to the allocator behind its copy, without a host wait.
+
+        (This runs at once, on the releasing thread, when the read was queued inline: a host synchronize here
+        would stall the thread queueing the GPU's work until the copy ended.) A buffer of the prefetch stream's
+        pool is reused only by later work on that stream, which the copy precedes; one of the compute stream's
+        pool is marked as used by the prefetch stream, so the allocator reuses it once that stream passes here.
+        """
+        if fut.exception() is None and self.read_pool == "compute":
+            fut.result()[0].record_stream(self.sched.stream("prefetch"))
+
     def drain(self) -> None:
         with self._lock:
             futs = [e.written for lst in self._entries.values() for e in lst if e.written is not None]
@@ -367,11 +392,6 @@ class Mover:
 
 class _Dropped(RuntimeError):
     """A read found its entry released (the graph was dropped before the read ran)."""
-
-
-def _free_after_copy(fut: Future[Any]) -> None:
-    if fut.exception() is None:
-        fut.result()[1].synchronize()
 
 
 def _aligned_host(size: int, pin: bool) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from dsx.config import SchedulerConfig
+from dsx.runtime.events import EventWaiter
 from dsx.runtime.telemetry import StepRecord, StepTelemetry
 
 __all__ = ["Scheduler", "StepSink"]
@@ -56,6 +57,8 @@ class Scheduler:
         self._gates: dict[str, threading.Event] = {}
         self.gate_pauses: dict[str, int] = {}  # how often each gate was closed (shown in logs/tests)
         self.sinks: list[StepSink] = []
+        # how I/O threads wait for the side streams' events (CUDA only: on CPU, copies run on the threads)
+        self.waiter = EventWaiter(self.config.event_wait) if self.device.type == "cuda" else None
 
     # ------------------------------------------------------------------------------------------ streams
     def stream(self, name: str) -> torch.cuda.Stream | None:
