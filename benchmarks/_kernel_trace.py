@@ -19,6 +19,7 @@ from typing import Any
 __all__ = ["summarize", "union_s"]
 
 _BLOCKING = ("Synchronize", "cudaMemcpy", "cudaMalloc", "cudaFree", "cudaHostAlloc")
+_API = ("cuda_runtime", "cuda_driver")  # the host-side CUDA calls of a trace: runtime and driver API
 
 
 def union_s(intervals: list[tuple[float, float]]) -> float:
@@ -65,7 +66,7 @@ def summarize(trace: str | Path, gap_us: float = 20.0) -> dict[str, Any]:
             c = copies[e.get("name", "Memcpy ?").removeprefix("Memcpy ")]
             c[0] += (b - a) / 1e6
             c[1] += float(e.get("args", {}).get("bytes", 0))
-        elif cat == "cuda_runtime":
+        elif cat in _API:
             host.append((a, b))
             name = e.get("name", "")
             if any(k in name for k in _BLOCKING):
@@ -108,7 +109,7 @@ def _gap_causes(events: list[dict[str, Any]], stream: Any, gap_us: float) -> dic
         )
         if cat == "kernel" and args.get("stream") == stream:
             kernels.append((a, b, args.get("correlation")))
-        elif cat == "cuda_runtime" and "correlation" in args:
+        elif cat in _API and "correlation" in args:  # (cuBLASLt and Triton launch through the driver API)
             launches[args["correlation"]] = (b, e.get("tid"))
         elif cat in ("cpu_op", "user_annotation"):
             ops[e.get("tid")].append((a, b, e.get("name", "?")))

@@ -64,6 +64,7 @@ def _ds_config(
     dsx_section: dict[str, Any] | None,
     offload_optimizer: bool = False,
     trace_path: str | None = None,
+    event_wait: str | None = None,
 ) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": 1}
     if offload_optimizer:  # ZeRO-2 with the optimizer (fp32 master, Adam moments, step) on the CPU
@@ -78,8 +79,11 @@ def _ds_config(
         cfg["bf16"] = {"enabled": True}
     if dsx_section:
         cfg["dsx"] = {"activation_offload": dsx_section}
+        sched: dict[str, Any] = {"event_wait": event_wait} if event_wait else {}
         if trace_path:
-            cfg["dsx"]["scheduler"] = {"enabled": True, "trace_path": trace_path, "trace_steps": 3}
+            sched.update({"enabled": True, "trace_path": trace_path, "trace_steps": 3})
+        if sched:
+            cfg["dsx"]["scheduler"] = sched
     return cfg
 
 
@@ -135,7 +139,9 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     engine, _, _, _ = dsx.initialize(
         model=model,
         model_parameters=model.parameters(),
-        config=_ds_config(args.micro_batch, bf16, section, args.offload_optimizer, _trace_path(args, name)),
+        config=_ds_config(
+            args.micro_batch, bf16, section, args.offload_optimizer, _trace_path(args, name), args.event_wait
+        ),
     )
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=gen).to(engine.device)
@@ -232,6 +238,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     read_pool = None  # the pool dsx's reads used ("auto" resolved)
     if rt and "activation_offload" in rt.features:
         read_pool = rt.features["activation_offload"].offload.mover.read_pool
+    # the event_wait mode ("auto" resolved; None: an A/B tree from before the setting, which spun)
+    waiter = getattr(rt.scheduler, "waiter", None) if rt and rt.scheduler else None
     # whether the steps ran with expandable allocator segments (dsx restores the setting at close)
     expandable = dev.type == "cuda" and allocator.expandable_segments()
     kernel_trace = None
@@ -258,7 +266,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     return {"config": name, "step_s": step_s, "tokens_per_s": args.micro_batch * args.seq_len / step_s,
             "activation_peak_gb": peak / 1e9, "peak_allocated_gb": peak_total / 1e9,
             "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan,
-            "allocator_per_step": alloc_counts, "read_pool": read_pool, "expandable_segments": expandable,
+            "allocator_per_step": alloc_counts, "read_pool": read_pool, "event_wait": waiter.mode if waiter else None,
+            "expandable_segments": expandable,
             "measured_window_unix": window, "step_times_s": times, "gc_in_measured_steps": gc_clock.summary(),
             "host_probe_s": host_probe, "dsx_path": str(Path(dsx.__file__).parent),
             **({"kernel_trace": kernel_trace} if kernel_trace else {}),
@@ -415,6 +424,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "peak, by allocating line, to DIR/memory_<config>_mb<N>.json (slows the steps)")  # fmt: skip
     p.add_argument("--read-pool", choices=["auto", "compute", "prefetch"], default="auto",
                    help="dsx configs: the read_pool setting (allocator pool of read buffers)")  # fmt: skip
+    p.add_argument(
+        "--event-wait",
+        choices=["auto", "poll", "spin"],
+        default=None,
+        help="dsx configs: scheduler.event_wait (how I/O threads wait for copies; default: dsx's)",
+    )
     p.add_argument("--kernel-trace", default=None, metavar="DIR",
                    help="CUDA: one more step after the measured ones under torch.profiler; its Chrome trace to "
                         "DIR/ktrace_<config>_mb<N>.json and a summary (GPU busy and idle, copies, host blocked in "

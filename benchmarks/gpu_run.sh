@@ -623,6 +623,79 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --child-timeout 100 --configs none dsx_auto_hide recompute dsx_auto_budget --name bench_offload_final_s18 \
       --out benchmarks/results > "$OUT/bench-offload-final-s18.log" 2>&1
     ;;
+  offload58)  # 1 GPU: how the I/O threads' host waits for copies (scheduler.event_wait) affect the thread queueing the
+              # GPU's work (benchmarks/diag_event_wait.py), then the events and offload GPU tests. Ran in stop 19 with
+              # a third mode, signal (cuLaunchHostFunc posting a semaphore), since removed: dsx/runtime/events.py
+    lscpu > "$OUT/lscpu.log" 2>&1
+    log diag-event-wait; timeout 120 python benchmarks/diag_event_wait.py --out benchmarks/results > "$OUT/diag-event-wait.log" 2>&1
+    log gpu-tests; timeout 300 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_events.py \
+      tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1
+    ;;
+  offload59|offload60)  # 1 GPU: A/B of scheduler.event_wait on the hide-only plan: no offload, then auto with no
+              # budget under each mode, each in its own process, rounds interleaved (logs packed in logs.tgz). offload59
+              # ran spin, signal (since removed) and poll; offload60 runs the diagnostic first, then spin and poll
+    mkdir -p "$OUT/l"
+    waits="spin poll"; [ $stage = offload59 ] && waits="spin signal poll"
+    [ $stage = offload60 ] && { log diag-event-wait; timeout 60 python benchmarks/diag_event_wait.py \
+      --out benchmarks/results > "$OUT/diag-event-wait.log" 2>&1; }
+    for i in 1 2 3 4; do
+      [ $SECONDS -gt 420 ] && break  # a round of 3 takes ~150 s, of 4 ~190 s: stop before the command's 600 s
+      log ab-none-$i; timeout 90 python benchmarks/bench_offload.py --warmup 2 --steps 8 --pool-gb 20 \
+        --child-timeout 80 --configs none --name bench_offload_wait_${stage}_none_$i --out benchmarks/results \
+        > "$OUT/l/ab-none-$i.log" 2>&1
+      for w in $waits; do
+        log ab-$w-$i; timeout 100 python benchmarks/bench_offload.py --warmup 2 --steps 8 --pool-gb 20 \
+          --child-timeout 90 --configs dsx_auto_hide --event-wait $w --name bench_offload_wait_${stage}_${w}_$i \
+          --out benchmarks/results > "$OUT/l/ab-$w-$i.log" 2>&1
+      done
+    done
+    tar czf "$OUT/logs.tgz" -C "$OUT/l" . && rm -rf "$OUT/l"
+    ;;
+  offload61)  # 1 GPU: the diagnostic with chained waits (one I/O thread spinning at a time), the events and offload
+              # GPU tests
+    log diag-event-wait; timeout 90 python benchmarks/diag_event_wait.py --out benchmarks/results > "$OUT/diag-event-wait.log" 2>&1
+    log gpu-tests; timeout 300 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_events.py \
+      tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1
+    ;;
+  offload63)  # 1 GPU: the final code of stop 19: the events and offload GPU tests, then no offload and hide-only with
+              # one profiled step each (gap_causes now counts driver-API launches: cuBLASLt's, Triton's)
+    log gpu-tests; timeout 300 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_events.py \
+      tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1
+    log bench-offload-gaps-s19; timeout 240 python benchmarks/bench_offload.py --warmup 2 --steps 8 --pool-gb 20 \
+      --child-timeout 110 --configs none dsx_auto_hide --kernel-trace /tmp/kt --name bench_offload_gaps_s19 \
+      --out benchmarks/results > "$OUT/bench-offload-gaps-s19.log" 2>&1
+    ;;
+  offload62|offload64|offload66)  # 1 GPU: A/B of the hide-only plan: no offload, the dsx trees in .ab/<v>/dsx
+              # (git-ignored, carried: here stop 18's final code, four I/O threads spinning at once and a wait per read)
+              # and this checkout's, each in its own process, rounds interleaved (logs packed in logs.tgz).
+              # offload62: this checkout with chained waits (one thread spinning at a time; since removed);
+              # offload64: one device-side wait covering every earlier read of the prefetch stream, with the events
+              # and offload GPU tests first and a profiled hide-only step last (gap_causes); offload66: the final code
+    mkdir -p "$OUT/l"
+    [ $stage = offload64 ] && { log gpu-tests; timeout 200 python -m pytest -q -rs -m gpu -p no:cacheprovider \
+      tests/test_events.py tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1; }
+    for i in 1 2 3; do
+      [ $SECONDS -gt 360 ] || { [ $stage = offload66 ] && [ $i -gt 2 ]; } && break
+      log ab-none-$i; timeout 90 python benchmarks/bench_offload.py --warmup 2 --steps 8 --pool-gb 20 \
+        --child-timeout 80 --configs none --name bench_offload_ab_${stage}_none_$i --out benchmarks/results \
+        > "$OUT/l/ab-none-$i.log" 2>&1
+      for v in $(ls .ab 2>/dev/null) tree; do
+        pp=$PYTHONPATH; [ "$v" = tree ] || pp=$PWD/.ab/$v:$PYTHONPATH
+        log ab-$v-$i; PYTHONPATH=$pp timeout 100 python benchmarks/bench_offload.py --warmup 2 --steps 8 \
+          --pool-gb 20 --child-timeout 90 --configs dsx_auto_hide --name bench_offload_ab_${stage}_${v}_$i \
+          --out benchmarks/results > "$OUT/l/ab-$v-$i.log" 2>&1
+      done
+    done
+    [ $stage = offload64 ] && [ $SECONDS -lt 480 ] && { log gaps-tree; timeout 100 python benchmarks/bench_offload.py --warmup 2 --steps 5 \
+      --pool-gb 20 --child-timeout 90 --configs dsx_auto_hide --kernel-trace /tmp/kt --name bench_offload_gaps_s19b \
+      --out benchmarks/results > "$OUT/l/gaps-tree.log" 2>&1; }
+    tar czf "$OUT/logs.tgz" -C "$OUT/l" . && rm -rf "$OUT/l"
+    ;;
+  offload65)  # 1 GPU: the events and offload GPU tests on the final code of stop 19 (unread buffers dropped without a
+              # host wait)
+    log gpu-tests; timeout 300 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_events.py \
+      tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

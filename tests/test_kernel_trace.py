@@ -87,7 +87,12 @@ def test_gap_causes_split_host_late_from_queued_early(tmp_path) -> None:
         events.append(
             {"ph": "X", "cat": "kernel", "ts": t, "dur": d, "args": {"stream": 7, "correlation": corr}}
         )
-        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launch_end - 1.0,
+        api = (
+            ("cuda_driver", "cuLaunchKernelEx")
+            if rng.random() < 0.3
+            else ("cuda_runtime", "cudaLaunchKernel")
+        )
+        events.append({"ph": "X", "cat": api[0], "name": api[1], "ts": launch_end - 1.0,
                        "dur": 1.0, "tid": tid, "args": {"correlation": corr}})  # fmt: skip
         op = f"op{corr % 3}"
         events.append(

@@ -1,0 +1,84 @@
+"""Summarise interleaved A/B rounds of ``bench_offload.py`` (``gpu_run.sh`` stages that write
+``<prefix>_<variant>_<round>.json``): each variant's median step against its own round's ``none`` run.
+
+Usage::
+
+    python benchmarks/ab_summary.py --name ab_summary_s19 \\
+        bench_offload_wait_offload59 bench_offload_wait_offload60 bench_offload_ab_offload62 \\
+        bench_offload_ab_offload64 bench_offload_ab_offload66
+
+Writes ``<out>/<name>.json`` (every run: step, ratio, bytes moved, GPU waits for reads) and a PNG of the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_common_args, environment, save_png, write_json
+
+
+def collect(results: Path, prefix: str) -> list[dict[str, Any]]:
+    """Every run of ``prefix``: variant, round, median step, ratio to the round's no-offload step."""
+    runs: dict[tuple[str, int], dict[str, Any]] = {}
+    for path in sorted(results.glob(f"{prefix}_*.json")):
+        m = re.fullmatch(rf"{re.escape(prefix)}_(.+)_(\d+)\.json", path.name)
+        if m is None:
+            continue
+        res = json.loads(path.read_text())["results"][0]
+        if "error" in res:
+            continue
+        tel = res.get("telemetry") or {}
+        waits = [w.get("unpack", 0.0) for w in tel.get("gpu_wait_by_measured_step", [])]
+        runs[(m.group(1), int(m.group(2)))] = {
+            "stage": prefix, "variant": m.group(1), "round": int(m.group(2)), "step_s": res["step_s"],
+            "device": json.loads(path.read_text())["env"]["device"],
+            "written_gb": (tel.get("written_gb_per_measured_step") or [None])[0],
+            "gpu_wait_for_reads_s": waits, "event_wait": res.get("event_wait"),
+        }  # fmt: skip
+    out = []
+    for (variant, rnd), run in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        base = runs.get(("none", rnd))
+        if variant != "none" and base is not None:
+            out.append({**run, "ratio_vs_none": base["step_s"] / run["step_s"]})
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("prefixes", nargs="+", help="file-name prefixes of the A/B stages in --out")
+    p.add_argument("--name", default="ab_summary")
+    p.add_argument("--target", type=float, default=0.97)
+    args = p.parse_args(argv)
+    rows = [r for prefix in args.prefixes for r in collect(Path(args.out), prefix)]
+    if not rows:
+        raise SystemExit(f"no A/B runs under {args.out} for {args.prefixes}")
+    result = {"name": args.name, "env": environment(), "config": vars(args), "runs": rows,
+              "at_or_above_target": sum(r["ratio_vs_none"] >= args.target for r in rows)}  # fmt: skip
+    write_json(result, args.out, args.name)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    labels = [f"{r['stage'].split('_')[-1]}\n{r['variant']}" for r in rows]
+    ax.scatter(range(len(rows)), [r["ratio_vs_none"] for r in rows], s=14)
+    ax.axhline(args.target, color="red", lw=0.8, label=f"target {args.target:g}x")
+    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
+    ax.set_ylabel("no offload step / dsx step")
+    ax.set_title("hide-only plan against no offload, each run against its own round")
+    ax.legend()
+    fig.tight_layout()
+    save_png(fig, args.out, args.name)
+    return result
+
+
+if __name__ == "__main__":
+    main()
