@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import time
@@ -19,12 +20,20 @@ from tests._offload_models import TinyGPT, assert_same_grads
 pytestmark = pytest.mark.gpu
 
 
-def _train(model, batches, off=None):
+def _train(model, batches, off=None, hold=None, between=None):
+    """AdamW steps; each step's gradients. ``hold``: a stream that gets ~0.2 s of GPU sleep queued before each
+    forward (longer than a warm step takes the host to queue); ``between()`` runs after each forward."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     grads = []
     for x in batches:
         opt.zero_grad()
-        model(x).float().pow(2).mean().backward()
+        if hold is not None:
+            with torch.cuda.stream(hold):
+                torch.cuda._sleep(400_000_000)
+        loss = model(x).float().pow(2).mean()
+        if between is not None:
+            between()
+        loss.backward()
         grads.append([p.grad.clone() for p in model.parameters()])
         opt.step()
         if off is not None:
@@ -40,6 +49,18 @@ def _reference(seed: int, n_batches: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     batches = [torch.randint(0, 256, (8, 128), device="cuda", generator=g) for _ in range(n_batches)]
     return model, batches, _train(ref, batches)
+
+
+@contextlib.contextmanager
+def _offloaded(model, cfg, **sched_kw):
+    """The model under activation offload with ``cfg`` and a CUDA scheduler (4 I/O threads, ``sched_kw``)."""
+    sched = Scheduler(SchedulerConfig(io_workers=4, **sched_kw), device=torch.device("cuda"))
+    off = ActivationOffload(model, cfg, sched)
+    try:
+        yield off, sched
+    finally:
+        off.close()
+        sched.close()
 
 
 def _measured_step(model, opt, x, off=None) -> int:
@@ -129,15 +150,10 @@ def test_gpu_bitwise_whichever_way_the_io_threads_wait(tmp_path, event_wait):
     cfg = ActivationOffloadConfig(enabled=True, tiers=["host", "ssd"], ssd_path=str(tmp_path / "ssd"),
                                   policy="offload_all", host_pool_gb=1, ssd_capacity_gb=1, min_tensor_bytes=0,
                                   io_backend="posix")  # fmt: skip
-    sched = Scheduler(SchedulerConfig(io_workers=4, event_wait=event_wait), device=torch.device("cuda"))
-    off = ActivationOffload(model, cfg, sched)
-    try:
+    with _offloaded(model, cfg, event_wait=event_wait) as (off, sched):
         assert sched.waiter.mode == event_wait
         got = _train(model, batches, off)
         assert sched.telemetry.history[0].bytes_by_tier.get("ssd", 0) > 0
-    finally:
-        off.close()
-        sched.close()
     assert_same_grads(want, got)
 
 
@@ -151,24 +167,10 @@ def test_gpu_late_reads_are_waited_for_once_per_run_of_the_stream(tmp_path, read
     model, batches, want = _reference(seed=4, n_batches=3)
     cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=1,
                                   min_tensor_bytes=0, read_pool=read_pool)  # fmt: skip
-    sched = Scheduler(SchedulerConfig(io_workers=4), device=torch.device("cuda"))
-    off = ActivationOffload(model, cfg, sched)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    got = []
-    try:
-        for x in batches:
-            opt.zero_grad()
-            with torch.cuda.stream(sched.stream("prefetch")):
-                torch.cuda._sleep(400_000_000)  # ~0.2 s: the reads queued at the forward's end start after it
-            model(x).float().pow(2).mean().backward()
-            got.append([p.grad.clone() for p in model.parameters()])
-            opt.step()
-            off.end_step()
+    with _offloaded(model, cfg) as (off, sched):
+        got = _train(model, batches, off, hold=sched.stream("prefetch"))  # (reads queued after the sleep)
         reads, waits = off.mover._read_seq, off.mover.device_waits
         waited_s = sched.telemetry.summary()["gpu_wait_s"]
-    finally:
-        off.close()
-        sched.close()
     assert waited_s > 0.05, f"the reads were not late ({waited_s} s waited): the test checked nothing"
     assert 0 < waits < reads
     assert_same_grads(want, got)
@@ -184,24 +186,13 @@ def test_gpu_host_reads_wait_for_their_writes_on_the_gpu(tmp_path, read_pool):
     model, batches, want = _reference(seed=2, n_batches=3)
     cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=1,
                                   min_tensor_bytes=0, read_pool=read_pool)  # fmt: skip
-    sched = Scheduler(SchedulerConfig(io_workers=4), device=torch.device("cuda"))
-    off = ActivationOffload(model, cfg, sched)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    got, late = [], []
-    try:
-        for x in batches:
-            opt.zero_grad()
-            with torch.cuda.stream(sched.stream("offload")):
-                torch.cuda._sleep(400_000_000)  # ~0.2 s: longer than a warm step takes the host to queue
-            loss = model(x).float().pow(2).mean()
+    late = []
+    with _offloaded(model, cfg) as (off, sched):
+
+        def count_late() -> None:  # writes not landed when the forward has ended on the host
             late.append(sum(not e.copied.query() for i in range(4) for e in off.mover.entries_of(i)))
-            loss.backward()
-            got.append([p.grad.clone() for p in model.parameters()])
-            opt.step()
-            off.end_step()
-    finally:
-        off.close()
-        sched.close()
+
+        got = _train(model, batches, off, hold=sched.stream("offload"), between=count_late)
     # (the first step's host work, cold, can outlast the sleep)
     assert all(n > 0 for n in late[1:]), (
         f"writes had landed before backward: the test checked nothing ({late})"
