@@ -27,17 +27,19 @@ def collect(results: Path, prefix: str) -> list[dict[str, Any]]:
     """Every run of ``prefix``: variant, round, median step, ratio to the round's no-offload step."""
     runs: dict[tuple[str, int], dict[str, Any]] = {}
     for path in sorted(results.glob(f"{prefix}_*.json")):
-        m = re.fullmatch(rf"{re.escape(prefix)}_(.+)_(\d+)\.json", path.name)
+        # (a variant is one word: a prefix that extends another, x and x_y, must not lend x its runs)
+        m = re.fullmatch(rf"{re.escape(prefix)}_([A-Za-z0-9]+)_(\d+)\.json", path.name)
         if m is None:
             continue
-        res = json.loads(path.read_text())["results"][0]
+        data = json.loads(path.read_text())
+        res = data["results"][0]
         if "error" in res:
             continue
         tel = res.get("telemetry") or {}
         waits = [w.get("unpack", 0.0) for w in tel.get("gpu_wait_by_measured_step", [])]
         runs[(m.group(1), int(m.group(2)))] = {
             "stage": prefix, "variant": m.group(1), "round": int(m.group(2)), "step_s": res["step_s"],
-            "device": json.loads(path.read_text())["env"]["device"],
+            "device": data["env"]["device"],
             "written_gb": (tel.get("written_gb_per_measured_step") or [None])[0],
             "gpu_wait_for_reads_s": waits, "event_wait": res.get("event_wait"),
         }  # fmt: skip

@@ -26,6 +26,8 @@ def test_runs_pair_with_their_own_round(tmp_path):
             _write(tmp_path, f"bench_x_{v}_{rnd}", step)
             want[(v, rnd)] = base / step
     _write(tmp_path, "bench_x_spin_4", 0.3)  # a round without its no-offload run: left out
+    _write(tmp_path, "bench_x_y_none_1", 0.2, config="none")  # another stage whose prefix extends this one
+    _write(tmp_path, "bench_x_y_spin_1", 0.3)
     (tmp_path / "bench_x_poll_5.json").write_text(json.dumps({"env": {}, "results": [{"error": "OOM"}]}))
     rows = ab_summary.collect(tmp_path, "bench_x")
     assert {(r["variant"], r["round"]): r["ratio_vs_none"] for r in rows} == want

@@ -19,7 +19,8 @@ def test_an_unknown_event_wait_is_a_config_error():
     assert parse_dsx_config({"scheduler": {"event_wait": "poll"}}).scheduler.event_wait == "poll"
     with pytest.raises(ValueError, match="event_wait must be one of"):
         EventWaiter("busy")
-    assert EventWaiter("auto").mode in EVENT_WAIT_MODES[1:]
+    assert EventWaiter("auto").mode == "spin"  # the documented default (docs/scheduler.md says why)
+    assert set(EVENT_WAIT_MODES) == {"auto", "poll", "spin"}
 
 
 def test_a_cpu_scheduler_has_no_waiter_whatever_the_setting():

@@ -236,8 +236,9 @@ def test_gpu_memory_released_during_forward(tmp_path):
 
 def test_gpu_dropped_graph_gives_read_buffers_back(tmp_path):
     """A forward whose graph is dropped without backward after its reads were issued (forward's end
-    prefetches the last layers): by the step's end the read buffers go back once their copies end, nothing
-    stays allocated, and the next steps still give the gradients of a run without offload."""
+    prefetches the last layers): by the step's end the read buffers are given back (to be reused only after
+    their copies: ``Mover._drop_unread``, which ``memory_allocated`` does not see), nothing stays allocated, and
+    the next steps still give the gradients of a run without offload."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     model, batches, want = _reference(seed=2, n_batches=2)
@@ -255,7 +256,7 @@ def test_gpu_dropped_graph_gives_read_buffers_back(tmp_path):
         del y
         gc.collect()
         # the dead handles' entries are released at the step's end (handle finalizers only queue them), and
-        # the I/O threads drop each read's buffer once its copy ended
+        # each unread buffer with them
         off.end_step()
         deadline = time.monotonic() + 10
         while torch.cuda.memory_allocated() != before and time.monotonic() < deadline:

@@ -263,8 +263,8 @@ class Mover:
         with self._read_lock, torch.cuda.stream(side):
             if dst is None:
                 out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            else:  # (no record_stream(side): a freed block would wait for every copy queued after
-                out, issued = dst  # it; release() holds a buffer never read instead)
+            else:  # (no record_stream(side) here: every freed block would wait for all the copies queued
+                out, issued = dst  # before its free; only a buffer never read is marked so: _drop_unread)
                 side.wait_event(issued)
             if after is not None:
                 side.wait_event(after)
@@ -378,7 +378,9 @@ class Mover:
         (This runs at once, on the releasing thread, when the read was queued inline: a host synchronize here
         would stall the thread queueing the GPU's work until the copy ended.) A buffer of the prefetch stream's
         pool is reused only by later work on that stream, which the copy precedes; one of the compute stream's
-        pool is marked as used by the prefetch stream, so the allocator reuses it once that stream passes here.
+        pool is marked as used by the prefetch stream, so the allocator reuses it once that stream passes
+        every copy queued by now (later than needed where those wait on the compute stream: memory held a little
+        longer, under a budget, in the rare case of a dropped graph).
         """
         if fut.exception() is None and self.read_pool == "compute":
             fut.result()[0].record_stream(self.sched.stream("prefetch"))
