@@ -30,6 +30,7 @@ __all__ = [
     "add_common_args",
     "device_name",
     "environment",
+    "host_probe_s",
     "save_png",
     "utc_now",
     "versions",
@@ -79,6 +80,21 @@ def versions() -> dict[str, str | None]:
         except md.PackageNotFoundError:
             out[dist] = None
     return out
+
+
+def host_probe_s(iterations: int = 300_000) -> float:
+    """Seconds a fixed pure-Python loop takes (best of 3): the host CPU's speed as this thread sees it, to tell
+    a slow host (the GPU starved of work) from a slow GPU."""
+    import time
+
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(iterations):
+            acc += i & 7
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def device_name() -> str:

@@ -41,13 +41,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _kernel_trace
 import _memory_trace
-from _common import add_common_args, environment, save_png, write_json
+from _common import add_common_args, environment, host_probe_s, save_png, write_json
 
 import dsx
 from dsx.examples.gpt import _single_process_env
 from dsx.models.gpt import GPT, GPTConfig
 from dsx.models.megatron_gpt import build_megatron_gpt, megatron_available
 from dsx.runtime import allocator
+from dsx.runtime.events import EVENT_WAIT_MODES
 
 CONFIGS = [
     "none", "recompute", "megatron_selective", "save_on_cpu", "ds_cpu_ckpt", "dsx_host", "dsx_host_sel",
@@ -175,7 +176,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
 
         warmup += 1 + MAX_CALIBRATIONS
     gc_clock = _GcClock()
-    host_probe = [_host_probe_s()]  # the host CPU's speed before and after the measured steps
+    host_probe = [host_probe_s()]  # the host CPU's speed before and after the measured steps
     for step in range(warmup + n_steps):
         if step == warmup:
             gc_clock.start()
@@ -203,7 +204,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             losses.append(float(loss))
             window[1] = time.time()
     gc_clock.stop()
-    host_probe.append(_host_probe_s())
+    host_probe.append(host_probe_s())
     memory = None
     if args.memory_history and dev.type == "cuda":
         # one file per budget: a config runs at several (--budget-scales)
@@ -299,19 +300,6 @@ class _GcClock:
 
     def summary(self) -> dict[str, Any]:
         return {"collections_by_generation": self.count, "seconds": self.seconds}
-
-
-def _host_probe_s() -> float:
-    """Seconds a fixed pure-Python loop takes (best of 3): the host CPU's speed for this process, to tell a
-    slow host (the GPU starved of work) from a slow GPU."""
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        acc = 0
-        for i in range(300_000):
-            acc += i & 7
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _allocator_counts() -> dict[str, int]:
@@ -426,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="dsx configs: the read_pool setting (allocator pool of read buffers)")  # fmt: skip
     p.add_argument(
         "--event-wait",
-        choices=["auto", "poll", "spin"],
+        choices=EVENT_WAIT_MODES,
         default=None,
         help="dsx configs: scheduler.event_wait (how I/O threads wait for copies; default: dsx's)",
     )

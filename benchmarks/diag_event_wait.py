@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_args, environment, save_png, write_json
+from _common import add_common_args, environment, host_probe_s, save_png, write_json
 
 from dsx.runtime.events import EventWaiter
 
@@ -43,14 +43,6 @@ def _cycles_per_ms() -> float:
         b.record()
     b.synchronize()
     return 50_000_000 / a.elapsed_time(b)
-
-
-def _loop_s() -> float:
-    t0 = time.perf_counter()
-    acc = 0
-    for i in range(200_000):
-        acc += i & 7
-    return time.perf_counter() - t0
 
 
 def trial(mode: str, args: argparse.Namespace, cyc_ms: float) -> dict[str, Any]:
@@ -86,7 +78,7 @@ def trial(mode: str, args: argparse.Namespace, cyc_ms: float) -> dict[str, Any]:
     for _ in range(args.launches):
         x.add_(1.0)
     launch_us = (time.perf_counter() - t1) / args.launches * 1e6
-    loop = min(_loop_s() for _ in range(3))
+    loop = host_probe_s(200_000)
     for th in threads:
         th.join()
     torch.cuda.synchronize()

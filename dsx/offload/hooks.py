@@ -186,14 +186,13 @@ class LayerHooks:
         while self._ctx:  # a forward that raised left a layer context open: close it now
             self._ctx.pop().__exit__(None, None, None)
         self._cur = None
-        self._model_params = (
-            None  # (taken only if a layer of this forward moves: keep-only forwards pay nothing)
-        )
+        # (taken only if a layer of this forward moves: keep-only forwards pay nothing)
+        self._model_params = None
         self._fetched_layers.clear()
         self._moved_bytes.clear()
         self._kept.clear()
         with self._lock:  # forget storages that died or were released: the table stays one step long
-            self._dedup = {k: v for k, v in self._dedup.items() if v[1]() is not None and not v[0].released}
+            self._dedup = {k: v for k, v in self._dedup.items() if _holds(v[1], k) and not v[0].released}
 
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
         if not torch.is_grad_enabled():  # no backward follows

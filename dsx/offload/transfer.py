@@ -333,11 +333,12 @@ class Mover:
             # every earlier one is covered. A layer's reads are queued in save order and unpacked mostly in
             # reverse, so its first unpack's wait covers the rest (on the H100, a cross-stream wait per saved
             # tensor left the compute stream idle ~0.2 ms each, dozens a step: stop 19)
-            if self._waited.get(cur.cuda_stream, 0) < seq:
+            stream = cur.cuda_stream
+            if self._waited.get(stream, 0) < seq:
                 reached = torch.cuda.Event(enable_timing=True)
                 reached.record(cur)
                 cur.wait_event(ev)  # a device-side wait: the host goes on queueing kernels
-                self._waited[cur.cuda_stream] = seq  # (after the wait is queued: another thread may read it)
+                self._waited[stream] = seq  # (after the wait is queued: another thread may read it)
                 self.device_waits += 1
                 self.sched.telemetry.add_gpu_wait(reached, ev, f"unpack:layer{e.layer}")
             if self.read_pool == "prefetch":
