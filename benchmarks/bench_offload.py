@@ -4,7 +4,9 @@ On the same model and data: no offload; full recompute (dsx ``recompute_all``: t
 layer); megatron-core's selective recompute (core attention only); torch ``save_on_cpu(pin_memory=True)``;
 dsx host tier; dsx SSD tier; dsx ``auto`` with a budget equal to full recompute's measured peak; dsx ``auto``
 with no budget (hide only); and the dsx configs again with ``recompute_modules`` (``_sel``: the core
-attention recomputed, the rest kept or moved per layer). Each config runs in its own process (a fresh
+attention recomputed, the rest kept or moved per layer). ``none_copies`` is no offload with as many bytes
+copied to the host in forward and back in backward as the hide-only plan moved, on side streams and without
+dsx (``_BackgroundCopies``): what moving those bytes alone costs the step. Each config runs in its own process (a fresh
 ``dsx.initialize`` engine; in one process, memory the earlier engines held made later configs run out);
 step time is the median over ``--steps`` after ``--warmup`` (``dsx_auto`` configs warm up longer: through their
 profiled step and the re-plans after a measured overshoot); activation peak is ``max_memory_allocated``
@@ -53,6 +55,7 @@ from dsx.runtime.events import EVENT_WAIT_MODES
 CONFIGS = [
     "none", "recompute", "megatron_selective", "save_on_cpu", "ds_cpu_ckpt", "dsx_host", "dsx_host_sel",
     "dsx_ssd", "dsx_ssd_sel", "dsx_auto_budget", "dsx_auto_budget_sel", "dsx_auto_hide", "dsx_auto_hide_sel",
+    "none_copies",
 ]  # fmt: skip
 # configs whose steps take seconds (bandwidth-bound copies): fewer steps, same warm-up rule
 SLOW = ("save_on_cpu", "dsx_ssd", "dsx_ssd_sel", "dsx_host")
@@ -144,6 +147,15 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             args.micro_batch, bf16, section, args.offload_optimizer, _trace_path(args, name), args.event_wait
         ),
     )
+    copies = None
+    if name == "none_copies":
+        if args.copy_gb is None:
+            raise RuntimeError(
+                "none_copies needs --copy-gb, or a dsx_auto_hide run before it in the same invocation"
+            )
+        # hooked after the engine's own: DeepSpeed's forward pre-hook synchronizes the device (its throughput
+        # timer), which would otherwise wait for this step's copies before the forward's first kernel
+        copies = _BackgroundCopies(model, dev, int(args.copy_gb * 1e9))
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=gen).to(engine.device)
     inp, tgt = x[:, :-1], x[:, 1:]
@@ -259,7 +271,11 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         kernel_trace = {"path": str(path), "step_s": traced_s, **_kernel_trace.summarize(path)}
     if rt:
         rt.close()
-    del engine, model
+    copied_gb = None
+    if copies is not None:
+        copies.remove()
+        copied_gb = copies.per_step_gb
+    del engine, model, copies
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -271,8 +287,62 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             "expandable_segments": expandable,
             "measured_window_unix": window, "step_times_s": times, "gc_in_measured_steps": gc_clock.summary(),
             "host_probe_s": host_probe, "dsx_path": str(Path(dsx.__file__).parent),
+            **({"copied_gb_per_step": copied_gb} if copied_gb is not None else {}),
             **({"kernel_trace": kernel_trace} if kernel_trace else {}),
             **({"memory_trace": memory} if memory else {})}  # fmt: skip
+
+
+class _BackgroundCopies:
+    """Bytes moved the way a hide-only plan moves them, without dsx: device-to-host copies queued on a side
+    stream as each forward starts, host-to-device copies on another as its backward starts, between scratch
+    buffers that no kernel of the model touches.
+
+    Against no offload this is what the copies alone cost the step (the device memory they read and write,
+    the copy engines, pinned-memory traffic on the host) with no saved-tensor hooks and no host work beyond
+    ``chunks`` calls per direction; against ``dsx_auto_hide`` moving the same bytes, what dsx adds to them.
+    The copies start at once rather than as tensors are saved, so the link is busy from the forward's start
+    for ``nbytes`` over its bandwidth (about the forward, for a plan at its bound), and reads run in the
+    first part of the backward, as a prefetch ahead of each layer does. On the CPU they are plain copies.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, nbytes: int, chunks: int = 4) -> None:
+        from dsx.offload.hooks import _tensors
+
+        self._tensors = _tensors
+        per = -(-nbytes // chunks // (1 << 21)) * (1 << 21)  # one chunk's bytes, rounded up to 2 MiB
+        cuda = device.type == "cuda"
+        gen = torch.Generator(device=device).manual_seed(1)
+        # random bytes, never zeros: a link or engine that compresses would otherwise be measured idle
+        self.src = torch.randint(0, 256, (per,), dtype=torch.uint8, device=device, generator=gen)
+        self.dst = torch.empty_like(self.src)
+        self.host = [torch.empty(per, dtype=torch.uint8, pin_memory=cuda) for _ in range(chunks)]
+        self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
+        self.per_step_gb = per * chunks / 1e9
+        self._handles = [
+            model.register_forward_pre_hook(self._forward_starts),
+            model.register_forward_hook(self._forward_ends),
+        ]
+
+    def _queue(self, to_host: bool) -> None:
+        stream = self.streams[0 if to_host else 1]
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for h in self.host:
+                (h.copy_(self.src, non_blocking=True) if to_host else self.dst.copy_(h, non_blocking=True))
+
+    def _forward_starts(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            self._queue(to_host=True)
+
+    def _forward_ends(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        y = next((t for t in self._tensors(out) if t.requires_grad), None)
+        if torch.is_grad_enabled() and y is not None:  # fires as the backward starts
+            y.register_hook(lambda g: self._queue(to_host=False))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        if self.streams[0] is not None:
+            torch.cuda.synchronize()
 
 
 class _GcClock:
@@ -410,6 +480,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--memory-history", default=None, metavar="DIR",
                    help="record the allocator over the measured steps (CUDA) and write what is live at their "
                         "peak, by allocating line, to DIR/memory_<config>_mb<N>.json (slows the steps)")  # fmt: skip
+    p.add_argument("--copy-gb", type=float, default=None,
+                   help="none_copies: GB copied each way a step (default: what a dsx_auto_hide run before it in "
+                        "this invocation wrote per measured step, its median)")  # fmt: skip
     p.add_argument("--read-pool", choices=["auto", "compute", "prefetch"], default="auto",
                    help="dsx configs: the read_pool setting (allocator pool of read buffers)")  # fmt: skip
     p.add_argument(
@@ -456,10 +529,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                     "error": f"needs a measured 'recompute' peak at micro-batch {mb} (GPU run)"})  # fmt: skip
                     continue
                 budget = scale * rec["activation_peak_gb"] * 1e9 / 2**30
+            run_args = _with_mb(args, mb)
+            if name == "none_copies" and args.copy_gb is None:
+                run_args.copy_gb = _hide_written_gb(results, mb)
             if args.in_process:
-                res = _guarded(name, _with_mb(args, mb), ssd, budget)
+                res = _guarded(name, run_args, ssd, budget)
             else:
                 child_argv = [*(argv if argv is not None else sys.argv[1:]), "--micro-batch", str(mb)]
+                if run_args.copy_gb is not None and args.copy_gb is None:
+                    child_argv += ["--copy-gb", str(run_args.copy_gb)]
                 # bandwidth-bound configs (SSD on a slow disk, synchronous copies) get twice the time
                 res = _child(name, child_argv, budget, args.child_timeout * (2 if name in SLOW else 1))
             if scale != 1.0:
@@ -492,6 +570,15 @@ def _micro_batches(args: argparse.Namespace) -> dict[str, list[int]]:
     return {c: sorted(per.get(c) or every or [args.micro_batch]) for c in CONFIGS}
 
 
+def _hide_written_gb(results: list[dict[str, Any]], mb: int) -> float | None:
+    """The median GB a step that this invocation's ``dsx_auto_hide`` run at micro-batch ``mb`` wrote, if any."""
+    for r in results:
+        written = (r.get("telemetry") or {}).get("written_gb_per_measured_step")
+        if r["config"].split("@")[0] == "dsx_auto_hide" and r.get("micro_batch") == mb and written:
+            return statistics.median(written)
+    return None
+
+
 def _with_mb(args: argparse.Namespace, mb: int) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "micro_batch": mb})
 
@@ -520,7 +607,8 @@ def _write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
     ratios: dict[str, Any] = {}
     for a, b in [("dsx_auto_budget", "recompute"), ("dsx_host_sel", "ds_cpu_ckpt"), ("dsx_auto_budget_sel", "recompute"),
                  ("dsx_auto_budget_sel", "megatron_selective"), ("dsx_auto_hide", "none"),
-                 ("dsx_auto_hide_sel", "none"), ("dsx_host", "save_on_cpu"), ("dsx_host_sel", "save_on_cpu")]:  # fmt: skip
+                 ("dsx_auto_hide_sel", "none"), ("dsx_host", "save_on_cpu"), ("dsx_host_sel", "save_on_cpu"),
+                 ("none_copies", "none"), ("dsx_auto_hide", "none_copies")]:  # fmt: skip
         if a in ok and b in ok:
             ratios[f"{a}_vs_{b}_throughput"] = ok[a]["tokens_per_s"] / ok[b]["tokens_per_s"]
     # the targets as stated: the fastest dsx config whose measured activation peak is within a baseline's

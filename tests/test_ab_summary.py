@@ -33,4 +33,7 @@ def test_runs_pair_with_their_own_round(tmp_path):
     assert {(r["variant"], r["round"]): r["ratio_vs_none"] for r in rows} == want
     out = ab_summary.main(["--out", str(tmp_path), "--name", "s", "--target", "0.95", "bench_x"])
     assert out["at_or_above_target"] == sum(v >= 0.95 for v in want.values())
+    for variant in ("spin", "poll"):
+        ratios = [r for (v, _), r in want.items() if v == variant]
+        assert out["at_or_above_target_by_variant"][variant] == [sum(r >= 0.95 for r in ratios), len(ratios)]
     assert (tmp_path / "s.json").exists() and (tmp_path / "s.png").exists()

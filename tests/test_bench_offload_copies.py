@@ -1,0 +1,63 @@
+"""benchmarks/bench_offload.py's ``none_copies``: the hide-only plan's bytes moved without dsx, each way, on
+every training step and only then; its byte count comes from the same invocation's hide-only run."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks import bench_offload
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+
+def test_background_copies_go_out_in_forward_and_back_in_backward() -> None:
+    model = _model()
+    copies = bench_offload._BackgroundCopies(model, torch.device("cpu"), nbytes=3 << 20, chunks=2)
+    assert copies.per_step_gb == 2 * (2 << 20) / 1e9  # per chunk: 1.5 MiB rounded up to 2 MiB
+    assert copies.src.float().std() > 0  # random bytes, not zeros
+    x = torch.randn(8, 16)
+    for h in copies.host:
+        h.zero_()
+    copies.dst.zero_()
+    out = model(x)
+    assert all(torch.equal(h, copies.src) for h in copies.host)  # out as the forward started
+    assert not copies.dst.any()  # nothing back before the backward
+    out.square().mean().backward()
+    assert torch.equal(copies.dst, copies.src)  # back as it started
+
+    for h in copies.host:
+        h.zero_()
+    with torch.no_grad():  # an evaluation forward has no backward: it moves nothing
+        model(x)
+    assert not any(h.any() for h in copies.host)
+    copies.remove()
+    model(x).sum().backward()
+    assert not any(h.any() for h in copies.host)  # removed: the model trains without them
+
+
+def test_zero_bytes_copy_nothing() -> None:
+    model = _model()
+    copies = bench_offload._BackgroundCopies(model, torch.device("cpu"), nbytes=0)
+    assert copies.per_step_gb == 0 and copies.src.numel() == 0
+    model(torch.randn(2, 16)).sum().backward()
+    copies.remove()
+
+
+def test_bytes_come_from_the_hide_only_run_at_the_same_micro_batch() -> None:
+    def hide(mb: int, written: list[float]) -> dict:
+        return {"config": "dsx_auto_hide", "micro_batch": mb,
+                "telemetry": {"written_gb_per_measured_step": written}}  # fmt: skip
+
+    results = [
+        {"config": "none", "micro_batch": 8},
+        {"config": "dsx_auto_hide", "micro_batch": 8, "error": "OOM"},
+        hide(4, [1.0, 1.0, 1.0]),
+        hide(8, [4.7, 5.1, 4.9, 9.0]),
+    ]
+    assert bench_offload._hide_written_gb(results, 8) == 5.0  # the median of the measured steps
+    assert bench_offload._hide_written_gb(results, 4) == 1.0
+    assert bench_offload._hide_written_gb(results, 16) is None
+    assert bench_offload._hide_written_gb(results[:2], 8) is None
