@@ -665,15 +665,17 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --child-timeout 110 --configs none dsx_auto_hide --kernel-trace /tmp/kt --name bench_offload_gaps_s19 \
       --out benchmarks/results > "$OUT/bench-offload-gaps-s19.log" 2>&1
     ;;
-  offload62|offload64|offload66)  # 1 GPU: A/B of the hide-only plan: no offload, the dsx trees in .ab/<v>/dsx
-              # (git-ignored, carried: here stop 18's final code, four I/O threads spinning at once and a wait per read)
-              # and this checkout's, each in its own process, rounds interleaved (logs packed in logs.tgz).
+  offload62|offload64|offload66|offload69)  # 1 GPU: A/B of the hide-only plan: no offload, the dsx trees in
+              # .ab/<v>/dsx (git-ignored, carried: here stop 18's final code, four I/O threads spinning at once and a
+              # wait per read) and this checkout's, each in its own process, rounds interleaved (logs in logs.tgz).
               # offload62: this checkout with chained waits (one thread spinning at a time; since removed);
               # offload64: one device-side wait covering every earlier read of the prefetch stream, with the events
               # and offload GPU tests first and a profiled hide-only step last (gap_causes); offload66: the final code
+              # of stop 19; offload69: host writes without I/O threads against stop 19's final code as .ab/head,
+              # tests first and a profiled step last as in offload64
     mkdir -p "$OUT/l"
-    [ $stage = offload64 ] && { log gpu-tests; timeout 200 python -m pytest -q -rs -m gpu -p no:cacheprovider \
-      tests/test_events.py tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1; }
+    case $stage in offload64|offload69) log gpu-tests; timeout 200 python -m pytest -q -rs -m gpu -p no:cacheprovider \
+      tests/test_events.py tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1;; esac
     for i in 1 2 3; do
       [ $SECONDS -gt 360 ] || { [ $stage = offload66 ] && [ $i -gt 2 ]; } && break
       log ab-none-$i; timeout 90 python benchmarks/bench_offload.py --warmup 2 --steps 8 --pool-gb 20 \
@@ -686,15 +688,41 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
           --out benchmarks/results > "$OUT/l/ab-$v-$i.log" 2>&1
       done
     done
-    [ $stage = offload64 ] && [ $SECONDS -lt 480 ] && { log gaps-tree; timeout 100 python benchmarks/bench_offload.py --warmup 2 --steps 5 \
-      --pool-gb 20 --child-timeout 90 --configs dsx_auto_hide --kernel-trace /tmp/kt --name bench_offload_gaps_s19b \
-      --out benchmarks/results > "$OUT/l/gaps-tree.log" 2>&1; }
+    gaps=bench_offload_gaps_s19b; [ $stage = offload69 ] && gaps=bench_offload_gaps_s20
+    case $stage in offload64|offload69) [ $SECONDS -lt 480 ] && { log gaps-tree; timeout 100 python \
+      benchmarks/bench_offload.py --warmup 2 --steps 5 --pool-gb 20 --child-timeout 90 --configs dsx_auto_hide \
+      --kernel-trace /tmp/kt --name $gaps --out benchmarks/results > "$OUT/l/gaps-tree.log" 2>&1; };; esac
     tar czf "$OUT/logs.tgz" -C "$OUT/l" . && rm -rf "$OUT/l"
     ;;
   offload65)  # 1 GPU: the events and offload GPU tests on the final code of stop 19 (unread buffers dropped without a
               # host wait)
     log gpu-tests; timeout 300 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_events.py \
       tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1
+    ;;
+  offload67|offload68)  # 1 GPU: what moving the hide-only plan's bytes costs without dsx: no offload, the hide-only
+              # plan, and no offload with as many bytes copied on side streams (none_copies, bench_offload's
+              # _BackgroundCopies), each in its own process, rounds interleaved (logs packed in logs.tgz);
+              # offload67 runs the events and offload GPU tests first (stop 19's last commits were not run on the GPU);
+              # its none_copies ran before the copier hooked after DeepSpeed's synchronizing pre-hook (kept in
+              # docs/logs/s20-offload67/, not in benchmarks/results)
+    mkdir -p "$OUT/l"
+    [ $stage = offload67 ] && { log gpu-tests; timeout 240 python -m pytest -q -rs -m gpu -p no:cacheprovider \
+      tests/test_events.py tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1; }
+    for i in 1 2 3 4; do
+      [ $SECONDS -gt 400 ] && break  # a round takes ~150 s: stop before the command's 600 s
+      log ab-none-$i; timeout 90 python benchmarks/bench_offload.py --warmup 2 --steps 8 --pool-gb 20 \
+        --child-timeout 80 --configs none --name bench_offload_copies_${stage}_none_$i --out benchmarks/results \
+        > "$OUT/l/ab-none-$i.log" 2>&1
+      log ab-hide-$i; timeout 100 python benchmarks/bench_offload.py --warmup 2 --steps 8 --pool-gb 20 \
+        --child-timeout 90 --configs dsx_auto_hide --name bench_offload_copies_${stage}_hide_$i \
+        --out benchmarks/results > "$OUT/l/ab-hide-$i.log" 2>&1
+      # the bytes the hide-only run just moved a step (its median), copied without dsx
+      gb=$(python -c "import json, statistics as s; r = json.load(open('benchmarks/results/bench_offload_copies_${stage}_hide_$i.json'))['results'][0]; print(s.median(r['telemetry']['written_gb_per_measured_step']))" 2>/dev/null || echo 4.8)
+      log ab-copies-$i $gb GB; timeout 90 python benchmarks/bench_offload.py --warmup 2 --steps 8 --pool-gb 20 \
+        --child-timeout 80 --configs none_copies --copy-gb $gb --name bench_offload_copies_${stage}_copies_$i \
+        --out benchmarks/results > "$OUT/l/ab-copies-$i.log" 2>&1
+    done
+    tar czf "$OUT/logs.tgz" -C "$OUT/l" . && rm -rf "$OUT/l"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac

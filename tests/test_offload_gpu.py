@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import time
+import threading
 
 import pytest
 import torch
@@ -256,16 +256,66 @@ def test_gpu_dropped_graph_gives_read_buffers_back(tmp_path):
         del y
         gc.collect()
         # the dead handles' entries are released at the step's end (handle finalizers only queue them), and
-        # each unread buffer with them
+        # each unread buffer with them; the writes' device bytes go back once the step's end sees their
+        # copies ended (Mover.poll_writes: the synchronize makes sure they have)
+        torch.cuda.synchronize()
         off.end_step()
-        deadline = time.monotonic() + 10
-        while torch.cuda.memory_allocated() != before and time.monotonic() < deadline:
-            time.sleep(0.01)
         assert torch.cuda.memory_allocated() == before
         got = _train(model, batches, off)
     finally:
         off.close()
         sched.close()
+    assert_same_grads(want, got)
+
+
+def test_gpu_host_writes_need_no_io_thread(tmp_path):
+    """Host-tier writes without ``verify`` finish on the threads that queue the GPU's work (an event query at
+    each hook): no I/O thread is started, none spins in ``cudaEventSynchronize``, and the gradients are those
+    of a run without offload. With ``verify`` (a checksum of the host bytes) the writes go to I/O threads."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+    def io_threads() -> int:
+        return sum(t.name.startswith("dsx-io") for t in threading.enumerate())
+
+    for verify in (False, True):
+        model, batches, want = _reference(seed=4, n_batches=3)
+        cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=1,
+                                      min_tensor_bytes=0, verify=verify)  # fmt: skip
+        assert io_threads() == 0
+        with _offloaded(model, cfg) as (off, sched):
+            got = _train(model, batches, off)
+            started = io_threads()
+            moved = sum(r.bytes_by_tier.get("host", 0) for r in sched.telemetry.history)
+        assert moved > 0
+        assert (started > 0) == verify, (verify, started)
+        assert_same_grads(want, got)
+
+
+def test_gpu_slots_of_a_graph_dropped_while_its_writes_copy_wait_for_the_copies(tmp_path):
+    """A graph dropped before its writes' copies end (the offload stream held back by a sleep): its entries
+    are released at the step's end, but their host slots, which the copies are still writing, go back only
+    once the copies are seen to end; the next steps give the gradients of a run without offload."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model, batches, want = _reference(seed=5, n_batches=2)
+    cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=1,
+                                  min_tensor_bytes=0)  # fmt: skip
+    with _offloaded(model, cfg) as (off, sched):
+        with torch.cuda.stream(sched.stream("offload")):
+            torch.cuda._sleep(400_000_000)
+        y = model(batches[0]).float().pow(2).mean()
+        used = off.mover.host.arena.used
+        del y
+        gc.collect()
+        off.end_step()  # releases every entry of the dropped graph
+        in_flight = sum(not e.copied.query() for e, _ in off.mover._in_flight)
+        assert in_flight > 0, "the copies ended before the step's end: the test checked nothing"
+        assert off.mover.host.arena.used == used  # no slot given back while its copy runs
+        torch.cuda.synchronize()
+        off.mover.poll_writes()
+        assert off.mover.host.arena.used == 0
+        got = _train(model, batches, off)
     assert_same_grads(want, got)
 
 

@@ -197,6 +197,7 @@ class LayerHooks:
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
         if not torch.is_grad_enabled():  # no backward follows
             return
+        self.release_dead()
         if self.write_barrier:
             self.await_writes(self.write_barrier[-1])
         # backward starts with the last layer: bring back what its backward and the next prefetch_depth
@@ -260,6 +261,7 @@ class LayerHooks:
         ]
 
     def _backward_starts(self, i: int, upto: int | None) -> None:
+        self.release_dead()
         self._drain_after_backward()
         if upto is not None:
             self.await_writes(upto)
@@ -279,6 +281,7 @@ class LayerHooks:
         """
         if upto <= self._awaited:
             return
+        self.mover.poll_writes()  # (copies that ended but were not seen yet are not late)
         late = [
             e
             for layer in range(self._awaited + 1, upto + 1)
@@ -296,7 +299,7 @@ class LayerHooks:
             reached.record(stream)
         t0 = time.perf_counter()
         for e in late:
-            e.off_device.wait()
+            self.mover.wait_off_device(e)
         self.mover.sched.telemetry.add_stall(t0, time.perf_counter(), name)
         if cuda:
             resumed = torch.cuda.Event(enable_timing=True)
@@ -453,9 +456,11 @@ class LayerHooks:
         self._releases.append(entry)
 
     def release_dead(self) -> None:
-        """Give back the slots and read buffers of entries whose handles all died. Called where this thread
-        holds no dsx lock: each pack and unpack, a model forward's start, the end of a backward, a step's
-        end. A finalizer run by the GC during this only queues."""
+        """Finish the writes whose copies ended (``Mover.poll_writes``), and give back the slots and read
+        buffers of entries whose handles all died. Called where this thread holds no dsx lock: each pack and
+        unpack, a model forward's start, each layer's backward start, the end of a backward, a step's end. A
+        finalizer run by the GC during this only queues."""
+        self.mover.poll_writes()
         if not self._releases:
             return
         with self._lock:

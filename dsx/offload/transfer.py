@@ -1,9 +1,11 @@
 """Moves one storage device → host (→ SSD) during forward and back during backward, asynchronously.
 
 On CUDA, pack records an event on the compute stream; the device→host copy waits on it on the scheduler's
-``"offload"`` side stream; an I/O thread waits for the copy's own event, then drops the device reference
-(the memory goes back to the caching allocator) and, for the SSD tier, writes the host slot to the file
-and frees the slot. Reads go the other way on I/O threads; the consumer waits on a CUDA event, and on the
+``"offload"`` side stream. A host-tier write without ``verify`` needs nothing more on the host: the threads
+that queue the GPU's work see its copy end (an event query, in queue order: :meth:`Mover.poll_writes`, at
+each pack, unpack and layer boundary) and drop the device reference there (the memory goes back to the
+caching allocator). An SSD write, or one under ``verify``, needs the bytes on the host: an I/O thread waits
+for the copy's event, drops the device reference, and writes the host slot to the file (or checksums it). Reads go the other way on I/O threads; the consumer waits on a CUDA event, and on the
 host only when the data are not yet on their way back (that wait is recorded as stall). How long the
 compute stream itself waits for a read's copy is timed with CUDA events and recorded as GPU wait. On CPU the
 same code runs with the compute device being the CPU and plain (unpinned) host buffers.
@@ -25,6 +27,7 @@ import logging
 import threading
 import time
 import zlib
+from collections import deque
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -66,6 +69,8 @@ class Entry:
     # write barrier waits for; an SSD entry is set before its file write, which needs only the host slot
     off_device: threading.Event = field(default_factory=threading.Event)
     copied: Any = None  # CUDA: the event after the device-to-host copy on the offload stream
+    # written without an I/O thread (CUDA, host tier, no verify): poll_writes() sees the copy end
+    inline: bool = False
 
 
 class Mover:
@@ -95,6 +100,9 @@ class Mover:
         self._waited: dict[int, int] = {}  # consumer stream -> the latest read (its number) it waited for
         self.device_waits = 0  # device-side waits for reads queued so far (fewer than reads: ``wait``)
         self.demoted: set[int] = set()  # layers whose SSD writes failed: host from now on
+        # inline writes whose copies have not been seen to end, in the offload stream's order: (entry, queued)
+        self._in_flight: deque[tuple[Entry, float]] = deque()
+        self._in_flight_lock = threading.Lock()
         if self._cuda:  # create both side streams here, not lazily from I/O threads
             scheduler.stream("offload")
             scheduler.stream("prefetch")
@@ -138,6 +146,7 @@ class Mover:
                 self.host.free(slot[0], nbytes)
                 raise
         src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+        t0 = time.perf_counter()
         if self._cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
@@ -151,7 +160,15 @@ class Mover:
                 copied = torch.cuda.Event()
                 copied.record(side)
             e.src, e.copied = src, copied
-            e.written = self.sched.submit(self._finish_write, e, copied)
+            if e.tier == "host" and not self.verify:
+                # nothing to do on the host once the copy ends but drop src: no I/O thread waits for it (four
+                # threads spinning in cudaEventSynchronize slowed the thread queueing the forward's kernels
+                # ~10x at times on the H100, and kept four cores busy per rank: stop 20)
+                e.inline = True
+                with self._in_flight_lock:
+                    self._in_flight.append((e, t0))
+            else:
+                e.written = self.sched.submit(self._finish_write, e, copied)
         else:
             e.src = src
             e.written = self.sched.submit(self._finish_write, e, None)
@@ -197,6 +214,41 @@ class Mover:
         off, _ = e.host
         e.host = None
         self.host.free(off, e.nbytes)
+
+    def poll_writes(self) -> None:
+        """Finish the inline writes whose copies have ended: drop their device bytes (the memory goes back to
+        the caching allocator, on this thread) and give back the slots of those released meanwhile.
+
+        Copies on the offload stream end in the order they were queued, so this stops at the first that has
+        not: one ``cudaEventQuery`` when nothing has ended. Called by the layer hooks where they hold no dsx
+        lock (each pack and unpack, each layer's backward start, the end of backward, the step's end), so a
+        copy that ended is seen within a few kernels' launch time; the write barrier waits for a copy
+        itself (:meth:`wait_off_device`).
+        """
+        done: list[tuple[Entry, float]] = []
+        with self._in_flight_lock:
+            while self._in_flight and self._in_flight[0][0].copied.query():
+                done.append(self._in_flight.popleft())
+        if not done:
+            return
+        now = time.perf_counter()
+        for e, t0 in done:
+            e.src = None  # device memory returns to the allocator now
+            with e.lock:  # (release() decides under this lock whether the slots are still being written)
+                e.off_device.set()
+                released = e.released
+            if released:
+                self._free_slots(e)
+            # queued -> seen to end, as an I/O thread's wait measures it (queued -> its wait returns)
+            self.sched.telemetry.add_transfer("host", e.nbytes, t0, now, e.name)
+
+    def wait_off_device(self, e: Entry) -> None:
+        """Block until ``e``'s device bytes are given back (the write barrier)."""
+        if e.inline:
+            self.sched.waiter.wait(e.copied)
+            self.poll_writes()  # (every earlier copy has ended too: the stream's order)
+        else:
+            e.off_device.wait()
 
     # ---------------------------------------------------------------------------------------- read
     def fetch(self, e: Entry) -> Future[Any]:
@@ -275,7 +327,8 @@ class Mover:
             return out, ev, self._read_seq
 
     def _read(self, e: Entry, dst: tuple[torch.Tensor, Any] | None = None) -> tuple[torch.Tensor, Any, int]:
-        e.written.result()  # a failed write re-raises here
+        if e.written is not None:
+            e.written.result()  # a failed write re-raises here
         if self._cuda:
             torch.cuda.set_device(self.device)  # I/O threads start on device 0; ranks may own another
         t0 = time.perf_counter()
@@ -301,8 +354,8 @@ class Mover:
                     f"({e.nbytes} bytes) from the {tier} tier ({where}); the data are corrupt, refusing to "
                     "compute gradients from them"
                 )
-            if self._cuda:
-                out, ev, seq = self._copy_to_device(buf, e.nbytes, dst)
+            if self._cuda:  # (an inline write may still be on its way to the slot: the copy waits for it)
+                out, ev, seq = self._copy_to_device(buf, e.nbytes, dst, after=e.copied if e.inline else None)
                 if tmp is not None:  # the staging slot is reused right after
                     self.sched.waiter.wait(ev)
             else:
@@ -352,6 +405,9 @@ class Mover:
         with e.lock:  # (a read that has not started yet sees released and gives up: _read)
             e.released = True
             fetched, e.fetched = e.fetched, None
+            # an inline write still copying into the host slot: poll_writes() frees the slots once it ends (an
+            # SSD read's staging in a reused slot would be overwritten by the copy)
+            in_flight = e.inline and not e.off_device.is_set()
         with self._lock:
             lst = self._entries.get(e.layer)
             if lst is not None and e in lst:
@@ -360,18 +416,20 @@ class Mover:
             # read but never used (the graph was dropped): no stream is ordered after the copy yet
             fetched.add_done_callback(self._drop_unread)
 
-        def free(_: Any = None) -> None:
-            if e.host is not None:
-                self.host.free(e.host[0], e.nbytes)
-                e.host = None
-            if e.ssd_off is not None:
-                self.ssd.free(e.ssd_off, e.nbytes)
-                e.ssd_off = None
-
+        if in_flight:
+            return
         if e.written is None or e.written.done():
-            free()
+            self._free_slots(e)
         else:
-            e.written.add_done_callback(free)
+            e.written.add_done_callback(lambda _: self._free_slots(e))
+
+    def _free_slots(self, e: Entry) -> None:
+        if e.host is not None:
+            self.host.free(e.host[0], e.nbytes)
+            e.host = None
+        if e.ssd_off is not None:
+            self.ssd.free(e.ssd_off, e.nbytes)
+            e.ssd_off = None
 
     def _drop_unread(self, fut: Future[Any]) -> None:
         """A read's buffer that nothing consumed goes back to the allocator behind its copy, without a host wait.
@@ -387,10 +445,16 @@ class Mover:
             fut.result()[0].record_stream(self.sched.stream("prefetch"))
 
     def drain(self) -> None:
+        """Wait for every write queued so far (I/O threads' and inline ones) and finish it."""
         with self._lock:
             futs = [e.written for lst in self._entries.values() for e in lst if e.written is not None]
         for f in futs:
             f.result()
+        with self._in_flight_lock:
+            last = self._in_flight[-1][0] if self._in_flight else None
+        if last is not None:
+            self.sched.waiter.wait(last.copied)
+        self.poll_writes()
 
 
 class _Dropped(RuntimeError):

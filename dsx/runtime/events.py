@@ -1,7 +1,10 @@
 """Host threads waiting for points on a CUDA stream.
 
-dsx's I/O threads wait on the host for every device-to-host copy to end (a write leaves the device, its slot can
-be reused, its SSD write can start). How they wait is ``"dsx"."scheduler"."event_wait"``:
+dsx's I/O threads wait on the host for the device-to-host copies whose bytes they then use: an SSD write
+starts once its copy to the host slot ends, a write under ``verify`` checksums the slot, and an SSD read's
+staging slot is reused once its copy to the device ends. (Host-tier writes without ``verify`` need no thread:
+the threads queueing the GPU's work query their events, ``Mover.poll_writes``.) How the I/O threads wait is
+``"dsx"."scheduler"."event_wait"``:
 
 ``"spin"``
     ``cudaEventSynchronize`` on a default event: the thread polls the driver at full speed, the GIL released,
