@@ -210,6 +210,7 @@ class LayerHooks:
         def pre(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
             if not torch.is_grad_enabled():
                 return
+            self.mover.poll_writes()  # (a run of kept layers packs nothing: their starts see copies end)
             if self.write_barrier and self._cur is None:  # not inside another layer (a recomputation)
                 self.await_writes(self.write_barrier[i])
             self._fwd_t0[i] = time.perf_counter()  # the trace's host-side layer span (after any wait)

@@ -2,9 +2,9 @@
 
 On CUDA, pack records an event on the compute stream; the device→host copy waits on it on the scheduler's
 ``"offload"`` side stream. A host-tier write without ``verify`` needs nothing more on the host: the threads
-that queue the GPU's work see its copy end (an event query, in queue order: :meth:`Mover.poll_writes`, at
-each pack, unpack and layer boundary) and drop the device reference there (the memory goes back to the
-caching allocator). An SSD write, or one under ``verify``, needs the bytes on the host: an I/O thread waits
+that queue the GPU's work see its copy end (an event query, in queue order, at the layer hooks:
+:meth:`Mover.poll_writes`) and drop the device reference there (the memory goes back to the caching
+allocator). An SSD write, or one under ``verify``, needs the bytes on the host: an I/O thread waits
 for the copy's event, drops the device reference, and writes the host slot to the file (or checksums it). Reads go the other way on I/O threads; the consumer waits on a CUDA event, and on the
 host only when the data are not yet on their way back (that wait is recorded as stall). How long the
 compute stream itself waits for a read's copy is timed with CUDA events and recorded as GPU wait. On CPU the
@@ -56,17 +56,18 @@ class Entry:
     tier: str  # where it will live once written: "host" or "ssd"
     name: str
     refs: int = 0
-    src: torch.Tensor | None = None  # the device bytes, alive until the device→host copy is done
+    # the device bytes, alive until the device→host copy is seen to end (by an I/O thread, or poll_writes())
+    src: torch.Tensor | None = None
     host: tuple[int, torch.Tensor] | None = None  # (arena offset, aligned slot)
     ssd_off: int | None = None
     crc: int | None = None
-    written: Future[Any] | None = None
+    written: Future[Any] | None = None  # an I/O thread's write (None for an inline one)
     fetched: Future[Any] | None = None
     consumed: bool = False  # a consumer waited for the read (its stream is ordered after the copy)
     released: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # set once the device bytes are given back (the copy to the host ended, or failed): what the forward's
-    # write barrier waits for; an SSD entry is set before its file write, which needs only the host slot
+    # set once the device bytes are given back (the copy to the host was seen to end, or an I/O thread's
+    # failed); an SSD entry is set before its file write, which needs only the host slot
     off_device: threading.Event = field(default_factory=threading.Event)
     copied: Any = None  # CUDA: the event after the device-to-host copy on the offload stream
     # written without an I/O thread (CUDA, host tier, no verify): poll_writes() sees the copy end
@@ -221,34 +222,36 @@ class Mover:
 
         Copies on the offload stream end in the order they were queued, so this stops at the first that has
         not: one ``cudaEventQuery`` when nothing has ended. Called by the layer hooks where they hold no dsx
-        lock (each pack and unpack, each layer's backward start, the end of backward, the step's end), so a
-        copy that ended is seen within a few kernels' launch time; the write barrier waits for a copy
-        itself (:meth:`wait_off_device`).
+        lock: each moved tensor's pack, each layer's forward start, the forward's start and end, each unpack
+        and layer's backward start, the end of backward and the step's end. Between those (the optimizer's
+        step, a run of kept layers) an ended copy's memory waits for the next one; the write barrier waits
+        for a copy itself (:meth:`wait_off_device`).
         """
         done: list[tuple[Entry, float]] = []
-        with self._in_flight_lock:
-            while self._in_flight and self._in_flight[0][0].copied.query():
-                done.append(self._in_flight.popleft())
-        if not done:
-            return
-        now = time.perf_counter()
-        for e, t0 in done:
-            e.src = None  # device memory returns to the allocator now
-            with e.lock:  # (release() decides under this lock whether the slots are still being written)
-                e.off_device.set()
-                released = e.released
-            if released:
-                self._free_slots(e)
-            # queued -> seen to end, as an I/O thread's wait measures it (queued -> its wait returns)
-            self.sched.telemetry.add_transfer("host", e.nbytes, t0, now, e.name)
+        try:
+            with self._in_flight_lock:
+                while self._in_flight and self._in_flight[0][0].copied.query():
+                    done.append(self._in_flight.popleft())
+        finally:  # (a CUDA error raised by a query: what was taken off the queue is still finished)
+            now = time.perf_counter()
+            for e, t0 in done:
+                e.src = None  # device memory returns to the allocator now
+                with e.lock:  # (release() decides under this lock whether the slots are still being written)
+                    e.off_device.set()
+                    released = e.released
+                if released:
+                    self._free_slots(e)
+                # queued -> seen to end, as an I/O thread's wait measures it (queued -> its wait returns), so
+                # the time includes up to one poll's delay
+                self.sched.telemetry.add_transfer("host", e.nbytes, t0, now, e.name)
 
     def wait_off_device(self, e: Entry) -> None:
         """Block until ``e``'s device bytes are given back (the write barrier)."""
         if e.inline:
             self.sched.waiter.wait(e.copied)
             self.poll_writes()  # (every earlier copy has ended too: the stream's order)
-        else:
-            e.off_device.wait()
+        # (an inline entry: another thread's poll may have taken it off the queue and not yet dropped src)
+        e.off_device.wait()
 
     # ---------------------------------------------------------------------------------------- read
     def fetch(self, e: Entry) -> Future[Any]:
@@ -451,10 +454,12 @@ class Mover:
         for f in futs:
             f.result()
         with self._in_flight_lock:
-            last = self._in_flight[-1][0] if self._in_flight else None
-        if last is not None:
-            self.sched.waiter.wait(last.copied)
+            queued = [e for e, _ in self._in_flight]
+        if queued:
+            self.sched.waiter.wait(queued[-1].copied)
         self.poll_writes()
+        for e in queued:  # (another thread's poll may still be finishing some)
+            e.off_device.wait()
 
 
 class _Dropped(RuntimeError):

@@ -3,7 +3,8 @@
 dsx's I/O threads wait on the host for the device-to-host copies whose bytes they then use: an SSD write
 starts once its copy to the host slot ends, a write under ``verify`` checksums the slot, and an SSD read's
 staging slot is reused once its copy to the device ends. (Host-tier writes without ``verify`` need no thread:
-the threads queueing the GPU's work query their events, ``Mover.poll_writes``.) How the I/O threads wait is
+the threads queueing the GPU's work query their events, ``Mover.poll_writes``, and wait for one only at the
+write barrier and at close.) How the I/O threads (and those two waits) wait is
 ``"dsx"."scheduler"."event_wait"``:
 
 ``"spin"``

@@ -42,7 +42,7 @@ class StepRecord:
 class StepTelemetry:
     """Thread-safe accumulator; I/O threads add transfer time and bytes, the compute thread adds stalls.
 
-    Times are wall-clock seconds from :func:`time.perf_counter`; transfer time summed over I/O threads can
+    Times are wall-clock seconds from :func:`time.perf_counter`; transfer time (queued to seen done) summed over transfers can
     exceed the step time when transfers overlap each other.
     """
 
