@@ -51,6 +51,17 @@ def _reference(seed: int, n_batches: int):
     return model, batches, _train(ref, batches)
 
 
+def _host_all(seed: int, n_batches: int, **cfg_kw):
+    """``_reference``'s model, batches and gradients, and a config moving every layer's tensors (all sizes) to a
+    1 GB host pool; skips without CUDA."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model, batches, want = _reference(seed=seed, n_batches=n_batches)
+    cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=1,
+                                  min_tensor_bytes=0, **cfg_kw)  # fmt: skip
+    return model, batches, want, cfg
+
+
 @contextlib.contextmanager
 def _offloaded(model, cfg, **sched_kw):
     """The model under activation offload with ``cfg`` and a CUDA scheduler (4 I/O threads, ``sched_kw``)."""
@@ -181,11 +192,7 @@ def test_gpu_host_reads_wait_for_their_writes_on_the_gpu(tmp_path, read_pool):
     """Host reads queued on the fetching thread (no verify) are ordered after their writes by an event, not by
     a host wait: with the offload stream held back (a sleep queued on it), every copy out lands after the
     forward has ended on the host and the copies back are queued; they must still read what was written."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    model, batches, want = _reference(seed=2, n_batches=3)
-    cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=1,
-                                  min_tensor_bytes=0, read_pool=read_pool)  # fmt: skip
+    model, batches, want, cfg = _host_all(2, 3, read_pool=read_pool)
     late = []
     with _offloaded(model, cfg) as (off, sched):
 
@@ -287,8 +294,15 @@ def test_gpu_host_writes_need_no_io_thread(tmp_path):
             got = _train(model, batches, off)
             started = io_threads()
             moved = sum(r.bytes_by_tier.get("host", 0) for r in sched.telemetry.history)
+            # every copy has ended; the next forward's first hook sees them all (no drain: the hooks' polls
+            # are what gives the device memory back)
+            torch.cuda.synchronize()
+            with torch.no_grad():
+                model(batches[0])
+            left = len(off.mover._in_flight)
         assert moved > 0
         assert (started > 0) == verify, (verify, started)
+        assert left == 0
         assert_same_grads(want, got)
 
 
@@ -296,14 +310,15 @@ def test_gpu_slots_of_a_graph_dropped_while_its_writes_copy_wait_for_the_copies(
     """A graph dropped before its writes' copies end (the offload stream held back by a sleep): its entries
     are released at the step's end, but their host slots, which the copies are still writing, go back only
     once the copies are seen to end; the next steps give the gradients of a run without offload."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    model, batches, want = _reference(seed=5, n_batches=2)
-    cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="offload_all", host_pool_gb=1,
-                                  min_tensor_bytes=0)  # fmt: skip
+    model, batches, want, cfg = _host_all(5, 2)
     with _offloaded(model, cfg) as (off, sched):
-        with torch.cuda.stream(sched.stream("offload")):
-            torch.cuda._sleep(400_000_000)
+        # a warm step first, parameters unchanged: the first pack allocates the pinned pool (1.6 s on the H100)
+        model(batches[0]).float().pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+        off.end_step()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(sched.stream("offload")):  # ~2 s: gc.collect() below took 0.16 s in a fresh
+            torch.cuda._sleep(4_000_000_000)  # process and more late in the suite, outlasting a 0.2 s sleep
         y = model(batches[0]).float().pow(2).mean()
         used = off.mover.host.arena.used
         del y
@@ -316,6 +331,36 @@ def test_gpu_slots_of_a_graph_dropped_while_its_writes_copy_wait_for_the_copies(
         off.mover.poll_writes()
         assert off.mover.host.arena.used == 0
         got = _train(model, batches, off)
+    assert_same_grads(want, got)
+
+
+@pytest.mark.parametrize("read_pool", ["compute", "prefetch"])
+def test_gpu_host_slots_outlive_the_reads_queued_from_them(tmp_path, read_pool):
+    """The host runs ahead of the GPU: a backward can end on the host, and free its graph, before the reads it
+    queued have run. The entries' host slots go back only once those copies ran (a slot given back earlier
+    could be rewritten from the host, by an SSD read's staging, before the copy reads it). With the prefetch
+    stream held back by a sleep, the slots are still taken after backward, and given back after the reads."""
+    model, batches, want, cfg = _host_all(6, 3, read_pool=read_pool)
+    held = []
+    with _offloaded(model, cfg) as (off, sched):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        got = []
+        for step, x in enumerate(batches):
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            with torch.cuda.stream(sched.stream("prefetch")):  # (~2 s: longer than the host's backward)
+                torch.cuda._sleep(4_000_000_000 if step > 0 else 1)
+            model(x).float().pow(2).mean().backward()
+            if step > 0:  # (the first step's host work, cold, allocates the pinned pool)
+                held.append((off.mover.host.arena.used, len(off.mover._read_frees)))
+            got.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            off.end_step()
+        torch.cuda.synchronize()
+        off.mover.poll_writes()
+        left = off.mover.host.arena.used
+    assert all(used > 0 and pending > 0 for used, pending in held), held
+    assert left == 0
     assert_same_grads(want, got)
 
 

@@ -470,6 +470,7 @@ class LayerHooks:
                 entry.refs -= 1
                 if entry.refs == 0:
                     self.mover.release(entry)
+        self.mover.poll_writes()  # (slots of released entries whose reads have already run go back now)
 
     def _drain_after_backward(self) -> None:
         """Release what the backward freed once it ends (the graph's last nodes free their handles after the

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import copy
 import errno
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -72,6 +74,8 @@ class Entry:
     copied: Any = None  # CUDA: the event after the device-to-host copy on the offload stream
     # written without an I/O thread (CUDA, host tier, no verify): poll_writes() sees the copy end
     inline: bool = False
+    # released after a read was issued (CUDA): the slots go back once that read's copy has run (poll_writes)
+    frees_after_read: bool = False
 
 
 class Mover:
@@ -104,6 +108,10 @@ class Mover:
         # inline writes whose copies have not been seen to end, in the offload stream's order: (entry, queued)
         self._in_flight: deque[tuple[Entry, float]] = deque()
         self._in_flight_lock = threading.Lock()
+        # released entries whose reads may still be queued on the GPU: (read's number, tiebreak, entry, its
+        # event), a heap in the prefetch stream's order; poll_writes() frees their slots once the copy ran
+        self._read_frees: list[tuple[int, int, Entry, Any]] = []
+        self._tiebreak = itertools.count()
         if self._cuda:  # create both side streams here, not lazily from I/O threads
             scheduler.stream("offload")
             scheduler.stream("prefetch")
@@ -238,12 +246,19 @@ class Mover:
                 e.src = None  # device memory returns to the allocator now
                 with e.lock:  # (release() decides under this lock whether the slots are still being written)
                     e.off_device.set()
-                    released = e.released
+                    released = e.released and not e.frees_after_read
                 if released:
                     self._free_slots(e)
                 # queued -> seen to end, as an I/O thread's wait measures it (queued -> its wait returns), so
                 # the time includes up to one poll's delay
                 self.sched.telemetry.add_transfer("host", e.nbytes, t0, now, e.name)
+        if self._read_frees:
+            read: list[Entry] = []
+            with self._in_flight_lock:
+                while self._read_frees and self._read_frees[0][3].query():
+                    read.append(heapq.heappop(self._read_frees)[2])
+            for e in read:
+                self._free_slots(e)
 
     def wait_off_device(self, e: Entry) -> None:
         """Block until ``e``'s device bytes are given back (the write barrier)."""
@@ -404,10 +419,12 @@ class Mover:
 
     # ------------------------------------------------------------------------------------- release
     def release(self, e: Entry) -> None:
-        """All handles of ``e`` are gone (the graph was freed): give its slots back once writes end."""
+        """All handles of ``e`` are gone (the graph was freed): give its slots back once its write, and a read
+        queued from them, have run."""
         with e.lock:  # (a read that has not started yet sees released and gives up: _read)
             e.released = True
             fetched, e.fetched = e.fetched, None
+            e.frees_after_read = fetched is not None and self._cuda
             # an inline write still copying into the host slot: poll_writes() frees the slots once it ends (an
             # SSD read's staging in a reused slot would be overwritten by the copy)
             in_flight = e.inline and not e.off_device.is_set()
@@ -418,7 +435,13 @@ class Mover:
         if fetched is not None and not e.consumed and self._cuda:
             # read but never used (the graph was dropped): no stream is ordered after the copy yet
             fetched.add_done_callback(self._drop_unread)
-
+        if fetched is not None and self._cuda:
+            # the host runs ahead of the GPU: the read's copy back may not have run yet, and a slot given back
+            # now could be rewritten from the host first (an SSD read's staging pread) — a wrong gradient.
+            # (Device-side writers of the slot are ordered after it: a consumed read's next users wait on the
+            # compute stream, which waited for the copy.) Its write has ended by the time the read runs.
+            fetched.add_done_callback(lambda f: self._free_after_read(e, f))
+            return
         if in_flight:
             return
         if e.written is None or e.written.done():
@@ -426,13 +449,23 @@ class Mover:
         else:
             e.written.add_done_callback(lambda _: self._free_slots(e))
 
+    def _free_after_read(self, e: Entry, fut: Future[Any]) -> None:
+        """Free ``e``'s slots once the read ``fut`` queued has run on the GPU (``poll_writes`` sees its event)."""
+        ev = fut.result()[1] if fut.exception() is None else None
+        if ev is None:  # nothing was queued (a dropped read, an error): nothing reads the slot
+            self._free_slots(e)
+            return
+        with self._in_flight_lock:
+            heapq.heappush(self._read_frees, (fut.result()[2], next(self._tiebreak), e, ev))
+
     def _free_slots(self, e: Entry) -> None:
-        if e.host is not None:
-            self.host.free(e.host[0], e.nbytes)
-            e.host = None
-        if e.ssd_off is not None:
-            self.ssd.free(e.ssd_off, e.nbytes)
-            e.ssd_off = None
+        with e.lock:  # (idempotent: the read's and the write's ends may both come here)
+            host, e.host = e.host, None
+            ssd_off, e.ssd_off = e.ssd_off, None
+        if host is not None:
+            self.host.free(host[0], e.nbytes)
+        if ssd_off is not None:
+            self.ssd.free(ssd_off, e.nbytes)
 
     def _drop_unread(self, fut: Future[Any]) -> None:
         """A read's buffer that nothing consumed goes back to the allocator behind its copy, without a host wait.
@@ -457,6 +490,10 @@ class Mover:
             queued = [e for e, _ in self._in_flight]
         if queued:
             self.sched.waiter.wait(queued[-1].copied)
+        with self._in_flight_lock:
+            reads = [ev for *_, ev in self._read_frees]
+        for ev in reads:
+            self.sched.waiter.wait(ev)
         self.poll_writes()
         for e in queued:  # (another thread's poll may still be finishing some)
             e.off_device.wait()
