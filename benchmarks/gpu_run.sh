@@ -665,19 +665,20 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --child-timeout 110 --configs none dsx_auto_hide --kernel-trace /tmp/kt --name bench_offload_gaps_s19 \
       --out benchmarks/results > "$OUT/bench-offload-gaps-s19.log" 2>&1
     ;;
-  offload62|offload64|offload66|offload69)  # 1 GPU: A/B of the hide-only plan: no offload, the dsx trees in
+  offload62|offload64|offload66|offload69|offload70)  # 1 GPU: A/B of the hide-only plan: no offload, the dsx trees in
               # .ab/<v>/dsx (git-ignored, carried: here stop 18's final code, four I/O threads spinning at once and a
               # wait per read) and this checkout's, each in its own process, rounds interleaved (logs in logs.tgz).
               # offload62: this checkout with chained waits (one thread spinning at a time; since removed);
               # offload64: one device-side wait covering every earlier read of the prefetch stream, with the events
               # and offload GPU tests first and a profiled hide-only step last (gap_causes); offload66: the final code
               # of stop 19; offload69: host writes without I/O threads against stop 19's final code as .ab/head,
-              # tests first and a profiled step last as in offload64
+              # tests first and a profiled step last as in offload64; offload70: stop 20's final code alone (.ab
+              # empty), two rounds
     mkdir -p "$OUT/l"
     case $stage in offload64|offload69) log gpu-tests; timeout 200 python -m pytest -q -rs -m gpu -p no:cacheprovider \
       tests/test_events.py tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1;; esac
     for i in 1 2 3; do
-      [ $SECONDS -gt 360 ] || { [ $stage = offload66 ] && [ $i -gt 2 ]; } && break
+      [ $SECONDS -gt 360 ] || { case $stage in offload66|offload70) [ $i -gt 2 ];; *) false;; esac; } && break
       log ab-none-$i; timeout 90 python benchmarks/bench_offload.py --warmup 2 --steps 8 --pool-gb 20 \
         --child-timeout 80 --configs none --name bench_offload_ab_${stage}_none_$i --out benchmarks/results \
         > "$OUT/l/ab-none-$i.log" 2>&1
