@@ -5,10 +5,13 @@ On CUDA, pack records an event on the compute stream; the device→host copy wai
 that queue the GPU's work see its copy end (an event query, in queue order, at the layer hooks:
 :meth:`Mover.poll_writes`) and drop the device reference there (the memory goes back to the caching
 allocator). An SSD write, or one under ``verify``, needs the bytes on the host: an I/O thread waits
-for the copy's event, drops the device reference, and writes the host slot to the file (or checksums it). Reads go the other way on I/O threads; the consumer waits on a CUDA event, and on the
-host only when the data are not yet on their way back (that wait is recorded as stall). How long the
-compute stream itself waits for a read's copy is timed with CUDA events and recorded as GPU wait. On CPU the
-same code runs with the compute device being the CPU and plain (unpinned) host buffers.
+for the copy's event, drops the device reference, and writes the host slot to the file (or checksums it).
+Reads go the other way (host-tier ones without ``verify`` queued on the thread that fetches, the others on I/O
+threads); the consumer waits on a CUDA event, and on the host only when the data are not yet on their way
+back (that wait is recorded as stall). A released entry's slots go back once its write and any read queued
+from them have run on the GPU. How long the compute stream itself waits for a read's copy is timed with CUDA
+events and recorded as GPU wait. On CPU the same code runs with the compute device being the CPU and plain
+(unpinned) host buffers.
 
 A read's device buffer comes from one of two caching-allocator pools (config ``read_pool``). The allocator
 keeps one pool per stream: buffers allocated on the prefetch stream cannot reuse the blocks forward's moved
@@ -226,7 +229,8 @@ class Mover:
 
     def poll_writes(self) -> None:
         """Finish the inline writes whose copies have ended: drop their device bytes (the memory goes back to
-        the caching allocator, on this thread) and give back the slots of those released meanwhile.
+        the caching allocator, on this thread) and give back the slots of those released meanwhile; and give
+        back the slots of released entries whose reads have run (``_read_frees``).
 
         Copies on the offload stream end in the order they were queued, so this stops at the first that has
         not: one ``cudaEventQuery`` when nothing has ended. Called by the layer hooks where they hold no dsx
