@@ -210,7 +210,7 @@ class LayerHooks:
         def pre(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
             if not torch.is_grad_enabled():
                 return
-            self.mover.poll_writes()  # (a run of kept layers packs nothing: their starts see copies end)
+            self.release_dead()  # (a run of kept layers packs nothing: their starts see copies end)
             if self.write_barrier and self._cur is None:  # not inside another layer (a recomputation)
                 self.await_writes(self.write_barrier[i])
             self._fwd_t0[i] = time.perf_counter()  # the trace's host-side layer span (after any wait)
@@ -282,8 +282,7 @@ class LayerHooks:
         """
         if upto <= self._awaited:
             return
-        self.mover.poll_writes()  # (copies that ended but were not seen yet are not late)
-        late = [
+        late = [  # (every caller has just polled: copies that ended are not counted late)
             e
             for layer in range(self._awaited + 1, upto + 1)
             for e in self.mover.entries_of(layer)
@@ -459,8 +458,8 @@ class LayerHooks:
     def release_dead(self) -> None:
         """Finish the writes whose copies ended (``Mover.poll_writes``), and give back the slots and read
         buffers of entries whose handles all died. Called where this thread holds no dsx lock: each pack and
-        unpack, a model forward's start, each layer's backward start, the end of a backward, a step's end. A
-        finalizer run by the GC during this only queues."""
+        unpack, a model forward's start and end, each layer's forward and backward start, the end of a
+        backward, a step's end. A finalizer run by the GC during this only queues."""
         self.mover.poll_writes()
         if not self._releases:
             return

@@ -494,10 +494,10 @@ class Mover:
             queued = [e for e, _ in self._in_flight]
         if queued:
             self.sched.waiter.wait(queued[-1].copied)
-        with self._in_flight_lock:
-            reads = [ev for *_, ev in self._read_frees]
-        for ev in reads:
-            self.sched.waiter.wait(ev)
+        with self._in_flight_lock:  # (reads end in queue order: the last one queued covers the rest)
+            last_read = max(self._read_frees)[3] if self._read_frees else None
+        if last_read is not None:
+            self.sched.waiter.wait(last_read)
         self.poll_writes()
         for e in queued:  # (another thread's poll may still be finishing some)
             e.off_device.wait()
