@@ -111,21 +111,28 @@ def _model(args: argparse.Namespace, name: str) -> torch.nn.Module:
 
 
 def _section(
-    name: str, ssd_dir: str, budget_gb: float | None, pool_gb: float, attention: str, read_pool: str = "auto"
+    name: str,
+    ssd_dir: str,
+    budget_gb: float | None,
+    pool_gb: float,
+    attention: str,
+    read_pool: str = "auto",
+    write_barrier: str = "auto",
 ) -> dict[str, Any] | None:
     base = {"enabled": True, "min_tensor_bytes": 1 << 16, "host_pool_gb": pool_gb, "ssd_capacity_gb": pool_gb,
             "read_pool": read_pool}  # fmt: skip
     if name.endswith("_sel"):
         base["recompute_modules"] = [attention]
         name = name.removesuffix("_sel")
+    auto = {"policy": "auto", "write_barrier": write_barrier}  # (fixed policies have no plan to place it by)
     return {
         "recompute": {**base, "policy": "recompute_all"},
         "dsx_host": {**base, "policy": "offload_all", "tiers": ["host"]},
         "dsx_ssd": {**base, "policy": "offload_all", "tiers": ["ssd"], "ssd_path": ssd_dir},
         "ds_cpu_ckpt": None,
-        "dsx_auto_budget": {**base, "policy": "auto", "tiers": ["host", "ssd"], "ssd_path": ssd_dir,
+        "dsx_auto_budget": {**base, **auto, "tiers": ["host", "ssd"], "ssd_path": ssd_dir,
                             "memory_budget_gb": budget_gb},
-        "dsx_auto_hide": {**base, "policy": "auto", "tiers": ["host", "ssd"], "ssd_path": ssd_dir},
+        "dsx_auto_hide": {**base, **auto, "tiers": ["host", "ssd"], "ssd_path": ssd_dir},
     }.get(name)  # fmt: skip
 
 
@@ -137,7 +144,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     bf16 = dev.type == "cuda"
     # the sub-module megatron's selective recompute recomputes; the torch GPT's whole attention block
     attention = "DotProductAttention" if _megatron(args) else "Attention"
-    section = _section(name, ssd_dir, budget_gb, args.pool_gb, attention, args.read_pool)
+    section = _section(name, ssd_dir, budget_gb, args.pool_gb, attention, args.read_pool, args.write_barrier)
     if name == "ds_cpu_ckpt":
         _deepspeed_checkpointing(model)
     engine, _, _, _ = dsx.initialize(
@@ -247,6 +254,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             plan = {"actions": [a.value for a in off.plan.actions], "bound": off.plan.bound,
                     "predicted_step_s": off.plan.predicted_step_s,
                     "predicted_total_step_s": off.plan.predicted_total_step_s, "predicted_peak_gb": off.plan.peak_bytes / 1e9,
+                    "write_barrier_waits": [len(off.plan.write_barrier), len(off.plan.write_barrier_bwd)],
                     "profiles": [dataclasses.asdict(p) for p in off.plan.profiles]}  # fmt: skip
     read_pool = None  # the pool dsx's reads used ("auto" resolved)
     if rt and "activation_offload" in rt.features:
@@ -485,6 +493,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "this invocation wrote per measured step, its median)")  # fmt: skip
     p.add_argument("--read-pool", choices=["auto", "compute", "prefetch"], default="auto",
                    help="dsx configs: the read_pool setting (allocator pool of read buffers)")  # fmt: skip
+    p.add_argument("--write-barrier", choices=["auto", "on", "off"], default="auto",
+                   help="dsx auto configs: the write_barrier setting (auto: on under a budget, off hide-only)")  # fmt: skip
     p.add_argument(
         "--event-wait",
         choices=EVENT_WAIT_MODES,

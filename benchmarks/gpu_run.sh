@@ -725,6 +725,46 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
     done
     tar czf "$OUT/logs.tgz" -C "$OUT/l" . && rm -rf "$OUT/l"
     ;;
+  offload71)  # 1 GPU: stop 21: the events and offload GPU tests on stop 20's final code (its last commit was not run on
+              # the GPU), then no offload, the hide-only plan, and the hide-only plan with the write barrier on (what
+              # the barrier costs now that host writes are polled, and what it saves), rounds interleaved
+    mkdir -p "$OUT/l"
+    log gpu-tests; timeout 200 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_events.py \
+      tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1
+    for i in 1 2 3; do
+      [ $SECONDS -gt 430 ] && break  # a round takes ~140 s: stop before the command's 600 s
+      for c in none hide barrier; do
+        cfg=dsx_auto_hide; wb=auto; [ $c = none ] && cfg=none; [ $c = barrier ] && wb=on
+        log ab-$c-$i; timeout 100 python benchmarks/bench_offload.py --warmup 2 --steps 8 --pool-gb 20 \
+          --child-timeout 90 --configs $cfg --write-barrier $wb --name bench_offload_barrier_s21_${c}_$i \
+          --out benchmarks/results > "$OUT/l/ab-$c-$i.log" 2>&1
+      done
+    done
+    tar czf "$OUT/logs.tgz" -C "$OUT/l" . && rm -rf "$OUT/l"
+    ;;
+  offload72)  # 1 GPU: stop 21's closing run, part 1, on the final code: every strategy of issue 3 at hidden 2048,
+              # micro-batch 8, in one invocation (the stop 15 closing run predates stops 16-20's changes)
+    nvidia-smi -L | tee "$OUT/nvidia-smi.log"
+    log bench-offload-final-h2048-s21; timeout 570 python benchmarks/bench_offload.py --warmup 2 --steps 3 \
+      --pool-gb 20 --child-timeout 80 --configs none recompute save_on_cpu ds_cpu_ckpt megatron_selective \
+      dsx_host_sel dsx_auto_budget_sel dsx_auto_hide_sel dsx_auto_hide --name bench_offload_final_h2048_s21 \
+      --out benchmarks/results > "$OUT/bench-offload-final-h2048-s21.log" 2>&1
+    ;;
+  offload73)  # 1 GPU: stop 21's closing run, part 2: every strategy at hidden 4096, micro-batch 4, the SSD tier included
+    log bench-offload-final-h4096-s21; timeout 575 python benchmarks/bench_offload.py --hidden 4096 --heads 32 \
+      --micro-batch 4 --warmup 2 --steps 3 --pool-gb 20 --child-timeout 90 --configs none recompute save_on_cpu \
+      ds_cpu_ckpt megatron_selective dsx_host_sel dsx_ssd_sel dsx_auto_budget_sel dsx_auto_hide_sel \
+      --name bench_offload_final_h4096_s21 --out benchmarks/results > "$OUT/bench-offload-final-h4096-s21.log" 2>&1
+    ;;
+  offload74)  # 1 GPU: stop 21's closing run, part 3: the SSD tier at hidden 2048 (~8 GiB a step each way over the
+              # virtio disk: its own invocation, 280 s allowed), then micro-batch 16, which runs out of memory without dsx
+    log bench-offload-final-h2048-ssd-s21; timeout 300 python benchmarks/bench_offload.py --warmup 1 --steps 2 \
+      --pool-gb 20 --child-timeout 280 --configs dsx_ssd_sel --name bench_offload_final_h2048_ssd_s21 \
+      --out benchmarks/results > "$OUT/bench-offload-final-h2048-ssd-s21.log" 2>&1
+    log bench-offload-final-mb16-s21; timeout 200 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+      --child-timeout 80 --micro-batch 16 --configs none recompute dsx_auto_budget_sel \
+      --name bench_offload_final_mb16_s21 --out benchmarks/results > "$OUT/bench-offload-final-mb16-s21.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
