@@ -124,11 +124,12 @@ def _section(
     if name.endswith("_sel"):
         base["recompute_modules"] = [attention]
         name = name.removesuffix("_sel")
-    auto = {"policy": "auto", "write_barrier": write_barrier}  # (fixed policies have no plan to place it by)
+    barrier = {"write_barrier": write_barrier}  # (read by the policies that move bytes)
+    auto = {"policy": "auto", **barrier}
     return {
         "recompute": {**base, "policy": "recompute_all"},
-        "dsx_host": {**base, "policy": "offload_all", "tiers": ["host"]},
-        "dsx_ssd": {**base, "policy": "offload_all", "tiers": ["ssd"], "ssd_path": ssd_dir},
+        "dsx_host": {**base, **barrier, "policy": "offload_all", "tiers": ["host"]},
+        "dsx_ssd": {**base, **barrier, "policy": "offload_all", "tiers": ["ssd"], "ssd_path": ssd_dir},
         "ds_cpu_ckpt": None,
         "dsx_auto_budget": {**base, **auto, "tiers": ["host", "ssd"], "ssd_path": ssd_dir,
                             "memory_budget_gb": budget_gb},
@@ -257,8 +258,11 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
                     "write_barrier_waits": [len(off.plan.write_barrier), len(off.plan.write_barrier_bwd)],
                     "profiles": [dataclasses.asdict(p) for p in off.plan.profiles]}  # fmt: skip
     read_pool = None  # the pool dsx's reads used ("auto" resolved)
+    barrier = None  # whether the write barrier was installed (the host waits for moved bytes to leave)
     if rt and "activation_offload" in rt.features:
         read_pool = rt.features["activation_offload"].offload.mover.read_pool
+        hooks = rt.features["activation_offload"].offload.hooks
+        barrier = bool(hooks.write_barrier or hooks.write_barrier_bwd)
     # the event_wait mode ("auto" resolved; None: an A/B tree from before the setting, which spun)
     waiter = getattr(rt.scheduler, "waiter", None) if rt and rt.scheduler else None
     # whether the steps ran with expandable allocator segments (dsx restores the setting at close)
@@ -291,7 +295,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     return {"config": name, "step_s": step_s, "tokens_per_s": args.micro_batch * args.seq_len / step_s,
             "activation_peak_gb": peak / 1e9, "peak_allocated_gb": peak_total / 1e9,
             "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan,
-            "allocator_per_step": alloc_counts, "read_pool": read_pool, "event_wait": waiter.mode if waiter else None,
+            "allocator_per_step": alloc_counts, "read_pool": read_pool, "write_barrier": barrier, "event_wait": waiter.mode if waiter else None,
             "expandable_segments": expandable,
             "measured_window_unix": window, "step_times_s": times, "gc_in_measured_steps": gc_clock.summary(),
             "host_probe_s": host_probe, "dsx_path": str(Path(dsx.__file__).parent),
@@ -494,7 +498,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--read-pool", choices=["auto", "compute", "prefetch"], default="auto",
                    help="dsx configs: the read_pool setting (allocator pool of read buffers)")  # fmt: skip
     p.add_argument("--write-barrier", choices=["auto", "on", "off"], default="auto",
-                   help="dsx auto configs: the write_barrier setting (auto: on under a budget, off hide-only)")  # fmt: skip
+                   help="dsx configs that move bytes: the write_barrier setting (default: dsx's)")  # fmt: skip
     p.add_argument(
         "--event-wait",
         choices=EVENT_WAIT_MODES,

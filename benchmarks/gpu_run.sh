@@ -765,6 +765,28 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --child-timeout 80 --micro-batch 16 --configs none recompute dsx_auto_budget_sel \
       --name bench_offload_final_mb16_s21 --out benchmarks/results > "$OUT/bench-offload-final-mb16-s21.log" 2>&1
     ;;
+  offload75)  # 1 GPU: the write barrier on by default (hide-only plans, and offload_all's fixed rule): the events and
+              # offload GPU tests; offload_all +sel at hidden 2048 with the barrier (now the default) and without
+              # (its peak rose from 11.8 to 17.9 GB in offload72: the host queued backward under the copies);
+              # no offload and hide-only +sel at hidden 4096 (barrier now on); auto at hidden 4096 at 1.00 and 1.01x
+              # recompute's peak with the allocator's history (offload73's mixed plan overshot by one 64 MiB block)
+    mkdir -p "$OUT/l"
+    log gpu-tests; timeout 200 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_events.py \
+      tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1
+    for wb in auto off; do
+      log host-sel-barrier-$wb; timeout 100 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 \
+        --child-timeout 90 --configs dsx_host_sel --write-barrier $wb --name bench_offload_fixed_barrier_s21_$wb \
+        --out benchmarks/results > "$OUT/l/host-sel-barrier-$wb.log" 2>&1
+    done
+    log h4096-hide; timeout 130 python benchmarks/bench_offload.py --hidden 4096 --heads 32 --micro-batch 4 \
+      --warmup 2 --steps 5 --pool-gb 20 --child-timeout 90 --configs none dsx_auto_hide_sel \
+      --name bench_offload_hide_h4096_s21 --out benchmarks/results > "$OUT/l/h4096-hide.log" 2>&1
+    [ $SECONDS -lt 400 ] && { log h4096-budget-trace; timeout 180 python benchmarks/bench_offload.py --hidden 4096 \
+      --heads 32 --micro-batch 4 --warmup 2 --steps 3 --pool-gb 20 --child-timeout 90 \
+      --configs recompute dsx_auto_budget_sel --budget-scales 1 1.01 --memory-history benchmarks/results \
+      --name bench_offload_budget_h4096_s21 --out benchmarks/results > "$OUT/l/h4096-budget-trace.log" 2>&1; }
+    tar czf "$OUT/logs.tgz" -C "$OUT/l" . && rm -rf "$OUT/l"
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

@@ -191,8 +191,9 @@ def test_gpu_late_reads_are_waited_for_once_per_run_of_the_stream(tmp_path, read
 def test_gpu_host_reads_wait_for_their_writes_on_the_gpu(tmp_path, read_pool):
     """Host reads queued on the fetching thread (no verify) are ordered after their writes by an event, not by
     a host wait: with the offload stream held back (a sleep queued on it), every copy out lands after the
-    forward has ended on the host and the copies back are queued; they must still read what was written."""
-    model, batches, want, cfg = _host_all(2, 3, read_pool=read_pool)
+    forward has ended on the host and the copies back are queued; they must still read what was written. (The
+    write barrier, which would hold the host until the writes land, is off.)"""
+    model, batches, want, cfg = _host_all(2, 3, read_pool=read_pool, write_barrier="off")
     late = []
     with _offloaded(model, cfg) as (off, sched):
 
@@ -309,8 +310,9 @@ def test_gpu_host_writes_need_no_io_thread(tmp_path):
 def test_gpu_slots_of_a_graph_dropped_while_its_writes_copy_wait_for_the_copies(tmp_path):
     """A graph dropped before its writes' copies end (the offload stream held back by a sleep): its entries
     are released at the step's end, but their host slots, which the copies are still writing, go back only
-    once the copies are seen to end; the next steps give the gradients of a run without offload."""
-    model, batches, want, cfg = _host_all(5, 2)
+    once the copies are seen to end; the next steps give the gradients of a run without offload. (The write
+    barrier, which would hold the forward until the copies end, is off.)"""
+    model, batches, want, cfg = _host_all(5, 2, write_barrier="off")
     with _offloaded(model, cfg) as (off, sched):
         # a warm step first, parameters unchanged: the first pack allocates the pinned pool (1.6 s on the H100)
         model(batches[0]).float().pow(2).mean().backward()

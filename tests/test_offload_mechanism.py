@@ -724,19 +724,21 @@ def test_inputs_every_layer_is_given_stay_on_the_device(tmp_path, tiers):
 
 @pytest.mark.parametrize("barrier", [True, False])
 def test_write_barrier_holds_the_forward_until_earlier_layers_left_the_device(tmp_path, barrier):
-    """With the plan's write barrier, layer j's forward starts only once the bytes layers <= j - 2 moved have
-    left the device (the allocator then sees them freed before j allocates); the single I/O thread is kept
-    busy for 0.5 s so that the writes are late. Without the barrier the forward runs ahead of them (this
-    check can fail). Gradients stay bitwise equal either way."""
+    """With the write barrier (``offload_all``'s fixed rule, on by default), layer j's forward starts only
+    once the bytes layers <= j - 2 moved have left the device (the allocator then sees them freed before j
+    allocates); the single I/O thread is kept busy for 0.5 s so that the writes are late. With
+    ``write_barrier: "off"`` the forward runs ahead of them (this check can fail). Gradients stay bitwise
+    equal either way."""
     import threading
 
     model, batches, want = _reference(21, 2)
     sched = Scheduler(SchedulerConfig(io_workers=1))
-    off = ActivationOffload(model, _cfg(tmp_path, ["host"]), sched)
+    cfg = _cfg(tmp_path, ["host"]) if barrier else _cfg(tmp_path, ["host"], write_barrier="off")
+    off = ActivationOffload(model, cfg, sched)
     n = len(off.hooks.layers)
     assert n >= 3
-    if barrier:
-        off.hooks.write_barrier = [max(-1, j - 2) for j in range(n)] + [n - 1]
+    fixed = ([max(-1, j - 2) for j in range(n)] + [n - 1], [])
+    assert (off.hooks.write_barrier, off.hooks.write_barrier_bwd) == (fixed if barrier else ([], []))
     seen: list[bool] = []
 
     def probe(j):
@@ -781,7 +783,7 @@ def test_backward_write_barrier_waits_at_the_layer_backward_start(tmp_path, barr
 
     model, batches, want = _reference(22, 2)
     sched = Scheduler(SchedulerConfig(io_workers=1))
-    off = ActivationOffload(model, _cfg(tmp_path, ["host"]), sched)
+    off = ActivationOffload(model, _cfg(tmp_path, ["host"], write_barrier="off"), sched)
     layers = off.hooks.layers
     n = len(layers)
     if barrier:

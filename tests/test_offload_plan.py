@@ -22,6 +22,7 @@ from dsx.offload.plan import (
     tier_capacity,
     tier_usage,
     write_barrier,
+    write_barrier_fixed,
 )
 from dsx.runtime.bandwidth import measure_file_bandwidth, measure_host_bandwidth, measure_tier_bandwidth
 
@@ -441,15 +442,31 @@ def test_write_barrier_waits_where_the_model_has_the_writes_done() -> None:
 
 @pytest.mark.parametrize(
     ("setting", "budget_gb", "on"),
-    [("auto", None, False), ("auto", 1e3, True), ("on", None, True), ("off", 1e3, False)],
+    [
+        ("auto", None, True),
+        ("auto", 1e3, True),
+        ("on", None, True),
+        ("off", 1e3, False),
+        ("off", None, False),
+    ],
 )
 def test_write_barrier_setting(setting: str, budget_gb: float | None, on: bool) -> None:
-    """``auto`` holds the host only where a budget makes memory the point: with none (hide only) the wait
-    cost ~4% of the step rate on the H100 (0.954x no offload against 0.986x) for memory nobody asked for."""
+    """``auto`` holds the host with a budget and without one: a hide-only plan's moved bytes are freed
+    before later layers allocate (36.6 GB peak against 38.7-39.4 on the H100) at no measured step time."""
     prof = _profiles(random.Random(4), 5)
     plan = make_plan(prof, BW, _cfg(write_barrier=setting, memory_budget_gb=budget_gb))
     assert (len(plan.write_barrier), len(plan.write_barrier_bwd)) == ((6, 5) if on else (0, 0))
     assert f"write barrier {'on' if on else 'off'}" in plan.describe()
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_fixed_write_barrier_waits_two_layers_back_and_for_all_before_backward(n: int) -> None:
+    fwd, bwd = write_barrier_fixed(n)
+    assert len(fwd) == n + 1 and bwd == []
+    assert fwd[:n] == [j - 2 if j >= 2 else -1 for j in range(n)] and fwd[n] == n - 1
+    assert write_barrier_fixed(n, lag=1)[0][:n] == list(range(-1, n - 1))
+    with pytest.raises(ValueError, match="lag"):
+        write_barrier_fixed(n, lag=0)
 
 
 def test_write_barrier_setting_rejects_unknown_values() -> None:

@@ -88,6 +88,17 @@ def test_a_fixed_policy_names_the_settings_it_ignores(tmp_path, caplog):
     sched.close()
     line = next(r.getMessage() for r in caplog.records if "ignores" in r.getMessage())
     assert "memory_budget_gb=3.0" in line and "write_barrier='on'" in line and "profile_mode" not in line
+    assert "read by policy 'auto', 'offload_all' only" in line  # (write_barrier's readers)
+    # offload_all reads write_barrier (its fixed rule): only the budget is named
+    caplog.clear()
+    cfg = _cfg(tmp_path, policy="offload_all", memory_budget_gb=3.0, write_barrier="off")
+    with caplog.at_level(logging.WARNING, logger="dsx.offload"):
+        off, sched = _attach(TinyGPT(), cfg)
+    assert (off.hooks.write_barrier, off.hooks.write_barrier_bwd) == ([], [])
+    off.close()
+    sched.close()
+    line = next(r.getMessage() for r in caplog.records if "ignores" in r.getMessage())
+    assert "memory_budget_gb=3.0" in line and "write_barrier" not in line
 
 
 @pytest.mark.skipif(importlib.util.find_spec("kvikio") is not None, reason="kvikio is installed here")

@@ -53,8 +53,9 @@ def _st_dev(path: str) -> int:
     return os.stat(path).st_dev
 
 
-# settings only policy auto reads
+# settings only policy auto reads, and the fixed policies that read one of them too
 _AUTO_ONLY = ("memory_budget_gb", "profile_mode", "profile_warmup_steps", "write_barrier")
+_READ_BY_FIXED = {"write_barrier": ("offload_all",)}
 
 
 def _warn_unused_auto_settings(cfg: ActivationOffloadConfig) -> None:
@@ -62,13 +63,16 @@ def _warn_unused_auto_settings(cfg: ActivationOffloadConfig) -> None:
     set_keys = [
         k
         for k in _AUTO_ONLY
-        if k in cfg.model_fields_set and getattr(cfg, k) != type(cfg).model_fields[k].default
+        if k in cfg.model_fields_set
+        and getattr(cfg, k) != type(cfg).model_fields[k].default
+        and cfg.policy not in _READ_BY_FIXED.get(k, ())
     ]
     if set_keys and _rank() == 0:
+        readers = {k: ", ".join(repr(p) for p in ("auto", *_READ_BY_FIXED.get(k, ()))) for k in set_keys}
         logger.warning(
-            "dsx activation offload: policy %r ignores %s (read by policy 'auto' only)",
+            "dsx activation offload: policy %r ignores %s",
             cfg.policy,
-            ", ".join(f"{k}={getattr(cfg, k)!r}" for k in set_keys),
+            ", ".join(f"{k}={getattr(cfg, k)!r} (read by policy {readers[k]} only)" for k in set_keys),
         )
 
 
@@ -260,7 +264,12 @@ class ActivationOffload:
         if cfg.policy == "offload_all":
             last = cfg.tiers[-1]  # "ordered": writes pass the tiers in order and rest in the last
             sel = [f"{last}+sel" if subs else last for subs in self._subs]
-            self._apply(sel, cfg.prefetch_depth or 1)
+            from dsx.offload.plan import write_barrier_fixed
+
+            on = cfg.resolved("write_barrier") == "on"
+            self._apply(
+                sel, cfg.prefetch_depth or 1, barriers=write_barrier_fixed(len(sel)) if on else ([], [])
+            )
         elif cfg.policy == "recompute_all":
             self._apply(["recompute"] * len(self.layers), 1)
         elif cfg.policy == "auto":
@@ -293,7 +302,7 @@ class ActivationOffload:
     ) -> None:
         """Install per-layer actions: ``keep``, ``host``, ``ssd``, ``recompute``, ``<keep|host|ssd>+sel`` or
         ``recompute+<host|ssd>`` (recomputed, with the inputs the checkpoint keeps moved to the tier), and the
-        plan's write barriers (forward, backward); fixed policies have no timing model to place them by."""
+        write barriers (forward, backward): the plan's, or ``offload_all``'s fixed rule."""
         tiers = []
         for i, a in enumerate(actions):
             parts = a.split("+")
