@@ -787,6 +787,19 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --name bench_offload_budget_h4096_s21 --out benchmarks/results > "$OUT/l/h4096-budget-trace.log" 2>&1; }
     tar czf "$OUT/logs.tgz" -C "$OUT/l" . && rm -rf "$OUT/l"
     ;;
+  offload76)  # 1 GPU: the final code of stop 21 (write barrier back off for hide-only plans, on for offload_all; a
+              # backward-start hook below each moved layer releases its read buffers before the recomputed layers'
+              # backward): the events and offload GPU tests, auto at hidden 4096 at recompute's peak (offload73/75:
+              # one 64 MiB read buffer over, so recompute_all), then micro-batch 16 (OOM without dsx) again
+    log gpu-tests; timeout 220 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_events.py \
+      tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1
+    log h4096-budget; timeout 180 python benchmarks/bench_offload.py --hidden 4096 --heads 32 --micro-batch 4 \
+      --warmup 2 --steps 3 --pool-gb 20 --child-timeout 90 --configs recompute dsx_auto_budget_sel \
+      --name bench_offload_budget_h4096_s21_final --out benchmarks/results > "$OUT/h4096-budget.log" 2>&1
+    [ $SECONDS -lt 420 ] && { log mb16; timeout 150 python benchmarks/bench_offload.py --warmup 2 --steps 3 \
+      --pool-gb 20 --child-timeout 80 --micro-batch 16 --configs none recompute dsx_auto_budget_sel \
+      --name bench_offload_final_mb16_s21_final --out benchmarks/results > "$OUT/mb16.log" 2>&1; }
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

@@ -94,9 +94,11 @@ class ActivationOffloadConfig(_Section):
     profile_mode: Literal["auto", "keep", "recompute"] = "auto"
     # policies auto and offload_all: hold the host until earlier layers' moved bytes have left the device (auto:
     # where the plan's model has their writes done; offload_all: two layers back, and all of them before
-    # backward), so that they are freed before later layers allocate. "auto": on. A hide-only plan on the
-    # H100 (hidden 2048): 36.6 GB peak with it against 38.7-39.4 without, at 0.976-0.986x no offload against
-    # 0.982-0.987x (stop 21); offload_all: see docs/offload.md, "Write barrier"
+    # backward), so that they are freed before later layers allocate. "auto": on under memory_budget_gb and
+    # for offload_all; off for a hide-only plan, where it would trade step time for memory nobody asked for
+    # (H100, stop 21, no offload against hide-only with it: 0.976-0.986x at hidden 2048, 36.6 GB peak against
+    # 38.7-39.4 without; 0.912x at hidden 4096. offload_all +sel at hidden 2048: 11.8 GB against 16.6, 413 ms
+    # a step against 402; docs/offload.md, "Write barrier")
     write_barrier: Literal["auto", "on", "off"] = "auto"
     # which CUDA caching-allocator pool read buffers come from. "compute": the compute stream's, allocated where
     # the read is issued and ordered after the work queued there; one pool, so the blocks forward's moves free
@@ -125,22 +127,19 @@ class ActivationOffloadConfig(_Section):
     # the settings whose "auto" follows memory_budget_gb: (the value under a budget, the value without one)
     _AUTO_BY_BUDGET: ClassVar[dict[str, tuple[str, str]]] = {
         "profile_mode": ("recompute", "keep"),
+        "write_barrier": ("on", "off"),
         "read_pool": ("compute", "prefetch"),
         "expandable_segments": ("on", "off"),
     }
-    # the settings whose "auto" is one value (kept as "auto" in configs: dsx's choice, which may move)
-    _AUTO_FIXED: ClassVar[dict[str, str]] = {"write_barrier": "on"}
 
     def resolved(self, key: str) -> str:
-        """``key``'s value with ``"auto"`` decided: under ``memory_budget_gb`` memory is the point (profile
-        under recomputation, read into the compute stream's pool, expandable allocator segments); without one,
-        step time is (keep, the prefetch stream's pool, the allocator as it is). The write barrier is on in
-        both: it costs a hide-only plan no measured step time."""
+        """``key``'s value with ``"auto"`` decided for policy ``auto``: under ``memory_budget_gb`` memory is
+        the point (profile under recomputation, hold the write barrier, read into the compute stream's pool,
+        expandable allocator segments); without one, step time is (keep, no barrier, the prefetch stream's
+        pool, the allocator as it is). (``offload_all`` holds the barrier unless it is ``"off"``.)"""
         value = getattr(self, key)
         if value != "auto":
             return value
-        if key in self._AUTO_FIXED:
-            return self._AUTO_FIXED[key]
         with_budget, without = self._AUTO_BY_BUDGET[key]
         return with_budget if self.memory_budget_gb is not None else without
 

@@ -141,9 +141,11 @@ def test_gpu_bitwise(tmp_path, tiers, backend, sel, read_pool, verify):
         got = _train(model, batches, off)
         assert inline and all(inline) == (tiers == ["host"] and not verify) and any(inline) == all(inline)
         assert sum(sched.telemetry.history[0].bytes_by_tier.values()) > 0
-        # every read's device-side wait was timed and resolved (zero when the data were back in time)
+        # every read's device-side wait was timed and resolved (zero when the data were back in time), and
+        # the write barrier's (offload_all holds it), when the writes were late
         summary = sched.telemetry.summary()
-        assert set(summary["gpu_wait_by"]) == {"unpack"} and summary["gpu_wait_s"] >= 0.0
+        assert {"unpack"} <= set(summary["gpu_wait_by"]) <= {"unpack", "write-barrier"}
+        assert summary["gpu_wait_s"] >= 0.0
     finally:
         off.close()
         sched.close()

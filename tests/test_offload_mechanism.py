@@ -843,6 +843,33 @@ def test_reads_start_at_the_backward_of_the_layer_depth_above(tmp_path, depth):
     assert_same_grads(want, got)
 
 
+def test_a_moved_layers_read_buffers_go_back_before_the_recomputed_layers_below_run(tmp_path):
+    """Layers recomputed (or kept) below a moved one have no unpack of their own: the moved layer's last
+    handles die after its last unpack, and their entries (with the read buffers) must be released as the
+    layer below starts its backward, not at the end of backward, where they sat through the recomputed layers'
+    backward (on the H100, one 64 MiB read buffer over a budget set at full recompute's peak)."""
+    model, batches, want = _reference(23, 2, make=lambda: TinyGPT(layers=4))
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    off = ActivationOffload(model, _cfg(tmp_path, ["host"], host_pool_gb=0.2, write_barrier="off"), sched)
+    left: list[int] = []
+
+    def watch(module, args, out):  # registered after dsx's hook: its tensor hook fires after dsx's
+        if torch.is_grad_enabled():
+            out.register_hook(lambda g: left.append(len(off.mover.entries_of(2))))
+
+    handle = off.layers[1].register_forward_hook(watch)
+    try:
+        off._apply(["recompute", "recompute", "host", "keep"], 1)
+        got = _train(model, batches, off)
+    finally:
+        handle.remove()
+        off.close()
+        sched.close()
+    assert len(left) == len(batches), left
+    assert left == [0] * len(batches), f"layer 2's entries still held at layer 1's backward start: {left}"
+    assert_same_grads(want, got)
+
+
 @pytest.mark.parametrize(
     "setting,budget_gb,pool",
     [

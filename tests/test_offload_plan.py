@@ -443,7 +443,7 @@ def test_write_barrier_waits_where_the_model_has_the_writes_done() -> None:
 @pytest.mark.parametrize(
     ("setting", "budget_gb", "on"),
     [
-        ("auto", None, True),
+        ("auto", None, False),
         ("auto", 1e3, True),
         ("on", None, True),
         ("off", 1e3, False),
@@ -451,8 +451,8 @@ def test_write_barrier_waits_where_the_model_has_the_writes_done() -> None:
     ],
 )
 def test_write_barrier_setting(setting: str, budget_gb: float | None, on: bool) -> None:
-    """``auto`` holds the host with a budget and without one: a hide-only plan's moved bytes are freed
-    before later layers allocate (36.6 GB peak against 38.7-39.4 on the H100) at no measured step time."""
+    """``auto`` holds the host only where a budget makes memory the point: with none (hide only) the wait
+    cost up to 9% of the step rate on the H100 (hidden 4096: 0.912x no offload) for memory nobody asked for."""
     prof = _profiles(random.Random(4), 5)
     plan = make_plan(prof, BW, _cfg(write_barrier=setting, memory_budget_gb=budget_gb))
     assert (len(plan.write_barrier), len(plan.write_barrier_bwd)) == ((6, 5) if on else (0, 0))

@@ -266,7 +266,7 @@ class ActivationOffload:
             sel = [f"{last}+sel" if subs else last for subs in self._subs]
             from dsx.offload.plan import write_barrier_fixed
 
-            on = cfg.resolved("write_barrier") == "on"
+            on = cfg.write_barrier != "off"  # (memory is what offload_all is for: "auto" holds it)
             self._apply(
                 sel, cfg.prefetch_depth or 1, barriers=write_barrier_fixed(len(sel)) if on else ([], [])
             )

@@ -239,7 +239,11 @@ class LayerHooks:
             # start for the writes the model has finished by then (else forward's end waited already)
             bwd, at_end = self.write_barrier_bwd, (self.write_barrier or [-1])[-1]
             upto = bwd[i] if bwd and bwd[i] > at_end else None
-            if upto is None and not self._moved_from(i):
+            # (below a moved layer the hook also releases what that layer's backward freed: its last handles
+            # die after its last unpack, and kept or recomputed layers have no unpack that would release them;
+            # their read buffers stayed allocated to the end of backward, a 64 MiB block over the budget at
+            # hidden 4096 on the H100)
+            if upto is None and not self._moved_from(i) and not self._moved_above(i):
                 return
             y = next((t for t in _tensors(out) if t.requires_grad), None)
             if y is not None:  # fires once the gradient of the layer's output is known: its backward starts
@@ -260,6 +264,10 @@ class LayerHooks:
             for j in range(i, max(-1, i - 1 - self.prefetch_depth), -1)
             if self.actions[j] in ("host", "ssd")
         ]
+
+    def _moved_above(self, i: int) -> bool:
+        """Whether a layer after ``i`` moves (its backward runs before ``i``'s)."""
+        return any(a in ("host", "ssd") for a in self.actions[i + 1 :])
 
     def _backward_starts(self, i: int, upto: int | None) -> None:
         self.release_dead()
