@@ -53,26 +53,32 @@ def _st_dev(path: str) -> int:
     return os.stat(path).st_dev
 
 
-# settings only policy auto reads, and the fixed policies that read one of them too
-_AUTO_ONLY = ("memory_budget_gb", "profile_mode", "profile_warmup_steps", "write_barrier")
-_READ_BY_FIXED = {"write_barrier": ("offload_all",)}
+# settings a fixed policy may ignore, and the policies that read each
+_READERS = {
+    "memory_budget_gb": ("auto",),
+    "profile_mode": ("auto",),
+    "profile_warmup_steps": ("auto",),
+    "write_barrier": ("auto", "offload_all"),
+}
 
 
 def _warn_unused_auto_settings(cfg: ActivationOffloadConfig) -> None:
     """A fixed policy has no profile and no plan: say so when the config sets what only a plan uses."""
     set_keys = [
         k
-        for k in _AUTO_ONLY
+        for k, readers in _READERS.items()
         if k in cfg.model_fields_set
         and getattr(cfg, k) != type(cfg).model_fields[k].default
-        and cfg.policy not in _READ_BY_FIXED.get(k, ())
+        and cfg.policy not in readers
     ]
     if set_keys and _rank() == 0:
-        readers = {k: ", ".join(repr(p) for p in ("auto", *_READ_BY_FIXED.get(k, ()))) for k in set_keys}
         logger.warning(
             "dsx activation offload: policy %r ignores %s",
             cfg.policy,
-            ", ".join(f"{k}={getattr(cfg, k)!r} (read by policy {readers[k]} only)" for k in set_keys),
+            ", ".join(
+                f"{k}={getattr(cfg, k)!r} (read by policy {', '.join(map(repr, _READERS[k]))} only)"
+                for k in set_keys
+            ),
         )
 
 
@@ -266,7 +272,8 @@ class ActivationOffload:
             sel = [f"{last}+sel" if subs else last for subs in self._subs]
             from dsx.offload.plan import write_barrier_fixed
 
-            on = cfg.write_barrier != "off"  # (memory is what offload_all is for: "auto" holds it)
+            # ("auto" holds it: memory is what offload_all is for; resolved() decides "auto" for policy auto)
+            on = cfg.write_barrier != "off"
             self._apply(
                 sel, cfg.prefetch_depth or 1, barriers=write_barrier_fixed(len(sel)) if on else ([], [])
             )

@@ -151,6 +151,7 @@ class LayerHooks:
         # storages a kept layer beside a moved one saved this step: (address, bytes) -> (base, version)
         self._kept: dict[tuple[int, int], tuple[weakref.ref, int]] = {}
         self._fetched_layers: set[int] = set()
+        self._top_moved = -1  # the last layer the running forward moves (set at its start)
         # each layer's saved storages in the order it saves them (what a partial move takes: its first ones)
         self.profile_sizes: list[list[int]] = [[] for _ in layers]
         self._profile_seen: set[tuple[int, int]] = set()
@@ -191,6 +192,8 @@ class LayerHooks:
         self._fetched_layers.clear()
         self._moved_bytes.clear()
         self._kept.clear()
+        # the last layer this forward moves (actions change between steps only): see _make_post's hook
+        self._top_moved = max((j for j, a in enumerate(self.actions) if a in ("host", "ssd")), default=-1)
         with self._lock:  # forget storages that died or were released: the table stays one step long
             self._dedup = {k: v for k, v in self._dedup.items() if _holds(v[1], k) and not v[0].released}
 
@@ -243,7 +246,7 @@ class LayerHooks:
             # die after its last unpack, and kept or recomputed layers have no unpack that would release them;
             # their read buffers stayed allocated to the end of backward, a 64 MiB block over the budget at
             # hidden 4096 on the H100)
-            if upto is None and not self._moved_from(i) and not self._moved_above(i):
+            if upto is None and not self._moved_from(i) and i >= self._top_moved:
                 return
             y = next((t for t in _tensors(out) if t.requires_grad), None)
             if y is not None:  # fires once the gradient of the layer's output is known: its backward starts
@@ -264,10 +267,6 @@ class LayerHooks:
             for j in range(i, max(-1, i - 1 - self.prefetch_depth), -1)
             if self.actions[j] in ("host", "ssd")
         ]
-
-    def _moved_above(self, i: int) -> bool:
-        """Whether a layer after ``i`` moves (its backward runs before ``i``'s)."""
-        return any(a in ("host", "ssd") for a in self.actions[i + 1 :])
 
     def _backward_starts(self, i: int, upto: int | None) -> None:
         self.release_dead()
