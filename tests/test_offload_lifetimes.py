@@ -300,19 +300,28 @@ def test_a_layer_that_raises_closes_its_saved_tensor_hooks(tmp_path):
 
 def test_a_tensor_moved_off_its_storage_by_data_is_not_matched_at_the_address_it_left(tmp_path):
     """``h.data = ...`` (as Megatron frees pipeline outputs) leaves ``h`` alive on another storage. Its old
-    address, freed once the write ends, comes back as the next tensor of that size; saved then, that tensor
-    must be moved as itself, not matched to ``h``'s bytes (the first saver never runs backward: legal)."""
+    address, freed once the write ends, can come back as the next tensor of that size; saved then, that tensor
+    must be moved as itself, not matched to ``h``'s bytes (the first saver never runs backward: legal).
+
+    The next tensor is put on h's old storage here, as the allocator would: left to glibc, a block freed on
+    the I/O thread went to that thread's cache, and whether the address came back depended on the suite's
+    earlier tests (the guard below, that it came back, failed in one full CI run). With the dedup table's
+    old check (the tensor alive, not on its storage) the gradient here is wrong."""
     seen = {"reused": 0}
 
     class Swap(torch.nn.Module):
         def forward(self, x):
             h = x * 2
             self.y = h.sin()  # saves h (moved); y is never backpropagated
-            old = h.untyped_storage().data_ptr()
+            left = h.untyped_storage()
+            old = left.data_ptr()
             h.data = torch.empty(1)
             for e in off.mover.entries_of(0):
-                e.written.result()  # the write ended: h's old storage is free
-            z = x * 3
+                e.written.result()  # the write ended: h's old bytes are on the host
+            z = x * 3  # (version 0, as h was saved at: only the storage check tells them apart)
+            on_left = torch.empty(0, dtype=x.dtype).set_(left, 0, x.shape, x.stride())
+            on_left.copy_(z.detach())
+            z.data = on_left  # z keeps its graph and version; its bytes now sit where h's were
             seen["reused"] += z.untyped_storage().data_ptr() == old
             return z.cos()
 
