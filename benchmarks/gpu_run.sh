@@ -800,6 +800,18 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --pool-gb 20 --child-timeout 80 --micro-batch 16 --configs none recompute dsx_auto_budget_sel \
       --name bench_offload_final_mb16_s21_final --out benchmarks/results > "$OUT/mb16.log" 2>&1; }
     ;;
+  offload77)  # 1 GPU: stop 22: the events and offload GPU tests on stop 21's final code (its last two commits, the
+              # release hook's condition and a test, were not run on the GPU), then the SSD tier at hidden 2048 again
+              # (offload74's row ran before offload_all held the write barrier), then micro-batch 16 on the final code
+    log gpu-tests; timeout 220 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_events.py \
+      tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1
+    log bench-offload-final-h2048-ssd-s22; timeout 300 python benchmarks/bench_offload.py --warmup 1 --steps 2 \
+      --pool-gb 20 --child-timeout 280 --configs dsx_ssd_sel --name bench_offload_final_h2048_ssd_s22 \
+      --out benchmarks/results > "$OUT/bench-offload-final-h2048-ssd-s22.log" 2>&1
+    [ $SECONDS -lt 440 ] && { log mb16; timeout 150 python benchmarks/bench_offload.py --warmup 2 --steps 3 \
+      --pool-gb 20 --child-timeout 80 --micro-batch 16 --configs none recompute dsx_auto_budget_sel \
+      --name bench_offload_final_mb16_s22 --out benchmarks/results > "$OUT/mb16.log" 2>&1; }
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
