@@ -812,6 +812,15 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --pool-gb 20 --child-timeout 80 --micro-batch 16 --configs none recompute dsx_auto_budget_sel \
       --name bench_offload_final_mb16_s22 --out benchmarks/results > "$OUT/mb16.log" 2>&1; }
     ;;
+  offload78)  # 1 GPU: SSD writes give their device bytes back when the copy ends (the compute thread's poll), not
+              # when an I/O thread reaches them (offload77: the write barrier waited 3.6 s a step on the drive):
+              # the events and offload GPU tests, then the SSD tier at hidden 2048 as in offload77
+    log gpu-tests; timeout 220 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_events.py \
+      tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1
+    log bench-offload-final-h2048-ssd-s22b; timeout 300 python benchmarks/bench_offload.py --warmup 1 --steps 2 \
+      --pool-gb 20 --child-timeout 280 --configs dsx_ssd_sel --name bench_offload_final_h2048_ssd_s22b \
+      --out benchmarks/results > "$OUT/bench-offload-final-h2048-ssd-s22b.log" 2>&1
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

@@ -500,3 +500,40 @@ def test_gpu_auto_trains_a_micro_batch_that_fits_only_with_it(tmp_path):
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert plan is not None and all(not p.recompute_only for p in plan.profiles)
     assert peaks[-1] <= budget * 2**30, (peaks, budget, [a.value for a in plan.actions])
+
+
+def test_gpu_ssd_writes_give_device_memory_back_when_their_copies_end(tmp_path):
+    """An SSD write's device bytes go back once its copy to the host slot ends, not once an I/O thread gets to
+    its file write: with the drive's gate shut (as for DeepSpeed's optimizer swap) every I/O thread waits there
+    with more writes queued behind it, and still every moved tensor is off the device after the forward (before
+    stop 22 only those the threads had reached were, so the write barrier waited on the drive). Once the gate
+    opens the step's gradients are those of a run without offload."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model, batches, want = _reference(seed=6, n_batches=2)
+    cfg = ActivationOffloadConfig(enabled=True, tiers=["ssd"], ssd_path=str(tmp_path), policy="offload_all",
+                                  host_pool_gb=1, min_tensor_bytes=0, io_backend="posix",
+                                  write_barrier="off")  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    got = []
+    with _offloaded(model, cfg) as (off, sched):
+        for i, x in enumerate(batches):
+            opt.zero_grad()
+            with sched.paused("ssd"):
+                loss = model(x).float().pow(2).mean()
+                torch.cuda.synchronize()
+                off.mover.poll_writes()
+                entries = [e for layer in range(4) for e in off.mover.entries_of(layer)]
+                waiting = sum(not e.written.done() for e in entries)
+                assert waiting > 4, (
+                    f"{waiting} file writes queued: no more than the I/O threads, nothing checked"
+                )
+                left = [e.name for e in entries if e.src is not None or not e.off_device.is_set()]
+                assert not left, (
+                    f"step {i}: device bytes held by writes the I/O threads had not reached: {left}"
+                )
+            loss.backward()
+            got.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            off.end_step()
+    assert_same_grads(want, got)

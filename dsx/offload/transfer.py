@@ -1,11 +1,12 @@
 """Moves one storage device → host (→ SSD) during forward and back during backward, asynchronously.
 
 On CUDA, pack records an event on the compute stream; the device→host copy waits on it on the scheduler's
-``"offload"`` side stream. A host-tier write without ``verify`` needs nothing more on the host: the threads
-that queue the GPU's work see its copy end (an event query, in queue order, at the layer hooks:
-:meth:`Mover.poll_writes`) and drop the device reference there (the memory goes back to the caching
-allocator). An SSD write, or one under ``verify``, needs the bytes on the host: an I/O thread waits
-for the copy's event, drops the device reference, and writes the host slot to the file (or checksums it).
+``"offload"`` side stream. The threads that queue the GPU's work see each copy end (an event query, in queue
+order, at the layer hooks: :meth:`Mover.poll_writes`) and drop the device reference there (the memory goes
+back to the caching allocator). A host-tier write without ``verify`` needs nothing more. An SSD write, or one
+under ``verify``, needs the bytes on the host: an I/O thread waits for the copy's event and writes the host
+slot to the file (or checksums it); the device bytes do not wait for that thread (with every thread in a
+slow file write, they would: stop 22).
 Reads go the other way (host-tier ones without ``verify`` queued on the thread that fetches, the others on I/O
 threads); the consumer waits on a CUDA event, and on the host only when the data are not yet on their way
 back (that wait is recorded as stall). A released entry's slots go back once its write and any read queued
@@ -75,7 +76,7 @@ class Entry:
     # failed); an SSD entry is set before its file write, which needs only the host slot
     off_device: threading.Event = field(default_factory=threading.Event)
     copied: Any = None  # CUDA: the event after the device-to-host copy on the offload stream
-    # written without an I/O thread (CUDA, host tier, no verify): poll_writes() sees the copy end
+    # written without an I/O thread (CUDA, host tier, no verify): poll_writes() also finishes the write
     inline: bool = False
     # released after a read was issued (CUDA): the slots go back once that read's copy has run (poll_writes)
     frees_after_read: bool = False
@@ -108,7 +109,7 @@ class Mover:
         self._waited: dict[int, int] = {}  # consumer stream -> the latest read (its number) it waited for
         self.device_waits = 0  # device-side waits for reads queued so far (fewer than reads: ``wait``)
         self.demoted: set[int] = set()  # layers whose SSD writes failed: host from now on
-        # inline writes whose copies have not been seen to end, in the offload stream's order: (entry, queued)
+        # writes whose copies have not been seen to end (CUDA), in the offload stream's order: (entry, queued)
         self._in_flight: deque[tuple[Entry, float]] = deque()
         self._in_flight_lock = threading.Lock()
         # released entries whose reads may still be queued on the GPU: (read's number, tiebreak, entry, its
@@ -172,14 +173,13 @@ class Mover:
                 copied = torch.cuda.Event()
                 copied.record(side)
             e.src, e.copied = src, copied
-            if e.tier == "host" and not self.verify:
-                # nothing to do on the host once the copy ends but drop src: no I/O thread waits for it (four
-                # threads spinning in cudaEventSynchronize slowed the thread queueing the forward's kernels
-                # ~10x at times on the H100, and kept four cores busy per rank: stop 20)
-                e.inline = True
-                with self._in_flight_lock:
-                    self._in_flight.append((e, t0))
-            else:
+            # nothing to do on the host once the copy ends but drop src for a host-tier write: no I/O thread
+            # waits for it (four threads spinning in cudaEventSynchronize slowed the thread queueing the
+            # forward's kernels ~10x at times on the H100, and kept four cores busy per rank: stop 20)
+            e.inline = e.tier == "host" and not self.verify
+            with self._in_flight_lock:  # (every copy: src goes when it ends, whatever the I/O threads do)
+                self._in_flight.append((e, t0))
+            if not e.inline:
                 e.written = self.sched.submit(self._finish_write, e, copied)
         else:
             e.src = src
@@ -228,9 +228,9 @@ class Mover:
         self.host.free(off, e.nbytes)
 
     def poll_writes(self) -> None:
-        """Finish the inline writes whose copies have ended: drop their device bytes (the memory goes back to
-        the caching allocator, on this thread) and give back the slots of those released meanwhile; and give
-        back the slots of released entries whose reads have run (``_read_frees``).
+        """Drop the device bytes of the writes whose copies have ended (the memory goes back to the caching
+        allocator, on this thread), finish the inline ones among them (give back the slots of those released
+        meanwhile); and give back the slots of released entries whose reads have run (``_read_frees``).
 
         Copies on the offload stream end in the order they were queued, so this stops at the first that has
         not: one ``cudaEventQuery`` when nothing has ended. Called by the layer hooks where they hold no dsx
@@ -248,6 +248,9 @@ class Mover:
             now = time.perf_counter()
             for e, t0 in done:
                 e.src = None  # device memory returns to the allocator now
+                if not e.inline:  # an I/O thread writes the host slot on, and frees it (release)
+                    e.off_device.set()
+                    continue
                 with e.lock:  # (release() decides under this lock whether the slots are still being written)
                     e.off_device.set()
                     released = e.released and not e.frees_after_read
@@ -266,7 +269,7 @@ class Mover:
 
     def wait_off_device(self, e: Entry) -> None:
         """Block until ``e``'s device bytes are given back (the write barrier)."""
-        if e.inline:
+        if e.copied is not None:
             self.sched.waiter.wait(e.copied)
             self.poll_writes()  # (every earlier copy has ended too: the stream's order)
         # (an inline entry: another thread's poll may have taken it off the queue and not yet dropped src)
