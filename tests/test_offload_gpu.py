@@ -21,15 +21,16 @@ pytestmark = pytest.mark.gpu
 
 
 def _train(model, batches, off=None, hold=None, between=None):
-    """AdamW steps; each step's gradients. ``hold``: a stream that gets ~0.2 s of GPU sleep queued before each
-    forward (longer than a warm step takes the host to queue); ``between()`` runs after each forward."""
+    """AdamW steps; each step's gradients. ``hold``: a stream that gets ~1 s of GPU sleep queued before each
+    forward (longer than a warm step takes the host to queue: 0.2 s was outlasted once, stop 22); ``between()``
+    runs after each forward."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     grads = []
     for x in batches:
         opt.zero_grad()
         if hold is not None:
             with torch.cuda.stream(hold):
-                torch.cuda._sleep(400_000_000)
+                torch.cuda._sleep(2_000_000_000)
         loss = model(x).float().pow(2).mean()
         if between is not None:
             between()
