@@ -14,6 +14,11 @@ predicted time (``predicted_step_with_rest_s``), so that the model's full-recomp
 measured one (``predicted_recompute_step_s``) and ratios read against the measurements. The question it
 answers: how far from a target the best plan the model knows lands, and what budget would reach it.
 
+Beside it, :func:`lower_bound`: a step time that no plan of keep / move / recompute choices beats at each
+budget, from the run's measurements alone (its no-offload row, the profiles' recompute costs, the tiers'
+write rates), every other assumption in the plan's favour; the PNG draws it, and no measured point may lie
+under it.
+
     python benchmarks/plan_frontier.py benchmarks/results/bench_offload.json --input-mib 64
 
 ``--input-mib``: what a recomputed layer keeps to start from (its input hidden state: micro-batch x sequence
@@ -85,6 +90,79 @@ def frontier(
     return out
 
 
+def lower_bound(
+    measured: dict[str, dict[str, Any]], profiles: list[LayerProfile], bandwidths: list[TierBandwidth]
+) -> dict[str, Any] | None:
+    """A step time no plan of keep / move / recompute choices goes under, at each activation budget, on the
+    model's own kernels and the run's links: measured inputs, every other assumption in the plan's favour.
+
+    Until the first layer's backward ends, every saved byte is live unless it was moved off by then or dropped
+    to be recomputed, so a plan peaking at ``B`` removed at least ``P_none - B`` bytes (``P_none``: no
+    offload's activation peak, reached by then). Moved bytes are at most the tiers' write rates summed (the
+    copies taken as free) times a window: ``"forward"``, the layers' forward times (issue 3's bound: hideable
+    bytes = bandwidth x forward time), or ``"all_but_backward"``, the no-offload step less the other layers'
+    backward times (looser than possible: it counts the optimizer's step, which runs after backward). The
+    rest is recomputed (or moved during a stall), each byte at the cheapest measured cost per byte: a layer's
+    forward per byte it drops, its ``recompute_modules``' per byte they drop, the measured full and
+    selective recompute steps per byte their peaks drop, a stall at the summed write rate. So
+    ``T(B) >= T_none + cost_per_byte * max(0, P_none - B - movable)`` (:func:`bound_step_s`). None without a
+    no-offload row.
+    """
+    none = measured.get("none")
+    if none is None or not profiles:
+        return None
+    t_none, p_none = none["step_s"], none["activation_peak_gb"] * GB
+    write_Bps = sum(b.write_Bps for b in bandwidths)
+    costs = {"stall_at_write_rate": 1.0 / write_Bps} if write_Bps > 0 else {}
+    layer = [p.fwd_s / (p.saved_bytes - p.input_bytes) for p in profiles if p.saved_bytes > p.input_bytes]
+    sel = [p.sel_recompute_s / (p.saved_bytes - p.sel_saved_bytes) for p in profiles
+           if p.sel_saved_bytes is not None and p.saved_bytes > p.sel_saved_bytes]  # fmt: skip
+    if layer:
+        costs["layer_forward"] = min(layer)
+    if sel:
+        costs["recompute_modules"] = min(sel)
+    for cfg in ("recompute", "megatron_selective"):
+        r = measured.get(cfg)
+        if r is not None and r["activation_peak_gb"] < none["activation_peak_gb"]:
+            dropped = p_none - r["activation_peak_gb"] * GB
+            costs[f"measured_{cfg}"] = max(0.0, r["step_s"] - t_none) / dropped
+    cheapest = min(costs, key=costs.get)
+    # (the last layer's backward, which runs first, is in the loose window: no offload may peak inside it)
+    windows = {"forward": sum(p.fwd_s for p in profiles),
+               "all_but_backward": max(0.0, t_none - sum(p.bwd_s for p in profiles[:-1]))}  # fmt: skip
+    out: dict[str, Any] = {
+        "kind": "lower bound on measured inputs (any keep / move / recompute plan, the model's kernels)",
+        "no_offload_peak_gb": p_none / GB, "no_offload_step_s": t_none, "write_GBps": write_Bps / GB,
+        "cost_s_per_gb": {k: v * GB for k, v in costs.items()}, "cheapest": cheapest,
+        "windows": {k: {"window_s": w, "movable_gb": write_Bps * w / GB} for k, w in windows.items()},
+    }  # fmt: skip
+    rc, soc = measured.get("recompute"), measured.get("save_on_cpu")
+    cost_s_per_gb = out["cost_s_per_gb"][cheapest]
+    for key, w in out["windows"].items():
+        w["curve"] = [{"budget_gb": g, "step_s": bound_step_s(out, key, g)}
+                      for g in (out["no_offload_peak_gb"] * k / 40 for k in range(41))]  # fmt: skip
+        if rc is not None:
+            t = bound_step_s(out, key, rc["activation_peak_gb"])
+            # the summed write rate at which this bound would allow 1.15x recompute at its peak
+            need_gb = (
+                p_none / GB
+                - rc["activation_peak_gb"]
+                - max(0.0, rc["step_s"] / 1.15 - t_none) / cost_s_per_gb
+            )
+            w["at_recompute_peak"] = {"step_s": t, "max_x_recompute": rc["step_s"] / t,
+                                      "write_GBps_for_1.15x": need_gb / w["window_s"] if w["window_s"] else None}  # fmt: skip
+        if soc is not None:
+            t = bound_step_s(out, key, soc["activation_peak_gb"])
+            w["at_save_on_cpu_peak"] = {"step_s": t, "max_x_save_on_cpu": soc["step_s"] / t}
+    return out
+
+
+def bound_step_s(bound: dict[str, Any], window: str, budget_gb: float) -> float:
+    """:func:`lower_bound`'s step time at ``budget_gb`` of activation peak, with its ``window``."""
+    dropped_gb = bound["no_offload_peak_gb"] - budget_gb - bound["windows"][window]["movable_gb"]
+    return bound["no_offload_step_s"] + bound["cost_s_per_gb"][bound["cheapest"]] * max(0.0, dropped_gb)
+
+
 def best_within(front: list[dict[str, Any]], peak_gb: float) -> dict[str, Any] | None:
     fits = [f for f in front if f["predicted_peak_gb"] <= peak_gb]
     return min(fits, key=lambda f: f["predicted_step_s"]) if fits else None
@@ -146,10 +224,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         goal = measured["recompute"]["step_s"] / 1.15
         reach = [f for f in fronts["offload"] if f["predicted_step_with_rest_s"] <= goal]
         targets["budget_for_1.15x_recompute_gb"] = min((f["budget_gb"] for f in reach), default=None)
+    bound = lower_bound(measured, profiles, bandwidths)
+    if bound is not None:
+        targets["lower_bound"] = {**bound, "windows": {k: {n: v for n, v in w.items() if n != "curve"}
+                                                       for k, w in bound["windows"].items()}}  # fmt: skip
     name = args.name or f"plan_frontier_{Path(args.run).stem}"
     out = {"name": "plan_frontier", "env": environment(), "config": vars(args), "source": args.run,
            "source_env": run.get("env"), "kind": "cost-model prediction on measured profiles",
-           "frontiers": fronts, "targets": targets,
+           "frontiers": fronts, "targets": targets, "lower_bound": bound,
            "measured": {k: {"activation_peak_gb": r["activation_peak_gb"], "step_s": r["step_s"]}
                         for k, r in measured.items()}}  # fmt: skip
     write_json(out, args.out, name)
@@ -159,38 +241,52 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _plot(out: dict[str, Any], where: str, name: str) -> None:
+    """Two panels: every point on a log scale, and the targets' region (no offload to 1.3x recompute) on a
+    linear one, where the frontiers, the bounds and the 1.15x line are a few ms apart."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
     styles = {"offload": ("tab:blue", "planner, with the run's tiers (+ rest of step)"),
               "recompute_only": ("tab:orange", "planner, keep / recompute only (+ rest of step)")}  # fmt: skip
-    for key, front in out["frontiers"].items():
-        colour, label = styles[key]
-        xs = [f["predicted_peak_gb"] for f in front]
-        ys = [f["predicted_step_with_rest_s"] * 1e3 for f in front]
-        ax.step(xs, ys, where="post", color=colour, label=label)
-    for cfg, r in out["measured"].items():
-        dsx_cfg = cfg.startswith("dsx")
-        ax.scatter(r["activation_peak_gb"], r["step_s"] * 1e3, color="tab:green" if dsx_cfg else "tab:gray",
-                   marker="o" if dsx_cfg else "s", zorder=3)  # fmt: skip
-        ax.annotate(cfg, (r["activation_peak_gb"], r["step_s"] * 1e3), fontsize=7, xytext=(4, 3),
-                    textcoords="offset points")  # fmt: skip
-    rc = out["measured"].get("recompute")
-    if rc:  # the issue's target at recompute's budget: 1.15x its throughput
-        ax.axhline(rc["step_s"] * 1e3 / 1.15, color="tab:red", ls="--", lw=0.8,
-                   label="1.15x full recompute's throughput (measured / 1.15)")  # fmt: skip
-        ax.axvline(rc["activation_peak_gb"], color="tab:gray", ls=":", lw=0.8)
-    ax.set_yscale("log")
-    ax.set_xlabel("activation peak (GB)")
-    ax.set_ylabel("step time (ms)")
+    bound_styles = {"forward": ("-.", "lower bound, any plan: writes within the forward"),
+                    "all_but_backward": (":", "looser: writes at any time outside the other layers' backward")}  # fmt: skip
+    rc, none = out["measured"].get("recompute"), out["measured"].get("none")
+    for ax in axes:
+        for key, front in out["frontiers"].items():
+            colour, label = styles[key]
+            xs = [f["predicted_peak_gb"] for f in front]
+            ys = [f["predicted_step_with_rest_s"] * 1e3 for f in front]
+            ax.step(xs, ys, where="post", color=colour, label=label)
+        for key, w in ((out.get("lower_bound") or {}).get("windows") or {}).items():
+            ls, label = bound_styles[key]
+            ax.plot([c["budget_gb"] for c in w["curve"]], [c["step_s"] * 1e3 for c in w["curve"]],
+                    color="black", ls=ls, lw=1, label=label)  # fmt: skip
+        for cfg, r in out["measured"].items():
+            dsx_cfg = cfg.startswith("dsx")
+            ax.scatter(r["activation_peak_gb"], r["step_s"] * 1e3, color="tab:green" if dsx_cfg else "tab:gray",
+                       marker="o" if dsx_cfg else "s", zorder=3)  # fmt: skip
+            ax.annotate(cfg, (r["activation_peak_gb"], r["step_s"] * 1e3), fontsize=7, xytext=(4, 3),
+                        textcoords="offset points", annotation_clip=True)  # fmt: skip
+        if rc:  # the issue's target at recompute's budget: 1.15x its throughput
+            ax.axhline(rc["step_s"] * 1e3 / 1.15, color="tab:red", ls="--", lw=0.8,
+                       label="1.15x full recompute's throughput (measured / 1.15)")  # fmt: skip
+            ax.axvline(rc["activation_peak_gb"], color="tab:gray", ls=":", lw=0.8)
+        ax.set_xlabel("activation peak (GB)")
+        ax.set_ylabel("step time (ms)")
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("every point", fontsize=9)
+    if rc and none:
+        axes[1].set_ylim(none["step_s"] * 1e3 * 0.95, rc["step_s"] * 1e3 * 1.3)
+        axes[1].set_xlim(0, none["activation_peak_gb"] * 1.05)
+    axes[1].set_title("the targets' region", fontsize=9)
     src = out["source_env"] or {}
-    ax.set_title(f"planner frontier on profiles measured on {src.get('device', '?')} ({Path(out['source']).name})",
-                 fontsize=9)  # fmt: skip
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    fig.suptitle(f"planner frontier and lower bound on profiles measured on {src.get('device', '?')} "
+                 f"({Path(out['source']).name})", fontsize=10)  # fmt: skip
     save_png(fig, where, name)
 
 
