@@ -821,6 +821,16 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       --pool-gb 20 --child-timeout 280 --configs dsx_ssd_sel --name bench_offload_final_h2048_ssd_s22b \
       --out benchmarks/results > "$OUT/bench-offload-final-h2048-ssd-s22b.log" 2>&1
     ;;
+  offload79)  # 1 GPU: stop 22's final code: the events and offload GPU tests; then the two new SSD-release tests
+              # on a copy of this tree with the transfer.py of before the fix (.ab/transfer_886c0fb.py, git-ignored,
+              # carried): both must fail there (the barrier variant after its 20 s watchdog)
+    log gpu-tests; timeout 260 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_events.py \
+      tests/test_offload_gpu.py > "$OUT/gpu-tests-offload.log" 2>&1
+    log old-transfer; rm -rf /tmp/oldtree && mkdir /tmp/oldtree && cp -r dsx tests pyproject.toml /tmp/oldtree/ \
+      && cp .ab/transfer_886c0fb.py /tmp/oldtree/dsx/offload/transfer.py \
+      && (cd /tmp/oldtree && PYTHONPATH=/tmp/site:/tmp/oldtree timeout 120 python -m pytest -q -rs -m gpu \
+        -p no:cacheprovider tests/test_offload_gpu.py -k ssd_writes > "$OUT/gpu-tests-old-transfer.log" 2>&1)
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done

@@ -503,25 +503,36 @@ def test_gpu_auto_trains_a_micro_batch_that_fits_only_with_it(tmp_path):
     assert peaks[-1] <= budget * 2**30, (peaks, budget, [a.value for a in plan.actions])
 
 
-def test_gpu_ssd_writes_give_device_memory_back_when_their_copies_end(tmp_path):
+@pytest.mark.parametrize("write_barrier", ["off", "auto"])
+def test_gpu_ssd_writes_give_device_memory_back_when_their_copies_end(tmp_path, write_barrier):
     """An SSD write's device bytes go back once its copy to the host slot ends, not once an I/O thread gets to
     its file write: with the drive's gate shut (as for DeepSpeed's optimizer swap) every I/O thread waits there
     with more writes queued behind it, and still every moved tensor is off the device after the forward (before
-    stop 22 only those the threads had reached were, so the write barrier waited on the drive). Once the gate
-    opens the step's gradients are those of a run without offload."""
+    stop 22 only those the threads had reached were). With ``offload_all``'s write barrier (``"auto"``) the
+    forward itself passes the barrier under the shut gate; before stop 22 it waited on the drive (here, until
+    a 20 s watchdog opened the gate). Once the gate opens the step's gradients are those of a run without
+    offload."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     model, batches, want = _reference(seed=6, n_batches=2)
     cfg = ActivationOffloadConfig(enabled=True, tiers=["ssd"], ssd_path=str(tmp_path), policy="offload_all",
                                   host_pool_gb=1, min_tensor_bytes=0, io_backend="posix",
-                                  write_barrier="off")  # fmt: skip
+                                  write_barrier=write_barrier)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     got = []
     with _offloaded(model, cfg) as (off, sched):
         for i, x in enumerate(batches):
             opt.zero_grad()
             with sched.paused("ssd"):
-                loss = model(x).float().pow(2).mean()
+                fired = threading.Event()
+                watchdog = threading.Timer(20.0, lambda f=fired: (f.set(), sched.gate("ssd").set()))
+                watchdog.start()
+                try:
+                    loss = model(x).float().pow(2).mean()
+                finally:
+                    watchdog.cancel()
+                assert not fired.is_set(), f"step {i}: the forward waited for the drive's gate"
+                assert bool(off.hooks.write_barrier) == (write_barrier == "auto")
                 torch.cuda.synchronize()
                 off.mover.poll_writes()
                 entries = [e for layer in range(4) for e in off.mover.entries_of(layer)]

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -253,6 +254,39 @@ def test_a_backward_gives_its_slots_back_as_it_ends(tmp_path):
         loss.backward()
         assert off.host.arena.used == 0 and not any(off.mover._entries.values())
     finally:
+        off.close()
+        sched.close()
+
+
+def test_close_waits_for_the_file_writes_of_a_dropped_graph(tmp_path):
+    """A graph dropped while its SSD writes wait (the drive's gate shut, as for DeepSpeed's optimizer swap)
+    releases its entries; closing must still wait for those writes before it closes the file, or they run on a
+    closed descriptor (or one the process reused for another file). Before stop 22 close waited only for the
+    writes of entries still held."""
+    torch.manual_seed(0)
+    m = TinyGPT()
+    # (no write barrier: on CPU the I/O threads copy, and under the shut gate the forward would wait for them)
+    off, sched = _off(m, tmp_path, ["ssd"], verify=False, write_barrier="off")
+    gate = sched.gate("ssd")
+    opener = threading.Timer(0.5, gate.set)
+    try:
+        gate.clear()
+        y = m(torch.randint(0, 64, (2, 16)))
+        writes = [e.written for layer in range(len(m.blocks)) for e in off.mover.entries_of(layer)]
+        assert writes and not any(f.done() for f in writes), (
+            "the writes ran under the shut gate: nothing checked"
+        )
+        del y
+        gc.collect()
+        off.end_step()  # releases every entry of the dropped graph
+        assert not any(off.mover._entries.values())
+        opener.start()
+        off.close()
+        assert all(f.done() for f in writes), "close returned with file writes still queued"
+        assert all(f.exception() is None for f in writes)
+    finally:
+        opener.cancel()
+        gate.set()
         off.close()
         sched.close()
 

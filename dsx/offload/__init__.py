@@ -203,6 +203,7 @@ class ActivationOffload:
         shared_ssd_with: str | None = None,
     ) -> None:
         self.cfg, self.sched = cfg, scheduler
+        self._closed = False
         self.device = device or _device_of(model)
         self._root = model  # its forward's start is where a step's activation memory is measured from
         # checked before any hook, file or buffer exists: a bad name leaves the model as it was
@@ -483,6 +484,11 @@ class ActivationOffload:
         self._mark_peak()
 
     def close(self) -> None:
+        """Wait for the writes in flight, remove the hooks, close and remove the SSD file; once (a second call
+        does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self._drop_peak_hook()
         try:
             self.mover.drain()

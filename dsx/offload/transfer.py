@@ -4,9 +4,10 @@ On CUDA, pack records an event on the compute stream; the device→host copy wai
 ``"offload"`` side stream. The threads that queue the GPU's work see each copy end (an event query, in queue
 order, at the layer hooks: :meth:`Mover.poll_writes`) and drop the device reference there (the memory goes
 back to the caching allocator). A host-tier write without ``verify`` needs nothing more. An SSD write, or one
-under ``verify``, needs the bytes on the host: an I/O thread waits for the copy's event and writes the host
-slot to the file (or checksums it); the device bytes do not wait for that thread (with every thread in a
-slow file write, they would: stop 22).
+under ``verify``, needs the bytes on the host: an I/O thread waits for the copy's event (and drops the
+device reference too, if no poll has yet) and writes the host slot to the file (or checksums it); the device
+bytes do not wait for that thread (with every thread in a slow file write, they would: stop 22). On CPU the
+I/O thread copies and drops the reference itself.
 Reads go the other way (host-tier ones without ``verify`` queued on the thread that fetches, the others on I/O
 threads); the consumer waits on a CUDA event, and on the host only when the data are not yet on their way
 back (that wait is recorded as stall). A released entry's slots go back once its write and any read queued
@@ -112,6 +113,8 @@ class Mover:
         # writes whose copies have not been seen to end (CUDA), in the offload stream's order: (entry, queued)
         self._in_flight: deque[tuple[Entry, float]] = deque()
         self._in_flight_lock = threading.Lock()
+        # every I/O thread's write not yet ended, released entries' included: the file closes after them (drain)
+        self._writes: set[Future[Any]] = set()
         # released entries whose reads may still be queued on the GPU: (read's number, tiebreak, entry, its
         # event), a heap in the prefetch stream's order; poll_writes() frees their slots once the copy ran
         self._read_frees: list[tuple[int, int, Entry, Any]] = []
@@ -180,13 +183,24 @@ class Mover:
             with self._in_flight_lock:  # (every copy: src goes when it ends, whatever the I/O threads do)
                 self._in_flight.append((e, t0))
             if not e.inline:
-                e.written = self.sched.submit(self._finish_write, e, copied)
+                e.written = self._submit_write(e, copied)
         else:
             e.src = src
-            e.written = self.sched.submit(self._finish_write, e, None)
+            e.written = self._submit_write(e, None)
         with self._lock:
             self._entries.setdefault(layer, []).append(e)
         return e
+
+    def _submit_write(self, e: Entry, copied: Any) -> Future[Any]:
+        fut = self.sched.submit(self._finish_write, e, copied)
+        with self._in_flight_lock:
+            self._writes.add(fut)
+        fut.add_done_callback(self._write_ended)
+        return fut
+
+    def _write_ended(self, fut: Future[Any]) -> None:
+        with self._in_flight_lock:
+            self._writes.discard(fut)
 
     def _finish_write(self, e: Entry, copied: Any) -> None:
         t0 = time.perf_counter()
@@ -248,7 +262,8 @@ class Mover:
             now = time.perf_counter()
             for e, t0 in done:
                 e.src = None  # device memory returns to the allocator now
-                if not e.inline:  # an I/O thread writes the host slot on, and frees it (release)
+                if not e.inline:  # an I/O thread checksums the host slot or writes it to the file; release()
+                    # or that write frees the slots
                     e.off_device.set()
                     continue
                 with e.lock:  # (release() decides under this lock whether the slots are still being written)
@@ -272,7 +287,7 @@ class Mover:
         if e.copied is not None:
             self.sched.waiter.wait(e.copied)
             self.poll_writes()  # (every earlier copy has ended too: the stream's order)
-        # (an inline entry: another thread's poll may have taken it off the queue and not yet dropped src)
+        # (another thread's poll may have taken it off the queue and not yet dropped src)
         e.off_device.wait()
 
     # ---------------------------------------------------------------------------------------- read
@@ -488,9 +503,14 @@ class Mover:
             fut.result()[0].record_stream(self.sched.stream("prefetch"))
 
     def drain(self) -> None:
-        """Wait for every write queued so far (I/O threads' and inline ones) and finish it."""
+        """Wait for every write queued so far (I/O threads' and inline ones) and finish it; a failed write
+        of an entry still held re-raises here. Released entries' file writes are waited for too: the file
+        may be closed next, and a write still queued would then run on a closed (or reused) descriptor."""
         with self._lock:
             futs = [e.written for lst in self._entries.values() for e in lst if e.written is not None]
+        with self._in_flight_lock:
+            every = list(self._writes)
+        futures.wait(every)
         for f in futs:
             f.result()
         with self._in_flight_lock:
