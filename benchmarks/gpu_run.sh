@@ -831,6 +831,21 @@ print(next(r['activation_peak_gb'] for r in d['results'] if r['config'] == 'reco
       && (cd /tmp/oldtree && PYTHONPATH=/tmp/site:/tmp/oldtree timeout 120 python -m pytest -q -rs -m gpu \
         -p no:cacheprovider tests/test_offload_gpu.py -k ssd_writes > "$OUT/gpu-tests-old-transfer.log" 2>&1)
     ;;
+  offload80)  # 1 GPU: stop 22's final code, the no-budget target again: no offload, the hide-only plan and the
+              # hide-only plan with the attention's recompute allowed (+sel), each in its own process, rounds
+              # interleaved until ~470 s (logs in logs.tgz; ab_summary.py reads the JSONs)
+    mkdir -p "$OUT/l"
+    for i in 1 2 3 4 5; do
+      [ $SECONDS -gt 440 ] && break
+      for v in none hide sel; do
+        cfg=dsx_auto_hide; [ $v = none ] && cfg=none; [ $v = sel ] && cfg=dsx_auto_hide_sel
+        log ab-$v-$i; timeout 100 python benchmarks/bench_offload.py --warmup 2 --steps 8 --pool-gb 20 \
+          --child-timeout 90 --configs $cfg --name bench_offload_ab_offload80_${v}_$i \
+          --out benchmarks/results > "$OUT/l/ab-$v-$i.log" 2>&1
+      done
+    done
+    tar czf "$OUT/logs.tgz" -C "$OUT/l" . && rm -rf "$OUT/l"
+    ;;
   *) echo "unknown stage $stage" >&2; exit 2;;
 esac
 log done
