@@ -92,8 +92,9 @@ def test_best_within_picks_the_fastest_plan_that_fits() -> None:
 
 def test_lower_bound_by_hand() -> None:
     """Two 4 GB layers, 1 GB of each droppable by its recompute_modules at 2 ms (2 ms/GB, the cheapest);
-    10 GB/s of writes over a 0.1 s forward: 1 GB movable. At a 6 GB budget from a 10 GB no-offload peak,
-    3 GB must be recomputed: >= 6 ms over no offload's 0.2 s."""
+    10 GB/s of writes over a 0.1 s forward: 1 GB movable then. At a 6 GB budget from a 10 GB no-offload peak,
+    3 GB must go by other means: recomputed at 2 ms/GB, or moved in time the plan adds (X >= c (3 GB - bw X)):
+    X >= 6 ms / 1.02."""
     profiles = [LayerProfile(i, f"L{i}", 4 * 10**9, 0.05, 0.08, sel_saved_bytes=3 * 10**9, sel_recompute_s=0.002,
                              input_bytes=10**8) for i in range(2)]  # fmt: skip
     measured = {"none": {"step_s": 0.2, "activation_peak_gb": 10.0},
@@ -103,15 +104,19 @@ def test_lower_bound_by_hand() -> None:
     out = plan_frontier.lower_bound(measured, profiles, bw)
     assert out["cheapest"] == "recompute_modules"
     assert abs(out["cost_s_per_gb"]["layer_forward"] - 0.05 / 3.9) < 1e-12
-    assert abs(out["cost_s_per_gb"]["measured_recompute"] - 0.1 / 4) < 1e-12
+    # per byte the recomputed layers drop (7.8 GB), not per byte of peak (4 GB)
+    assert abs(out["cost_s_per_gb"]["measured_recompute"] - 0.1 / 7.8) < 1e-12
     fwd = out["windows"]["forward"]
     assert abs(fwd["movable_gb"] - 1.0) < 1e-12
-    assert abs(fwd["at_recompute_peak"]["step_s"] - 0.206) < 1e-12
-    assert abs(fwd["at_save_on_cpu_peak"]["step_s"] - 0.208) < 1e-12
-    # 1.15x of 0.3 s is 0.26087 s: 30.4 GB may be recomputed, more than the 3 GB left: no faster link needed
-    assert fwd["at_recompute_peak"]["write_GBps_for_1.15x"] < 0
-    # the looser window: the step less the other layer's backward, 0.2 - 0.08 = 0.12 s
-    assert abs(out["windows"]["all_but_backward"]["movable_gb"] - 1.2) < 1e-12
+    assert abs(fwd["at_recompute_peak"]["step_s"] - (0.2 + 0.006 / 1.02)) < 1e-12
+    assert abs(fwd["at_save_on_cpu_peak"]["step_s"] - (0.2 + 0.008 / 1.02)) < 1e-12
+    assert abs(plan_frontier.bound_step_s(out, "forward", 9.5) - 0.2) < 1e-12  # nothing left to remove
+    # until the peak: the step less the other layer's backward, 0.2 - 0.08 = 0.12 s
+    peak = out["windows"]["until_peak"]
+    assert abs(peak["movable_gb"] - 1.2) < 1e-12
+    assert abs(peak["at_recompute_peak"]["step_s"] - (0.2 + 0.0056 / 1.02)) < 1e-12
+    # 1.15x of 0.3 s leaves 60.9 ms: 31 GB recomputable, more than the 4 GB to remove: no window needed
+    assert out["window_s_for_1.15x"] == 0.0
     assert plan_frontier.lower_bound({}, profiles, bw) is None
 
 
@@ -130,6 +135,10 @@ def test_the_closing_runs_measurements_lie_on_or_above_their_lower_bound() -> No
             for cfg, r in measured.items():
                 floor = plan_frontier.bound_step_s(bound, key, r["activation_peak_gb"])
                 assert r["step_s"] >= floor - 1e-12, (shape, key, cfg, r["step_s"], floor)
-        limits[shape] = bound["windows"]["forward"]["at_recompute_peak"]["max_x_recompute"]
-    # issue 3 asks 1.15x full recompute at its peak: out of reach of any plan at either shape on this link
-    assert limits["h2048"] < 1.1 and limits["h4096"] < 1.15, limits
+        w = bound["windows"]["until_peak"]
+        limits[shape] = (w["at_recompute_peak"]["max_x_recompute"], w["at_save_on_cpu_peak"]["max_x_save_on_cpu"],
+                         bound["window_s_for_1.15x"])  # fmt: skip
+    # what issue 3 asks, on this link: 1.15x full recompute at its peak is out of reach at hidden 2048 (it
+    # would need no offload's peak 0.2 s into its 0.256 s step); 5x save_on_cpu at its peak at hidden 4096
+    assert limits["h2048"][0] < 1.15 and limits["h2048"][2] > 0.19, limits
+    assert limits["h4096"][1] < 5, limits
