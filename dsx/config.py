@@ -96,29 +96,23 @@ class ActivationOffloadConfig(_Section):
     # where the plan's model has their writes done; offload_all: two layers back, and all of them before
     # backward), so that they are freed before later layers allocate. "auto": on under memory_budget_gb and
     # for offload_all; off for a hide-only plan, where it would trade step time for memory nobody asked for
-    # (H100, stop 21, no offload against hide-only with it: 0.976-0.986x at hidden 2048, 36.6 GB peak against
-    # 38.7-39.4 without; 0.912x at hidden 4096. offload_all +sel at hidden 2048: 11.8 GB against 16.6, 413 ms
-    # a step against 402; docs/offload.md, "Write barrier")
+    # (docs/offload.md, "Write barrier")
     write_barrier: Literal["auto", "on", "off"] = "auto"
     # which CUDA caching-allocator pool read buffers come from. "compute": the compute stream's, allocated where
     # the read is issued and ordered after the work queued there; one pool, so the blocks forward's moves free
-    # serve backward's reads (hidden 4096 + ZeRO-2 CPU offload, micro-batch 20: fits without expandable
-    # segments, where "prefetch" ran out of memory with 20.6 GiB reserved but unallocated). "prefetch": the
-    # side stream's own pool; the copy starts at once, however far the host runs ahead (hide-only plan at
-    # hidden 4096: 0.99x no offload, against 0.91x with "compute"). "auto": "compute" when memory_budget_gb is
-    # set, else "prefetch" (H100 figures: docs/offload.md)
+    # serve backward's reads (fits tight budgets). "prefetch": the side stream's own pool; the copy starts at
+    # once, however far the host runs ahead (fastest without a budget). "auto": "compute" when
+    # memory_budget_gb is set, else "prefetch" (docs/offload.md, "Read buffers")
     read_pool: Literal["auto", "compute", "prefetch"] = "auto"
     # CUDA: make the caching allocator's new segments expandable while offload is attached (process-wide;
-    # restored at close). Under a tight budget, large blocks (fp32 softmax) and read buffers share fixed
-    # segments and fragment them: hidden 4096 + ZeRO-2 CPU offload, micro-batch 20 ran out of memory with
-    # 25.9 GiB reserved but unallocated in one run of four. "auto": "on" when memory_budget_gb is set, unless
-    # PYTORCH_CUDA_ALLOC_CONF names expandable_segments; otherwise the allocator is left as it is
+    # restored at close). Under a tight budget, large blocks and read buffers share fixed segments and
+    # fragment them. "auto": "on" when memory_budget_gb is set, unless PYTORCH_CUDA_ALLOC_CONF names
+    # expandable_segments; otherwise the allocator is left as it is
     expandable_segments: Literal["auto", "on", "off"] = "auto"
     io_backend: Literal["auto", "kvikio", "aio", "posix"] = "auto"
     min_tensor_bytes: int = Field(default=1 << 20, ge=0)
     verify: bool = False
     prefetch_depth: int | None = Field(default=None, ge=1)
-    io_threads: int = Field(default=4, ge=1, le=64)
     # SSD wear: the drive's rated endurance in TB written (its datasheet's TBW); with it, dsx warns once when
     # the rate this node writes activations at would use it up within wear_warn_years. null: no check
     ssd_endurance_tbw: float | None = Field(default=None, gt=0)
@@ -171,9 +165,8 @@ class UnifiedConfig(_Section):
 
     enabled: bool = False
     shared: Literal["auto", "on", "off"] = "auto"
-    # 16 measured best on an H100 (PCIe Gen5): a full wave over all 132 SMs oversubscribes the PCIe request
-    # queue and gathers 512-byte rows at 38 GB/s, 16 SMs' worth at 51 GB/s (benchmarks/results/bench_gather.json).
-    # null = every SM.
+    # A full wave over every SM oversubscribes the PCIe request queue and gathers slower than a few SMs' worth,
+    # which also leaves the rest to training (docs/unified.md, "Bounded SMs"). null = every SM.
     max_gather_sms: int | None = Field(default=16, ge=1)
     sort_indices: bool = True
     prefetch_batches: int = Field(default=1, ge=0, le=16)
@@ -207,11 +200,13 @@ class SchedulerConfig(_Section):
     """The per-rank runtime: side streams, I/O workers, node bandwidth arbitration, telemetry."""
 
     enabled: bool = False
+    # threads of each I/O pool: activation offload's copies and checks, and the SSD tier's file I/O
     io_workers: int = Field(default=4, ge=1, le=64)
     # steps between writes to DeepSpeed's monitor (means over the interval) and rewrites of the trace file
     log_interval: int = Field(default=10, ge=1)
     trace_path: str | None = None  # Chrome trace JSON; ".rank<r>" goes before the extension when ranks > 1
     trace_steps: int = Field(default=50, ge=1)  # the trace file holds (and memory keeps) the last N steps
+    # size of the start-up probe of each offload tier's bandwidth (every rank of a node at once)
     bandwidth_probe_mb: int = Field(default=64, ge=1)
     # how I/O threads wait on the host for a copy on a side stream (dsx.runtime.events): "spin"
     # (cudaEventSynchronize: a busy core per waiting thread), "poll" (event queries with a short sleep: idle
@@ -233,6 +228,11 @@ class DsxConfig(_Section):
 
 
 # --------------------------------------------------------------------------------------------- errors
+
+# keys that older configs may still carry -> where the setting lives now
+_MOVED: dict[tuple[str, ...], str] = {
+    ("activation_offload", "io_threads"): "scheduler.io_workers",
+}
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
@@ -302,6 +302,10 @@ def _format_errors(exc: ValidationError) -> str:
             p for p in loc if not (isinstance(p, str) and ("[" in p or p in {"float", "none", "int"}))
         )
         if err["type"] == "extra_forbidden":
+            moved = _MOVED.get(tuple(loc))
+            if moved is not None:
+                lines.append(f"{_fmt_loc(loc)}: this key moved: use {DSX_KEY}.{moved} instead")
+                continue
             model = _model_at(loc[:-1])
             valid = ", ".join(model.model_fields) if model is not None else "?"
             lines.append(f"{_fmt_loc(loc)}: unknown key; valid keys here are: {valid}")

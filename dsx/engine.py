@@ -2,34 +2,44 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import deepspeed
 import torch
 
+from dsx import defaults
 from dsx.config import DsxConfig, DsxConfigError, split_config
 from dsx.runtime.monitor import MonitorSink
-from dsx.runtime.process import release_deepspeed_shm_at_exit
+from dsx.runtime.process import release_deepspeed_shm_at_exit, single_process_env
 from dsx.runtime.scheduler import Scheduler
 from dsx.runtime.trace import TraceWriter
 
-__all__ = ["DsxRuntime", "initialize", "runtime_of"]
+__all__ = ["DsxRuntime", "Feature", "initialize", "runtime_of"]
 
 logger = logging.getLogger("dsx")
 
-# Each feature lives in its own package and exposes ``attach(engine, section, runtime) -> handle`` whose
-# handle has ``close()``. Imported only when its section is enabled, so a missing optional dependency of one
-# feature never breaks another.
+# Each feature's DeepSpeed glue lives in its package's ``deepspeed`` module, which exposes
+# ``attach(engine, runtime) -> Feature``. Imported only when its section is enabled, so a missing optional
+# dependency of one feature never breaks another.
 _FEATURES: dict[str, str] = {
-    "activation_offload": "dsx.offload",
-    "unified": "dsx.direct",
-    "rgnn": "dsx.rgnn",
+    "activation_offload": "dsx.offload.deepspeed",
+    "unified": "dsx.direct.deepspeed",
+    "rgnn": "dsx.rgnn.deepspeed",
 }
+
+
+class Feature(Protocol):
+    """What a feature's ``attach`` returns. Optional hooks, found by name: ``around_step()`` (a context
+    manager entered around every ``engine.step()``) and ``after_step()`` (called after each optimizer step,
+    before the scheduler ends the step)."""
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -37,48 +47,53 @@ class DsxRuntime:
     """What dsx attached to one DeepSpeed engine; reachable as ``engine.dsx``."""
 
     config: DsxConfig
-    scheduler: Scheduler | None = None
-    features: dict[str, Any] = field(default_factory=dict)
-    step_driver: _StepDriver | None = field(default=None, repr=False)
+    scheduler: Scheduler
+    features: dict[str, Feature] = field(default_factory=dict)
+    _step: _StepDriver | None = field(default=None, repr=False)
+    _defaults: defaults.Restore | None = field(default=None, repr=False)
 
     def close(self) -> None:
-        """Detach features (hooks, files, shared segments), stop the I/O workers, write the trace."""
+        """Detach features (hooks, files, shared segments), stop the threads, write the trace; restore the
+        process defaults that were current before :func:`initialize`."""
         errors: list[BaseException] = []
-        handles = list(self.features.values())
-        if self.step_driver is not None:
-            # installed last, over the features' own engine.step wrappers: it must come off first
-            handles.append(self.step_driver)
-            self.step_driver = None
-        for handle in reversed(handles):
+        if self._step is not None:
+            self._step.close()
+            self._step = None
+        for handle in reversed(list(self.features.values())):
             try:
                 handle.close()
             except BaseException as exc:  # keep closing the rest, then re-raise the first
                 errors.append(exc)
         self.features.clear()
-        if self.scheduler is not None:
-            self.scheduler.close()
+        self.scheduler.close()
+        if self._defaults is not None:
+            self._defaults.restore()
+            self._defaults = None
         if errors:
             raise errors[0]
 
 
 class _StepDriver:
-    """Ends the scheduler's step after each optimizer step that no feature ended itself.
+    """The one wrapper of ``engine.step``: runs it inside the features' ``around_step`` contexts and, after
+    each optimizer step (a gradient-accumulation boundary), calls their ``after_step`` and ends the
+    scheduler's step, so that every optimizer step is ended exactly once."""
 
-    Activation offload ends steps from its own ``engine.step`` wrapper (it plans after the first one);
-    with only the scheduler, or only features that do not, this outermost wrapper does it, so that every
-    optimizer step is ended exactly once.
-    """
-
-    def __init__(self, engine: Any, scheduler: Scheduler) -> None:
+    def __init__(self, engine: Any, runtime: DsxRuntime) -> None:
         self.engine, self._inner = engine, engine.step
+        arounds = [f.around_step for f in runtime.features.values() if hasattr(f, "around_step")]
+        afters = [f.after_step for f in runtime.features.values() if hasattr(f, "after_step")]
 
         def step(*args: Any, **kwargs: Any) -> Any:
             # read before step(): DeepSpeed advances its micro-step counter inside it
             boundary = getattr(engine, "is_gradient_accumulation_boundary", lambda: True)()
-            ended = scheduler.telemetry.steps
-            out = self._inner(*args, **kwargs)
-            if boundary and scheduler.telemetry.steps == ended:
-                scheduler.end_step()
+            with contextlib.ExitStack() as stack:
+                for around in arounds:
+                    stack.enter_context(around())
+                out = self._inner(*args, **kwargs)
+            if boundary:
+                for after in afters:
+                    after()
+                runtime.scheduler.end_step()
             return out
 
         engine.step = step
@@ -156,13 +171,11 @@ def initialize(
     if model is not None:  # what the model must match is checked before DeepSpeed starts (and builds ops)
         for name, module_name in _FEATURES.items():
             section = getattr(dsx_config, name)
-            check = (
-                getattr(importlib.import_module(module_name), "check_model", None)
-                if section.enabled
-                else None
-            )
-            if check is not None:
-                check(model, section)
+            if section.enabled:
+                check = getattr(importlib.import_module(module_name), "check_model", None)
+                if check is not None:
+                    check(model, section)
+    single_process_env()  # plain ``python train.py``: rank 0 of 1, not DeepSpeed's MPI discovery
     if args is not None and hasattr(args, "deepspeed_config"):
         # DeepSpeed re-reads args.deepspeed_config when config is None; we always pass the dict instead.
         args.deepspeed_config = None
@@ -193,16 +206,15 @@ def attach(engine: Any, dsx_config: DsxConfig) -> DsxRuntime:
     device = getattr(engine, "device", None)
     device = torch.device(device) if device is not None else None
     runtime = DsxRuntime(config=dsx_config, scheduler=Scheduler(dsx_config.scheduler, device=device))
+    runtime._defaults = defaults.install(dsx_config, runtime.scheduler)
     try:
         for name, module_name in _FEATURES.items():
-            section = getattr(dsx_config, name)
-            if not section.enabled:
+            if not getattr(dsx_config, name).enabled:
                 continue
-            module = importlib.import_module(module_name)
-            runtime.features[name] = module.attach(engine, section, runtime)
+            runtime.features[name] = importlib.import_module(module_name).attach(engine, runtime)
             logger.info("dsx: %s attached", name)
         _add_sinks(engine, runtime.scheduler)
-        runtime.step_driver = _StepDriver(engine, runtime.scheduler)
+        runtime._step = _StepDriver(engine, runtime)
     except BaseException:
         runtime.close()
         raise

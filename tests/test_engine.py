@@ -62,3 +62,36 @@ def test_without_dsx_section_no_runtime() -> None:
     model = _model()
     engine, _, _, _ = dsx.initialize(model=model, model_parameters=model.parameters(), config=dict(BASE))
     assert dsx.runtime_of(engine) is None
+
+
+def test_step_is_wrapped_once_and_the_engine_sections_are_the_defaults_while_attached() -> None:
+    from dsx import defaults
+
+    cfg = {**BASE, "dsx": {
+        "scheduler": {"enabled": True},
+        "rgnn": {"enabled": True, "precision": "bf16"},
+        "activation_offload": {"enabled": True, "policy": "recompute_all", "layer_classes": ["Linear"]},
+    }}  # fmt: skip
+    model = _model()
+    before = defaults.get("rgnn")
+    engine, _, _, _ = dsx.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    rt = dsx.runtime_of(engine)
+    # dsx's one wrapper calls DeepSpeed's own step: no feature wraps it a second time
+    assert rt._step._inner.__func__ is type(engine).step
+    assert defaults.get("rgnn").precision == "bf16" and defaults.scheduler() is rt.scheduler
+    for _ in range(2):
+        engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+        engine.step()
+    assert rt.scheduler.telemetry.steps == 2  # each optimizer step ended exactly once
+    rt.close()
+    assert engine.step.__func__ is type(engine).step  # DeepSpeed's own bound method again
+    assert defaults.get("rgnn") == before and defaults.scheduler() is not rt.scheduler
+
+
+def test_a_moved_key_says_where_it_went() -> None:
+    cfg = {**BASE, "dsx": {"activation_offload": {"io_threads": 8}}}
+    with pytest.raises(
+        DsxConfigError,
+        match=r"activation_offload\.io_threads: this key moved: use dsx\.scheduler\.io_workers",
+    ):
+        dsx.initialize(model=_model(), config=cfg)

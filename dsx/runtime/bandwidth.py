@@ -14,18 +14,27 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dsx.offload.plan import TierBandwidth
 from dsx.runtime.process import all_gather
 
-__all__ = ["measure_file_bandwidth", "measure_host_bandwidth", "measure_tier_bandwidth"]
+__all__ = ["TierBandwidth", "measure_file_bandwidth", "measure_host_bandwidth", "measure_tier_bandwidth"]
 
 logger = logging.getLogger("dsx")
+
+
+@dataclass
+class TierBandwidth:
+    """Bandwidth one rank gets on a tier while every rank of its node uses it (bytes per second)."""
+
+    tier: str
+    write_Bps: float
+    read_Bps: float
 
 
 def measure_file_bandwidth(
@@ -116,7 +125,10 @@ def _node_peers() -> list[int]:
 def measure_tier_bandwidth(
     tiers: list[str], ssd_dir: str | os.PathLike[str] | None, *, mb: int = 64
 ) -> list[TierBandwidth]:
-    """Per-rank bandwidth of each tier with all ranks of the node measuring at once (a collective call)."""
+    """Per-rank bandwidth of each tier with all ranks of the node measuring at once (a collective call).
+
+    ``mb`` is the probe's size per tier (``"dsx"."scheduler"."bandwidth_probe_mb"``); the host probe copies at
+    least 64 MiB each way, and a small or nearly full drive gets a smaller file probe."""
     peers = _node_peers()
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     out: list[TierBandwidth] = []

@@ -21,6 +21,7 @@ __all__ = [
     "release_deepspeed_shm",
     "release_deepspeed_shm_at_exit",
     "shm_prefix",
+    "single_process_env",
     "stale_deepspeed_shm_buffers",
 ]
 
@@ -107,6 +108,23 @@ def owner_gone(record: dict[str, Any]) -> bool | None:
     start = record.get("start")
     now = _start_ticks(pid)
     return start is not None and now is not None and now != start  # a live pid, reused by another process
+
+
+def single_process_env() -> bool:
+    """Without a launcher (plain ``python train.py``), make this process rank 0 of 1 on a free local port, so
+    that DeepSpeed does not fall back to MPI discovery; whether it did anything (a launcher's or MPI's
+    variables, or a process group already up, leave the environment as it is)."""
+    import torch.distributed as dist
+
+    if "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
+        return False
+    if dist.is_available() and dist.is_initialized():
+        return False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return True
 
 
 def exit_distributed() -> None:

@@ -1,8 +1,13 @@
-"""One scheduler per rank: it owns the side streams and the I/O worker threads.
+"""One scheduler per rank: it owns every side stream and every background thread of dsx.
 
-Work items are submitted with the point by which they must be done (a label such as ``"bwd:layer3"``);
-the consumer waits on that label. Waiting is recorded as exposed stall time, the only time that the
-overlap failed to hide.
+Streams and thread pools are created here and nowhere else, by name: activation offload's copies run on
+the ``"offload"`` and ``"prefetch"`` streams and its file I/O on the ``"io"`` and ``"ssd"`` pools; the GNN
+loaders prepare their next batches on the ``"loader"`` pool and stream. So one object sees every transfer of
+the rank, and its telemetry tells where a step waited.
+
+Work items may be submitted with the point by which they must be done (a label such as
+``"loader:3"``); :meth:`Scheduler.wait` on that label joins them, and the time it blocks is recorded as
+exposed stall: the only time the overlap failed to hide.
 """
 
 from __future__ import annotations
@@ -20,7 +25,11 @@ from dsx.config import SchedulerConfig
 from dsx.runtime.events import EventWaiter
 from dsx.runtime.telemetry import StepRecord, StepTelemetry
 
-__all__ = ["Scheduler", "StepSink"]
+__all__ = ["POOLS", "Scheduler", "StepSink"]
+
+# The thread pools a scheduler keeps, and how many threads each gets: ``None`` is ``io_workers``. The loader
+# pool has one thread, so that a loader's batches are sampled in order from its random generator.
+POOLS: dict[str, int | None] = {"io": None, "ssd": None, "loader": 1}
 
 
 class StepSink(Protocol):
@@ -32,7 +41,7 @@ class StepSink(Protocol):
 
 
 class Scheduler:
-    """Side streams, an I/O thread pool and per-step telemetry for one rank.
+    """Side streams, thread pools and per-step telemetry for one rank.
 
     Parameters
     ----------
@@ -50,9 +59,10 @@ class Scheduler:
             else torch.device("cpu")
         )
         self.telemetry = StepTelemetry(keep_events=self.config.enabled and self.config.trace_path is not None)
-        self._pool = ThreadPoolExecutor(max_workers=self.config.io_workers, thread_name_prefix="dsx-io")
+        self._pools: dict[str, ThreadPoolExecutor] = {}
         self._streams: dict[str, Any] = {}
         self._pending: dict[str, list[Future[Any]]] = {}
+        self._lock = threading.Lock()
         self._closed = False
         self._gates: dict[str, threading.Event] = {}
         self.gate_pauses: dict[str, int] = {}  # how often each gate was closed (shown in logs/tests)
@@ -65,9 +75,23 @@ class Scheduler:
         """A named side stream on this rank's GPU (created once), or None on CPU."""
         if self.device.type != "cuda":
             return None
-        if name not in self._streams:
-            self._streams[name] = torch.cuda.Stream(device=self.device)
-        return self._streams[name]
+        with self._lock:
+            if name not in self._streams:
+                self._streams[name] = torch.cuda.Stream(device=self.device)
+            return self._streams[name]
+
+    # -------------------------------------------------------------------------------------------- pools
+    def executor(self, pool: str) -> ThreadPoolExecutor:
+        """The named thread pool (one of :data:`POOLS`), started on first use."""
+        if pool not in POOLS:
+            raise ValueError(f"dsx scheduler: unknown pool {pool!r}; the pools are {sorted(POOLS)}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("dsx scheduler is closed; submit work before engine.dsx.close()")
+            if pool not in self._pools:
+                workers = POOLS[pool] or self.config.io_workers
+                self._pools[pool] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"dsx-{pool}")
+            return self._pools[pool]
 
     # -------------------------------------------------------------------------------------------- gates
     def gate(self, name: str) -> threading.Event:
@@ -93,29 +117,44 @@ class Scheduler:
 
     # --------------------------------------------------------------------------------------------- work
     def submit(
-        self, fn: Callable[..., Any], *args: Any, deadline: str | None = None, **kwargs: Any
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        pool: str = "io",
+        deadline: str | None = None,
+        **kwargs: Any,
     ) -> Future[Any]:
-        """Run ``fn`` on an I/O thread; if ``deadline`` is given, :meth:`wait` on it joins this item."""
-        if self._closed:
-            raise RuntimeError("dsx scheduler is closed; submit work before engine.dsx.close()")
-        fut = self._pool.submit(fn, *args, **kwargs)
+        """Run ``fn`` on a thread of ``pool``; if ``deadline`` is given, :meth:`wait` on it joins this item."""
+        fut = self.executor(pool).submit(fn, *args, **kwargs)
         if deadline is not None:
-            self._pending.setdefault(deadline, []).append(fut)
+            with self._lock:
+                self._pending.setdefault(deadline, []).append(fut)
         return fut
 
     def wait(self, deadline: str) -> None:
-        """Block until every item due at ``deadline`` is done; the blocked time counts as stall."""
-        futs = self._pending.pop(deadline, [])
+        """Block until every item due at ``deadline`` is done; the blocked time counts as stall.
+
+        A worker's exception is re-raised here, on the calling thread."""
+        with self._lock:
+            futs = self._pending.pop(deadline, [])
         if not futs:
             return
         t0 = time.perf_counter()
-        for fut in futs:
-            fut.result()  # re-raises the worker's exception here, on the compute thread
-        t1 = time.perf_counter()
-        self.telemetry.add_stall(t0, t1, deadline)
+        try:
+            for fut in futs:
+                fut.result()
+        finally:
+            self.telemetry.add_stall(t0, time.perf_counter(), deadline)
+
+    def forget(self, deadline: str) -> None:
+        """Drop the items due at ``deadline`` without waiting (their consumer went away)."""
+        with self._lock:
+            self._pending.pop(deadline, None)
 
     def wait_all(self) -> None:
-        for key in list(self._pending):
+        with self._lock:
+            keys = list(self._pending)
+        for key in keys:
             self.wait(key)
 
     def add_sink(self, sink: StepSink) -> None:
@@ -130,14 +169,17 @@ class Scheduler:
         return rec
 
     def close(self) -> None:
-        """Finish pending work, stop the I/O threads, then close the sinks (the trace's last write)."""
+        """Finish pending work, stop the threads, then close the sinks (the trace's last write); idempotent."""
         if self._closed:
             return
-        self._closed = True
         try:
             self.wait_all()
         finally:
-            self._pool.shutdown(wait=True)
+            with self._lock:
+                self._closed = True
+                pools = list(self._pools.values())
+            for p in pools:
+                p.shutdown(wait=True)
             for sink in self.sinks:
                 sink.close()
 

@@ -1,0 +1,59 @@
+"""dsx.runtime.process: a launched CPU job leaves no DeepSpeed shared-memory buffer behind."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.harness import REPO, launch, remove_shm_buffers, shm_buffers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["exit", "engine"])
+def test_launched_job_leaves_no_deepspeed_shm_buffer(mode: str, tmp_path) -> None:
+    """DeepSpeed's CPU backend creates /dev/shm/deepspeed_allreduce_buffer_* (66 MiB a rank) and never
+    unlinks it: without dsx's release, every launched test left them, and CI machines ran out of memory."""
+    res = launch(REPO / "tests/runtime/_shm_worker.py", [str(tmp_path), mode], 2, clean_shm=False)
+    try:
+        res.check()
+        seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+        if not all(s["existed"] for s in seen):
+            pytest.skip(f"DeepSpeed created no shared-memory all-reduce buffer here: {seen}")
+        assert all(str(res.port) in s["path"] for s in seen), seen
+        assert shm_buffers(res.port) == [], "the job's all-reduce buffers are still in /dev/shm"
+    finally:
+        remove_shm_buffers(res.port)
+
+
+def test_clean_shm_removes_only_unmapped_old_buffers(capsys) -> None:
+    """Real files in /dev/shm: an old unmapped buffer is stale; a mapped one and a young one are not."""
+    import mmap
+    import os
+    import time
+
+    from dsx.cli import main
+    from dsx.runtime.process import SHM_DIR, stale_deepspeed_shm_buffers
+
+    if not SHM_DIR.is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    tag = f"deepspeed_allreduce_buffer_{os.getuid()}_test.invalid_{os.getpid()}"
+    old, mapped, young = (SHM_DIR / f"{tag}_{r}" for r in range(3))
+    for p in (old, mapped, young):
+        p.write_bytes(os.urandom(8192))
+    hour_ago = time.time() - 3600
+    os.utime(old, (hour_ago, hour_ago))
+    os.utime(mapped, (hour_ago, hour_ago))
+    try:
+        with open(mapped, "r+b") as f, mmap.mmap(f.fileno(), 8192) as m:
+            stale = stale_deepspeed_shm_buffers()
+            assert old in stale and mapped not in stale and young not in stale, stale
+            assert m[:8] == mapped.read_bytes()[:8]
+            assert main(["clean-shm", "--dry-run"]) == 0
+            assert old.exists() and f"would remove {old}" in capsys.readouterr().out
+            assert main(["clean-shm"]) == 0
+            assert not old.exists() and mapped.exists() and young.exists()
+            assert f"removed {old}" in capsys.readouterr().out
+    finally:
+        for p in (old, mapped, young):
+            p.unlink(missing_ok=True)
