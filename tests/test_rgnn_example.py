@@ -11,9 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsx import defaults
 from dsx.data.hetero import PRESETS, synthetic_hetero
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_defaults():
+    """The example leaves its engine attached, and with it the engine's sections as the process defaults;
+    the tests after these start from the defaults of before."""
+    # set() with no change: the block's end puts back the defaults (and scheduler) current now
+    with defaults.set("rgnn"):
+        yield
 
 
 def _example():
@@ -50,6 +60,8 @@ def test_example_trains_and_backends_agree(model, tmp_path):
             [*common, "--backend", backend, "--log-json", str(tmp_path / f"{backend}.json")]
         )
     k, i = runs["kernels"], runs["interpreter"]
+    # the layers follow the engine's section
+    assert (k["backend"], i["backend"]) == ("kernels", "interpreter")
     assert json.loads((tmp_path / "kernels.json").read_text())["losses"] == k["losses"]
     assert k["losses"][-1] < 0.9 * k["losses"][0]
     assert max(k["test_acc"][-3:]) > k["test_acc"][0]

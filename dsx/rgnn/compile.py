@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from dsx.rgnn import passes
-from dsx.rgnn._common import edge_softmax
+from dsx.rgnn.edge_ops import edge_scalar, edge_softmax, per_relation_matmul
 from dsx.rgnn.graph import RelGraph
-from dsx.rgnn.interpreter import edge_scalar, per_relation_matmul
 from dsx.rgnn.ir import Program, Value
 from dsx.rgnn.kernels import fused_edge, gather_gemm
 

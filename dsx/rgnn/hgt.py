@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsx.rgnn._common import LayerOptions, run_program
+from dsx.rgnn.dispatch import run_program
 from dsx.rgnn.graph import prepare, tensor_version
+from dsx.rgnn.options import LayerOptions, Options
 from dsx.rgnn.programs import hgt_program
 
 __all__ = ["HGTConv"]
@@ -95,7 +96,7 @@ class HGTConv(LayerOptions, nn.Module):
         eye = torch.eye(h, dtype=w.dtype, device=w.device)
         return torch.einsum("hrij,hg->rhigj", w, eye).reshape(r, h * d, h * d)
 
-    def _homogeneous(self, x_dict, edge_index_dict):
+    def _homogeneous(self, x_dict, edge_index_dict, opts: Options):
         """One node id space (types concatenated in ``x_dict`` order) and relation ids from ``metadata``."""
         offset, start = {}, 0
         for t, x in x_dict.items():
@@ -127,7 +128,7 @@ class HGTConv(LayerOptions, nn.Module):
         # Not in prepare's cache: the layer keeps the graph itself, so the concatenated [2, E] edge_index and
         # edge_type (24 bytes per edge) are freed now instead of living as cache keys.
         graph = prepare(edge_index, edge_type, start, max(1, len(self.edge_types)), cache=False,
-                        needs=self._graph_needs("rel"))  # fmt: skip
+                        needs=opts.graph_needs("rel"))  # fmt: skip
         graph.release_edges()
         self._graph_key = (key, graph, edge_index_dict)  # keeps the keyed tensors alive (ids stay unique)
         return graph, offset, start
@@ -140,13 +141,14 @@ class HGTConv(LayerOptions, nn.Module):
                 raise ValueError(
                     f"x_dict[{t!r}] has {x.size(-1)} features, in_channels says {self.in_channels[t]}"
                 )
-        g, offset, n = self._homogeneous(x_dict, edge_index_dict)
+        opts = self.options()
+        g, offset, n = self._homogeneous(x_dict, edge_index_dict, opts)
         kqv = self.kqv_lin(x_dict)
         k, q, v = (torch.cat([kqv[t].tensor_split(3, dim=1)[i] for t in x_dict], 0) for i in range(3))
         scale = torch.cat([self.p_rel["__".join(e)] for e in self.edge_types], 0) / math.sqrt(d)  # [R, H]
         wk, wv = self._block_weight(self.k_rel), self._block_weight(self.v_rel)
         params = {"Wk": wk, "Wv": wv, "scale": scale.contiguous()}
-        out = run_program(self, hgt_program(f, h), g, {"k": k, "q": q, "v": v}, params)
+        out = run_program(opts, hgt_program(f, h), g, {"k": k, "q": q, "v": v}, params)
         out = out.reshape(n, f)
         result = {}
         for t, x in x_dict.items():

@@ -10,28 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsx.rgnn._common import edge_softmax
+from dsx.rgnn.edge_ops import edge_scalar, edge_softmax, per_relation_matmul
 from dsx.rgnn.graph import RelGraph
 from dsx.rgnn.ir import Program, Value
 
-__all__ = ["edge_scalar", "interpret", "per_relation_matmul"]
-
-
-def per_relation_matmul(v: torch.Tensor, w: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
-    """``out[e] = v[e] @ w[rel[e]]`` with one matmul per relation (no per-edge weight copies)."""
-    out = v.new_zeros((v.shape[0], w.shape[-1]))
-    for r in range(w.shape[0]):
-        mask = rel == r
-        out = out.index_put((mask,), v[mask] @ w[r])
-    return out
-
-
-def edge_scalar(g: RelGraph, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """A per-edge graph constant (``[E]``) named by the IR."""
-    if name == "inv_deg_rel":
-        return g.inv_deg_rel.to(dtype)
-    deg = (g.dst_ptr[1:] - g.dst_ptr[:-1]).clamp_min(1)
-    return (1.0 / deg.to(dtype))[g.dst]
+__all__ = ["interpret"]
 
 
 def interpret(program: Program, graph: RelGraph, inputs: dict, params: dict) -> torch.Tensor:

@@ -14,8 +14,9 @@ import math
 import torch
 from torch import nn
 
-from dsx.rgnn._common import LayerOptions, run_program
+from dsx.rgnn.dispatch import run_program
 from dsx.rgnn.graph import prepare
+from dsx.rgnn.options import LayerOptions
 from dsx.rgnn.programs import rgat_program, rgcn_program
 
 __all__ = ["RGATConv", "RGCNConv"]
@@ -41,7 +42,9 @@ class RGCNConv(LayerOptions, nn.Module):
     without pyg-lib); ``"sum"``/``"add"`` sums. ``num_bases``: ``W_r = Σ_b comp[r, b] weight[b]``.
     Extra keyword options: ``backend`` ("auto" | "kernels" | "interpreter"), ``precision`` ("fp32" | "tf32" |
     "bf16", gather-GEMM inputs), ``kernel_backend`` ("triton" | "interpret" | "reference" | None = by
-    device), ``compact_materialization`` (False: one projection per edge, the ablation).
+    device), ``compact_materialization`` (False: one projection per edge, the ablation), ``linear_reorder``,
+    ``fusion``. Each left as ``None`` follows ``dsx.defaults.get("rgnn")`` when the layer runs
+    (``kernel_backend`` excepted: it has no config key).
     """
 
     def __init__(self, in_channels, out_channels: int, num_relations: int, num_bases: int | None = None,
@@ -92,12 +95,12 @@ class RGCNConv(LayerOptions, nn.Module):
                             "an nn.Embedding's output (PyG's index-tensor input is not supported)")  # fmt: skip
         if x_l.shape[-1] != self.in_channels_l:
             raise ValueError(f"x has {x_l.shape[-1]} features but in_channels={self.in_channels_l}")
-        mean = self.aggr == "mean"
+        mean, opts = self.aggr == "mean", self.options()
         g = prepare(edge_index, edge_type, (x_l.size(0), x_r.size(0)), self.num_relations,
-                    needs=self._graph_needs(*(("inv_deg_rel",) if mean else ())))  # fmt: skip
+                    needs=opts.graph_needs(*(("inv_deg_rel",) if mean else ())))  # fmt: skip
         w = self.relation_weight()
         prog = rgcn_program(self.in_channels_l, self.out_channels, mean)
-        out = run_program(self, prog, g, {"x": x_l}, {"W": w}).view(g.num_dst, self.out_channels)
+        out = run_program(opts, prog, g, {"x": x_l}, {"W": w}).view(g.num_dst, self.out_channels)
         if self.root is not None:
             # One [N, C] result (addmm accumulates into a copy of out) instead of a product and a sum.
             out = torch.addmm(out, x_r, self.root)
@@ -192,15 +195,15 @@ class RGATConv(LayerOptions, nn.Module):
                      return_attention_weights=return_attention_weights is not None)  # fmt: skip
         if not x.is_floating_point() or x.shape[-1] != self.in_channels:
             raise ValueError(f"x must be float [N, {self.in_channels}], got {x.dtype} {tuple(x.shape)}")
-        n, heads, c = x.size(0), self.heads, self.out_channels
+        n, heads, c, opts = x.size(0), self.heads, self.out_channels, self.options()
         g = prepare(edge_index, edge_type, n, self.num_relations,
-                    needs=self._graph_needs("dst_row_idx", "dst_rel_ptr", "edge_dst_row"))  # fmt: skip
+                    needs=opts.graph_needs("dst_row_idx", "dst_rel_ptr", "edge_dst_row"))  # fmt: skip
         w = self.relation_weight()
         a_src, a_dst = self._att_weights(w)  # [R or 1, HC, H]
         prog = rgat_program(self.in_channels, c, heads, self.negative_slope, self.semantics == "hector")
         att = {"att_src": a_src, "att_dst": a_dst} if self.semantics == "hector" else {"att_src": a_src[0],
                                                                                         "att_dst": a_dst[0]}  # fmt: skip
-        out = run_program(self, prog, g, {"x": x}, {"W": w, **att})
+        out = run_program(opts, prog, g, {"x": x}, {"W": w, **att})
         out = out.reshape(n, heads * c) if self.concat else out.mean(dim=1)
         return out if self.bias is None else out + self.bias
 

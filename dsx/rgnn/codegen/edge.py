@@ -18,9 +18,8 @@ index arrays are int64.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from dsx.rgnn.codegen._edge_common import (
+from dsx.rgnn.codegen.edge_bwd import backward_kernel, bwd_flags
+from dsx.rgnn.codegen.edge_parts import (
     MAX,
     SUM,
     chunk_prologue,
@@ -30,10 +29,7 @@ from dsx.rgnn.codegen._edge_common import (
     signature,
     term_args,
 )
-from dsx.rgnn.codegen.edge_bwd import backward_kernel, bwd_flags
-
-if TYPE_CHECKING:
-    from dsx.rgnn.kernels.spec import EdgeSpec
+from dsx.rgnn.codegen.spec import EdgeSpec
 
 __all__ = ["EMITTER_VERSION", "generate_edge_kernel_source"]
 

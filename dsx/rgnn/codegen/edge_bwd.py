@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from dsx.rgnn.codegen._edge_common import (
+from dsx.rgnn.codegen.edge_parts import (
     SUM,
     chunk_prologue,
     guard,
@@ -14,9 +12,7 @@ from dsx.rgnn.codegen._edge_common import (
     signature,
     term_args,
 )
-
-if TYPE_CHECKING:
-    from dsx.rgnn.kernels.spec import EdgeSpec
+from dsx.rgnn.codegen.spec import EdgeSpec
 
 __all__ = ["backward_kernel", "bwd_flags"]
 

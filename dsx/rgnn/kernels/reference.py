@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsx.rgnn.kernels.spec import EdgeSpec
+from dsx.rgnn.codegen.spec import EdgeSpec
 
 __all__ = ["edge_dst_index", "fused_edge_ref", "gather_gemm_ref"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dsx.rgnn.kernels.spec import EdgeSpec
+from dsx.rgnn.codegen.spec import EdgeSpec
 
 __all__ = ["check_edge_args", "check_edge_indices", "check_index", "check_ptr"]
 

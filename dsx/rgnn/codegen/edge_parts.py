@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from dsx.rgnn.kernels.spec import EdgeSpec
+from dsx.rgnn.codegen.spec import EdgeSpec
 
 __all__ = [
     "MAX", "SUM", "chunk_prologue", "guard", "ind", "logit_lines", "preamble", "signature", "term_args",

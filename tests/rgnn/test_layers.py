@@ -7,7 +7,6 @@ import torch
 import torch_geometric.nn as pygnn
 
 import dsx.rgnn as rg
-from dsx.config import RGNNConfig
 
 # (layer backend, kernel backend): the fused path on the PyTorch twins, the same path with the generated
 # Triton kernels under Triton's interpreter, and the per-edge interpreter spec.
@@ -210,28 +209,6 @@ def test_prepare_cache_and_bad_input():
     bad[("paper", "cites", "paper")] = torch.tensor([[0], [13]])
     with pytest.raises(ValueError, match="out of range"):
         rg.HGTConv(6, 6, meta)(x, bad)
-
-
-def test_attach_sets_layer_defaults():
-    """The config section's precision reaches the kernels: bf16 inputs change the result, close() undoes it."""
-    ei, et = rel_graph()
-    x = torch.randn(23, 7)
-    layer = rg.RGCNConv(7, 6, 5, kernel_backend="interpret")
-    exact = layer(x, ei, et)
-    handle = rg.attach(None, RGNNConfig(enabled=True, precision="bf16", compact_materialization=False), None)
-    try:
-        assert rg.DEFAULTS["compact_materialization"] is False
-        err = (layer(x, ei, et) - exact).abs().max()
-        assert 1e-5 < err < 5e-2
-    finally:
-        handle.close()
-    torch.testing.assert_close(layer(x, ei, et), exact)
-    handle = rg.attach(None, RGNNConfig(enabled=True, backend="interpreter"), None)
-    try:
-        assert layer._use_interpreter()
-    finally:
-        handle.close()
-    assert not layer._use_interpreter()
 
 
 def test_compiled_program_frees_intermediates_without_gc(monkeypatch):
