@@ -3,7 +3,8 @@
 :func:`prepare` turns ``(edge_index, edge_type)`` into a :class:`RelGraph` once per graph (it may synchronise
 with the host: validation reads index ranges), so that forward and backward never do. The result is cached
 per ``edge_index`` / ``edge_type`` tensor objects (identity and in-place version), so calling a layer
-repeatedly on the same graph costs one dictionary look-up.
+repeatedly on the same graph costs one dictionary look-up. Inference tensors keep no version counter, so an
+in-place refill of one could not be told from the graph it held before: they are never cached.
 
 Performance: a handful of sorts / ``unique`` over ``E`` elements on the graph's device; on a GPU this is
 cheap enough to redo per sampled mini-batch (``benchmarks/bench_rgnn.py`` reports the cost).
@@ -16,9 +17,11 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["INT32_MAX", "RelGraph", "clear_cache", "prepare"]
+__all__ = ["INDEX_DTYPES", "INT32_MAX", "RelGraph", "check_index_tensor", "clear_cache", "prepare"]
 
 INT32_MAX = 2**31 - 1
+# what PyG's layers index with: narrower integers and bool are refused there, so they are here too
+INDEX_DTYPES = (torch.int32, torch.int64)
 _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 8
 
@@ -190,19 +193,24 @@ def _pairs(node: torch.Tensor, rel: torch.Tensor, num_nodes: int, num_relations:
     return uniq % max(num_nodes, 1), _ptr(uniq // max(num_nodes, 1), num_relations), inverse
 
 
+def check_index_tensor(t: object, name: str, what: str) -> None:
+    """TypeError unless ``t`` is an int32 or int64 tensor (``what`` says what it holds, for the message)."""
+    if t is None:
+        raise TypeError(f"{name} is required: {what}")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor ({what}), got {type(t).__name__}")
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be an int32 or int64 tensor ({what}), got {t.dtype}")
+
+
 def _validate(edge_index, edge_type, num_src, num_dst, num_relations, index_dtype):
-    if not isinstance(edge_index, torch.Tensor) or edge_index.dim() != 2 or edge_index.shape[0] != 2:
-        shape = tuple(edge_index.shape) if isinstance(edge_index, torch.Tensor) else type(edge_index)
-        raise ValueError(f"edge_index must be a [2, E] tensor, got {shape}")
-    if edge_type is None:
-        raise ValueError("edge_type is required: one relation id per edge ([E] integer tensor)")
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(f"edge_index must be a [2, E] tensor, got {tuple(edge_index.shape)}")
     if edge_type.dim() != 1 or edge_type.numel() != edge_index.shape[1]:
         raise ValueError(
             f"edge_type has shape {tuple(edge_type.shape)} but edge_index has {edge_index.shape[1]} edges; "
             "pass one relation id per edge"
         )
-    if edge_index.dtype.is_floating_point or edge_type.dtype.is_floating_point:
-        raise TypeError("edge_index and edge_type must be integer tensors")
     if num_relations < 1:
         raise ValueError(f"num_relations={num_relations} must be >= 1")
     limit = INT32_MAX if index_dtype == torch.int32 else 2**63 - 1
@@ -250,7 +258,7 @@ def _build(edge_index, edge_type, num_src, num_dst, num_relations) -> RelGraph:
 
 def tensor_version(t: torch.Tensor) -> int | None:
     """``t._version`` for the caches' in-place guard; None for inference tensors, which keep no version
-    counter (reading it raises) — their cache entries are matched by identity alone."""
+    counter (reading it raises): a cache must not keep what it builds from them."""
     return None if t.is_inference() else t._version
 
 
@@ -270,12 +278,17 @@ def prepare(
     passes what its kernels read, so the first call pays for them and later forwards only read them.
 
     ``num_nodes`` is ``N`` or ``(num_src, num_dst)`` for bipartite graphs. ``index_dtype=torch.int32``
-    additionally checks that every count fits int32 (for int32 consumers). Raises ``ValueError`` naming the
-    offending value for out-of-range relation ids or node indices and mismatched sizes.
+    additionally checks that every count fits int32 (for int32 consumers). Raises ``TypeError`` for a missing
+    ``edge_type`` or index tensors that are not int32 / int64 (as PyG's layers do), ``ValueError`` naming the
+    offending value for out-of-range relation ids or node indices and mismatched sizes. Graphs built from
+    inference tensors are not cached.
     """
+    check_index_tensor(edge_index, "edge_index", "a [2, E] tensor of (source, destination) node ids")
+    check_index_tensor(edge_type, "edge_type", "one relation id per edge, an [E] tensor")
     num_src, num_dst = (num_nodes, num_nodes) if isinstance(num_nodes, int) else tuple(num_nodes)
+    cache = cache and not (edge_index.is_inference() or edge_type.is_inference())
     key = (id(edge_index), id(edge_type), num_src, num_dst, num_relations, index_dtype)
-    versions = (tensor_version(edge_index), tensor_version(edge_type))
+    versions = (tensor_version(edge_index), tensor_version(edge_type)) if cache else None
     if cache and key in _CACHE:
         entry = _CACHE[key]
         # Identity is checked through the stored references (the cache keeps them alive, so ids cannot be

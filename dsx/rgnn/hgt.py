@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsx.rgnn.dispatch import run_program
-from dsx.rgnn.graph import prepare, tensor_version
+from dsx.rgnn.graph import check_index_tensor, prepare, tensor_version
 from dsx.rgnn.options import LayerOptions, Options
 from dsx.rgnn.programs import hgt_program
 
@@ -101,9 +101,13 @@ class HGTConv(LayerOptions, nn.Module):
         offset, start = {}, 0
         for t, x in x_dict.items():
             offset[t], start = start, start + x.size(0)
+        for e, ei in edge_index_dict.items():
+            check_index_tensor(ei, f"edge_index_dict[{tuple(e)}]", "a [2, E] tensor of node ids")
         edges = tuple((e, id(ei), tensor_version(ei)) for e, ei in edge_index_dict.items())
         key = edges + tuple(offset.items())
-        if self._graph_key is not None and self._graph_key[0] == key:
+        # inference tensors have no version to tell an in-place refill by: their graph is never reused
+        reusable = not any(ei.is_inference() for ei in edge_index_dict.values())
+        if reusable and self._graph_key is not None and self._graph_key[0] == key:
             return self._graph_key[1], offset, start
         parts, types = [], []
         for e, ei in edge_index_dict.items():
@@ -130,7 +134,8 @@ class HGTConv(LayerOptions, nn.Module):
         graph = prepare(edge_index, edge_type, start, max(1, len(self.edge_types)), cache=False,
                         needs=opts.graph_needs("rel"))  # fmt: skip
         graph.release_edges()
-        self._graph_key = (key, graph, edge_index_dict)  # keeps the keyed tensors alive (ids stay unique)
+        # keeps the keyed tensors alive (ids stay unique)
+        self._graph_key = (key, graph, edge_index_dict) if reusable else None
         return graph, offset, start
 
     def forward(self, x_dict: dict[str, torch.Tensor], edge_index_dict: dict) -> dict[str, torch.Tensor]:

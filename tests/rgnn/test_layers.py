@@ -75,6 +75,7 @@ def test_rgcn_bipartite_and_no_compaction(backend, kb):
         ({"heads": 3}, {"linear_reorder": False}),
         ({"heads": 2, "concat": False}, {"compact_materialization": False}),
         ({"heads": 2, "num_bases": 2}, {}),
+        ({"heads": 2, "negative_slope": 0.05}, {}),  # the leaky ReLU's slope is the layer's, not 0.2
     ],
 )
 def test_rgat_parity(backend, kb, opts, flags):
