@@ -45,8 +45,58 @@ class DsxConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    # strict: "true" is not a bool and 1.5 is not an int; JSON gives exact types, so be exact.
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, frozen=False)
+    # strict: "true" is not a bool and 1.5 is not an int; JSON gives exact types, so be exact. Python's json
+    # reads Infinity and NaN: no size, time or count may be either.
+    model_config = ConfigDict(
+        extra="forbid", strict=True, validate_assignment=True, frozen=False, allow_inf_nan=False
+    )
+
+
+GIB = 1 << 30
+# Upper bound of every size in GB: more than any machine holds, and small enough that the byte counts derived
+# from it stay exact integers far from any C integer's overflow.
+MAX_GB = float(1 << 20)
+# Room dsx's own names take below a directory it is given (run directory, rank file, owner record).
+_NAME_ROOM = 96
+
+
+def _limits(path: Path) -> tuple[int, int]:
+    """(longest path, longest name) the filesystem holding ``path`` (or its nearest parent) allows."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return os.pathconf(probe, "PC_PATH_MAX"), os.pathconf(probe, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 4096, 255
+
+
+def _check_path_length(value: str, key: str) -> Path:
+    """The path, once its length and every component's fit what the filesystem allows (the messages complete
+    ``<key>: "<value>" ...``)."""
+    path = Path(value).expanduser()
+    size = len(os.fsencode(str(path.absolute())))
+    # before any stat: a longer name or path fails every system call on Linux
+    for part in path.parts:
+        if len(os.fsencode(part)) > 255:
+            raise ValueError(f"has a name of {len(os.fsencode(part))} bytes; names may have at most 255")
+    if size + _NAME_ROOM > 4096:
+        raise ValueError(
+            f"is {size} bytes long; with the {_NAME_ROOM} bytes of names dsx adds below it, it must stay under "
+            f"4096: point {key} at a shorter path"
+        )
+    path_max, name_max = _limits(path)
+    if size + _NAME_ROOM > path_max:
+        raise ValueError(
+            f"is {size} bytes long; with the {_NAME_ROOM} bytes of names dsx adds below it, it must stay under "
+            f"{path_max}: point {key} at a shorter path"
+        )
+    long = [p for p in path.parts if len(os.fsencode(p)) > name_max]
+    if long:
+        raise ValueError(
+            f"has a name of {len(os.fsencode(long[0]))} bytes; this filesystem allows {name_max}"
+        )
+    return path
 
 
 def _check_dir(value: str | None, key: str) -> str | None:
@@ -57,7 +107,7 @@ def _check_dir(value: str | None, key: str) -> str | None:
         return None
     if not value.strip():
         raise ValueError(f"is empty: give {key} a directory")
-    path = Path(value).expanduser()
+    path = _check_path_length(value, key)
     if not path.exists():
         raise ValueError(f"does not exist: create it, or point {key} at an existing directory")
     if not path.is_dir():
@@ -76,9 +126,9 @@ class ActivationOffloadConfig(_Section):
     enabled: bool = False
     tiers: list[Literal["host", "ssd"]] = Field(default_factory=lambda: ["host"], min_length=1)
     ssd_path: str | None = None
-    host_pool_gb: float = Field(default=4.0, ge=0)
-    ssd_capacity_gb: float = Field(default=64.0, ge=0)
-    memory_budget_gb: float | None = Field(default=None, ge=0)
+    host_pool_gb: float = Field(default=4.0, ge=0, le=MAX_GB)
+    ssd_capacity_gb: float = Field(default=64.0, ge=0, le=MAX_GB)
+    memory_budget_gb: float | None = Field(default=None, ge=0, le=MAX_GB)
     policy: Literal["auto", "offload_all", "recompute_all", "none"] = "auto"
     layer_classes: list[str] | None = Field(default=None, min_length=1)  # null: detect the repeated blocks
     # Megatron's selective recompute, as a per-layer choice: sub-modules (class names, e.g.
@@ -87,7 +137,7 @@ class ActivationOffloadConfig(_Section):
     recompute_modules: list[str] = Field(default_factory=list)
     # policy auto: steps run with everything kept before the profiled one (the first step pays for lazy
     # initialisation and allocator growth, which would make forward look slower and writes easier to hide)
-    profile_warmup_steps: int = Field(default=1, ge=0)
+    profile_warmup_steps: int = Field(default=1, ge=0, le=1000)
     # policy auto: how the warm-up and profiling steps run. "keep" keeps everything (exact, but the
     # micro-batch must fit without dsx); "recompute" recomputes every layer and profiles the recomputation
     # (a micro-batch that fits only with dsx); "auto": "recompute" when memory_budget_gb is set
@@ -110,13 +160,13 @@ class ActivationOffloadConfig(_Section):
     # expandable_segments; otherwise the allocator is left as it is
     expandable_segments: Literal["auto", "on", "off"] = "auto"
     io_backend: Literal["auto", "kvikio", "aio", "posix"] = "auto"
-    min_tensor_bytes: int = Field(default=1 << 20, ge=0)
+    min_tensor_bytes: int = Field(default=1 << 20, ge=0, le=1 << 50)
     verify: bool = False
-    prefetch_depth: int | None = Field(default=None, ge=1)
+    prefetch_depth: int | None = Field(default=None, ge=1, le=64)
     # SSD wear: the drive's rated endurance in TB written (its datasheet's TBW); with it, dsx warns once when
     # the rate this node writes activations at would use it up within wear_warn_years. null: no check
-    ssd_endurance_tbw: float | None = Field(default=None, gt=0)
-    wear_warn_years: float = Field(default=3.0, gt=0)
+    ssd_endurance_tbw: float | None = Field(default=None, gt=0, le=1e9)
+    wear_warn_years: float = Field(default=3.0, gt=0, le=100)
 
     # the settings whose "auto" follows memory_budget_gb: (the value under a budget, the value without one)
     _AUTO_BY_BUDGET: ClassVar[dict[str, tuple[str, str]]] = {
@@ -144,6 +194,18 @@ class ActivationOffloadConfig(_Section):
             raise ValueError("names a tier twice: each tier may appear once")
         return v
 
+    @field_validator("host_pool_gb")
+    @classmethod
+    def _host_pool_fits(cls, v: float, info: ValidationInfo) -> float:
+        # the pool is pinned host memory, allocated at start-up: more than the machine has can never work
+        ram = _physical_memory()
+        if info.data.get("enabled", False) and ram and v * GIB > ram:
+            raise ValueError(
+                f"GB is more than this machine's memory ({ram / GIB:.1f} GiB): the pool is pinned host memory "
+                "allocated at start-up; lower host_pool_gb (and share the node's memory among its ranks)"
+            )
+        return v
+
     @field_validator("ssd_path")
     @classmethod
     def _ssd_path(cls, v: str | None, info: ValidationInfo) -> str | None:
@@ -167,7 +229,7 @@ class UnifiedConfig(_Section):
     shared: Literal["auto", "on", "off"] = "auto"
     # A full wave over every SM oversubscribes the PCIe request queue and gathers slower than a few SMs' worth,
     # which also leaves the rest to training (docs/unified.md, "Bounded SMs"). null = every SM.
-    max_gather_sms: int | None = Field(default=16, ge=1)
+    max_gather_sms: int | None = Field(default=16, ge=1, le=1 << 16)
     sort_indices: bool = True
     prefetch_batches: int = Field(default=1, ge=0, le=16)
     shared_memory_dir: str = "/dev/shm"
@@ -203,15 +265,45 @@ class SchedulerConfig(_Section):
     # threads of each I/O pool: activation offload's copies and checks, and the SSD tier's file I/O
     io_workers: int = Field(default=4, ge=1, le=64)
     # steps between writes to DeepSpeed's monitor (means over the interval) and rewrites of the trace file
-    log_interval: int = Field(default=10, ge=1)
+    log_interval: int = Field(default=10, ge=1, le=1 << 20)
     trace_path: str | None = None  # Chrome trace JSON; ".rank<r>" goes before the extension when ranks > 1
-    trace_steps: int = Field(default=50, ge=1)  # the trace file holds (and memory keeps) the last N steps
+    trace_steps: int = Field(
+        default=50, ge=1, le=1 << 16
+    )  # the trace file holds (and memory keeps) the last N steps
     # size of the start-up probe of each offload tier's bandwidth (every rank of a node at once)
-    bandwidth_probe_mb: int = Field(default=64, ge=1)
+    bandwidth_probe_mb: int = Field(default=64, ge=1, le=1 << 16)
     # how I/O threads wait on the host for a copy on a side stream (dsx.runtime.events): "spin"
     # (cudaEventSynchronize: a busy core per waiting thread), "poll" (event queries with a short sleep: idle
     # cores, but each query takes the GIL), "auto" (spin)
     event_wait: Literal["auto", "poll", "spin"] = "auto"
+
+    @field_validator("trace_path")
+    @classmethod
+    def _trace_path(cls, v: str | None, info: ValidationInfo) -> str | None:
+        """A trace file name whose directory exists and is writable, checked at start-up rather than when
+        the first trace is written (at close, or after ``log_interval`` steps)."""
+        if v is None:
+            return None
+        if not v.strip():
+            raise ValueError("is empty: give trace_path a file name, or null for no trace")
+        path = _check_path_length(v, "trace_path")
+        if path.is_dir():
+            raise ValueError("is a directory: give trace_path a file name in it, e.g. trace.json")
+        # a disabled scheduler writes no trace: its directory may be absent
+        if info.data.get("enabled", False):
+            try:
+                _check_dir(str(path.parent), "trace_path")
+            except ValueError as exc:
+                raise ValueError(f"is in {str(path.parent)!r}, which {exc}") from None
+        return str(path)
+
+
+def _physical_memory() -> int:
+    """Bytes of RAM on this machine (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 class DsxConfig(_Section):
@@ -273,6 +365,7 @@ def _allowed(err: dict[str, Any]) -> str:
         "model_type": "an object",
         "dict_type": "an object",
         "none_required": "null",
+        "finite_number": "a finite number",
     }
     if kind in simple:
         return simple[kind]

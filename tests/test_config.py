@@ -236,3 +236,69 @@ def test_readme_lists_every_key_with_its_default() -> None:
     block = re.search(r'```json\n"dsx": (\{.*?\n\})\n```', readme, re.S)
     assert block is not None, 'README.md has no ```json "dsx": {...}``` block'
     assert json.loads(block.group(1)) == DsxConfig().model_dump()
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [
+        ("activation_offload", "host_pool_gb", float("inf")),
+        ("activation_offload", "ssd_capacity_gb", float("nan")),
+        ("activation_offload", "memory_budget_gb", float("inf")),
+        ("activation_offload", "ssd_endurance_tbw", float("inf")),
+    ],
+)
+def test_sizes_are_finite(section: str, key: str, value: float) -> None:
+    msg = _err({section: {key: value}})
+    assert f"dsx.{section}.{key}: value" in msg and "a finite number" in msg
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [
+        ("activation_offload", "host_pool_gb", 1e308),
+        ("activation_offload", "ssd_capacity_gb", 1e308),
+        ("activation_offload", "memory_budget_gb", 1e308),
+        ("activation_offload", "min_tensor_bytes", 1 << 62),
+        ("activation_offload", "prefetch_depth", 1 << 40),
+        ("activation_offload", "profile_warmup_steps", 1 << 40),
+        ("unified", "max_gather_sms", 1 << 40),
+        ("scheduler", "log_interval", 1 << 40),
+        ("scheduler", "trace_steps", 1 << 40),
+        ("scheduler", "bandwidth_probe_mb", 1 << 40),
+    ],
+)
+def test_every_size_has_an_upper_bound(section: str, key: str, value: float) -> None:
+    msg = _err({section: {key: value}})
+    assert f"dsx.{section}.{key}: value" in msg and "<=" in msg
+
+
+def test_a_host_pool_larger_than_the_machine_fails_at_parse() -> None:
+    ram_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    msg = _err({"activation_offload": {"enabled": True, "host_pool_gb": float(int(ram_gib) + 1)}})
+    assert "dsx.activation_offload.host_pool_gb" in msg and "more than this machine's memory" in msg
+    # a disabled section allocates nothing: not checked
+    parse_dsx_config({"activation_offload": {"host_pool_gb": float(int(ram_gib) + 1)}})
+
+
+def test_paths_too_long_for_the_filesystem_fail_at_parse(tmp_path) -> None:
+    long_name = str(tmp_path / ("a" * 300))
+    msg = _err({"activation_offload": {"enabled": True, "tiers": ["ssd"], "ssd_path": long_name}})
+    assert "dsx.activation_offload.ssd_path" in msg and "names may have at most 255" in msg
+    deep = str(tmp_path / "/".join(["b" * 200] * 21))
+    msg = _err({"unified": {"enabled": True, "shared_memory_dir": deep}})
+    assert "dsx.unified.shared_memory_dir" in msg and "point shared_memory_dir at a shorter path" in msg
+
+
+def test_trace_path_is_checked_at_parse(tmp_path) -> None:
+    assert "give trace_path a file name, or null" in _err({"scheduler": {"trace_path": ""}})
+    assert "is a directory" in _err({"scheduler": {"trace_path": str(tmp_path)}})
+    missing = tmp_path / "nope" / "trace.json"
+    msg = _err({"scheduler": {"enabled": True, "trace_path": str(missing)}})
+    assert "dsx.scheduler.trace_path" in msg and "which does not exist" in msg
+    parse_dsx_config({"scheduler": {"trace_path": str(missing)}})  # disabled: nothing is written
+    assert parse_dsx_config({"scheduler": {"enabled": True, "trace_path": str(tmp_path / "t.json")}})
+
+
+def test_a_moved_key_names_its_new_place() -> None:
+    msg = _err({"activation_offload": {"io_threads": 4}})
+    assert "dsx.activation_offload.io_threads: this key moved: use dsx.scheduler.io_workers instead" in msg
