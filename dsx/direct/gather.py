@@ -3,12 +3,12 @@
 Both paths share one contract: ``gather_rows(table, index)`` equals ``table[index]`` placed on the index's
 device; indices are int32 or int64 of any shape; an index outside ``[0, rows)`` raises
 :class:`IndexOutOfRangeError` naming it (never garbage). Both sort the indices first (``sort=True``): the
-kernel so that consecutive warps read neighbouring host addresses (whole 128-byte PCIe requests; 2.5x on
-an H100 for 512-byte rows), the twin so that each distinct row is read and transferred once.
+kernel so that consecutive warps read neighbouring host addresses (whole 128-byte PCIe requests rather than
+scattered partial ones), the twin so that each distinct row is read and transferred once.
 
-Performance facts (H100, PCIe Gen5, pinned copy 55 GB/s): the kernel reaches the copy ceiling for rows of
-256 bytes and more when it may use every SM; the twin is bound by host memory bandwidth of the CPU threads
-(about 21 GB/s with 16 cores into pinned staging memory, 3.6 GB/s from pageable memory).
+The kernel is bound by the PCIe link and reaches a plain pinned copy's bandwidth for rows of a few hundred
+bytes and more; the twin is bound by the host memory bandwidth of the CPU threads that gather into pinned
+staging memory. Measured figures, by row size and index count: docs/unified.md.
 """
 
 from __future__ import annotations

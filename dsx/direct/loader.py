@@ -5,22 +5,30 @@ Switching from PyG is a one-line change: the constructor takes PyG's names for w
 ``torch_geometric.data.Data`` batches with ``n_id``, ``edge_index``, ``batch_size``, ``num_sampled_nodes``,
 ``num_sampled_edges``, ``x``, ``y``, ``input_id`` and ``e_id``.
 
-Pipeline: a background thread samples and gathers batch i+1 (on a side CUDA stream on GPUs) while the caller
-trains on batch i; the caller's stream waits on an event and the tensors are ``record_stream``-ed, so the
-caching allocator never recycles them early. ``prefetch`` batches are kept ready.
+Pipeline: the runtime scheduler prepares the next ``prefetch`` batches while the caller trains on the
+current one, one task per batch on its ``"loader"`` pool (one thread, so batches are sampled in order from
+the loader's random generator) and, on GPUs, its ``"loader"`` stream. The caller waits on each batch's
+deadline (:meth:`Scheduler.wait <dsx.runtime.scheduler.Scheduler.wait>`: the time it blocks is the loader's
+exposed stall in the telemetry), its stream waits on the batch's event and the tensors are
+``record_stream``-ed, so the caching allocator never recycles them early.
 """
 
 from __future__ import annotations
 
-import contextlib
-import queue
+import itertools
 import threading
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
 
+from dsx import defaults
+from dsx.config import UnifiedConfig
 from dsx.direct.sampler import NeighborSampler, to_csr
+from dsx.runtime.scheduler import Scheduler
 
 __all__ = ["DistributedNeighborLoader", "NeighborLoader"]
 
@@ -30,6 +38,8 @@ _UNSUPPORTED = {
     "directed", "num_workers", "persistent_workers", "pin_memory", "collate_fn", "sampler", "batch_sampler",
     "worker_init_fn", "prefetch_factor", "generator",
 }  # fmt: skip
+
+_loader_ids = itertools.count()
 
 
 class NeighborLoader:
@@ -52,8 +62,14 @@ class NeighborLoader:
         ``"auto"``: the CSR is built on ``device`` if it fits in half the free GPU memory, else in host memory
         (sampling then runs on the CPU); ``"gpu"`` / ``"host"`` force it.
     prefetch:
-        Batches prepared ahead in the background (0: synchronous). ``engine=`` takes it from the engine's
-        ``"dsx"."unified".prefetch_batches``.
+        Batches prepared ahead on the scheduler (0: synchronous, on the caller's thread). Default: the
+        ``"dsx"."unified".prefetch_batches`` of ``engine=`` (when its section is enabled), else of the
+        process defaults (:func:`dsx.defaults.get`).
+    engine:
+        A DeepSpeed engine built by :func:`dsx.initialize`: its ``"unified"`` section and its scheduler apply.
+    scheduler:
+        The :class:`~dsx.runtime.scheduler.Scheduler` whose ``"loader"`` pool and stream prepare batches;
+        default the engine's, else :func:`dsx.defaults.scheduler` (looked up at each epoch's start).
     rank, world_size:
         Give each rank its own share of seeds per epoch (see :class:`DistributedNeighborLoader`).
     seed:
@@ -74,6 +90,7 @@ class NeighborLoader:
         csr_placement: str = "auto",
         prefetch: int | None = None,
         engine: Any = None,
+        scheduler: Scheduler | None = None,
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
@@ -86,7 +103,7 @@ class NeighborLoader:
                 f"dsx.direct.NeighborLoader does not support {bad}"
                 + (f" (PyG NeighborLoader options not implemented here: {known})" if known else "")
                 + "; supported: num_neighbors, batch_size, shuffle, input_nodes, drop_last, device, "
-                "feature_placement, csr_placement, prefetch, engine, rank, world_size, seed"
+                "feature_placement, csr_placement, prefetch, engine, scheduler, rank, world_size, seed"
             )
         if feature_placement not in ("host", "gpu"):
             raise ValueError(f"feature_placement must be 'host' or 'gpu', got {feature_placement!r}")
@@ -95,17 +112,17 @@ class NeighborLoader:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        if (
-            self.device.type == "cuda" and self.device.index is None
-        ):  # side streams and threads need the index
+        if self.device.type == "cuda" and self.device.index is None:  # the pool thread selects it by index
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if prefetch is None:
-            prefetch = 1
-            rt = getattr(engine, "dsx", None)
-            cfg = getattr(getattr(rt, "config", None), "unified", None)
-            if cfg is not None and cfg.enabled:
-                prefetch = cfg.prefetch_batches
-        self.prefetch = int(prefetch)
+        runtime = getattr(engine, "dsx", None)  # None: no engine, or plain DeepSpeed
+        own = runtime.config.unified if runtime is not None and runtime.config.unified.enabled else None
+        section: UnifiedConfig = own if own is not None else defaults.get("unified")
+        if scheduler is None and runtime is not None:
+            scheduler = runtime.scheduler
+        self._scheduler = scheduler  # None: the process default's, looked up at each epoch
+        self.prefetch = int(section.prefetch_batches if prefetch is None else prefetch)
+        self.label = f"loader:{next(_loader_ids)}"  # deadlines "loader:<id>:<epoch run>:<batch>"
+        self._runs = itertools.count()
         self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
         self.rank, self.world_size, self.seed, self.epoch = int(rank), int(world_size), int(seed), 0
 
@@ -144,7 +161,7 @@ class NeighborLoader:
         elif self.device.type == "cuda":
             from dsx.direct.unified import unified
 
-            self._ut = unified(x, name="neighbor_loader_x")
+            self._ut = unified(x, name="neighbor_loader_x", config=own)
             self.x, self._own_ut = self._ut, True
         else:
             self.x = x
@@ -221,6 +238,11 @@ class NeighborLoader:
             chunks.pop()
         return chunks
 
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler that prepares this loader's batches (see ``scheduler=``)."""
+        return self._scheduler if self._scheduler is not None else defaults.scheduler()
+
     def __iter__(self) -> Iterator[Any]:
         chunks = self._batches()
         if self.prefetch <= 0:
@@ -231,54 +253,64 @@ class NeighborLoader:
         if self._ut is not None:
             self._ut.check()  # deferred out-of-range flags surface at epoch end
 
+    def _prepare(self, chunk: torch.Tensor, stream: Any) -> tuple[Any, Any]:
+        """One batch, on the scheduler's loader thread: sampled and gathered on ``stream`` (CUDA) and
+        followed by an event the caller's stream waits on."""
+        if stream is None:
+            return self._make(chunk), None
+        torch.cuda.set_device(self.device)  # the pool's thread is shared with other loaders
+        with torch.cuda.stream(stream):
+            batch = self._make(chunk)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return batch, ready
+
     def _pipelined(self, chunks: list[torch.Tensor]) -> Iterator[Any]:
-        cuda = self.device.type == "cuda"
-        side = torch.cuda.Stream(self.device) if cuda else None
-        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
+        sched = self.scheduler
+        stream = None
+        if self.device.type == "cuda":
+            stream = sched.stream("loader")
+            if stream is None or stream.device != self.device:
+                raise ValueError(
+                    f"NeighborLoader on {self.device} needs a scheduler on that device, got one on "
+                    f"{sched.device}; pass scheduler=dsx.runtime.scheduler.Scheduler(device=...)"
+                )
+        run = f"{self.label}:{next(self._runs)}"
+        todo = iter(enumerate(chunks))
+        inflight: deque[tuple[str, Future[Any]]] = deque()
 
-        def work() -> None:
-            try:
-                if cuda:
-                    torch.cuda.set_device(self.device)
-                for c in chunks:
-                    if stop.is_set():
-                        return
-                    if cuda:
-                        with torch.cuda.stream(side):
-                            b = self._make(c)
-                            ev = torch.cuda.Event()
-                            ev.record(side)
-                    else:
-                        b, ev = self._make(c), None
-                    q.put((b, ev))
-                q.put(None)
-            except BaseException as exc:  # surfaced in the consumer
-                q.put(exc)
+        def submit_next() -> None:
+            item = next(todo, None)
+            if item is not None:
+                label = f"{run}:{item[0]}"
+                fut = sched.submit(self._prepare, item[1], stream, pool="loader", deadline=label)
+                inflight.append((label, fut))
 
-        t = threading.Thread(target=work, name="dsx-neighbor-loader", daemon=True)
-        t.start()
         try:
-            while True:
-                item = q.get()
-                if item is None:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                b, ev = item
-                if ev is not None:
+            for _ in range(self.prefetch):
+                submit_next()
+            while inflight:
+                label, fut = inflight.popleft()
+                sched.wait(label)  # the blocked time is the loader's stall; a task's error is raised here
+                batch, ready = fut.result()
+                submit_next()  # keeps ``prefetch`` batches in flight while the caller trains on this one
+                if ready is not None:
                     cur = torch.cuda.current_stream(self.device)
-                    cur.wait_event(ev)
-                    for _, v in b:
+                    cur.wait_event(ready)
+                    for _, v in batch:
                         if isinstance(v, torch.Tensor) and v.is_cuda:
                             v.record_stream(cur)
-                yield b
+                yield batch
         finally:
-            stop.set()
-            while t.is_alive():  # unblock a producer waiting on a full queue
-                with contextlib.suppress(queue.Empty):
-                    q.get(timeout=0.05)
-            t.join()
+            # The caller went away (break, error, generator closed): batches not started are dropped; one
+            # that runs is let finish, so that nothing samples or gathers after close() freed its state.
+            for label, fut in inflight:
+                sched.forget(label)
+                fut.cancel()
+            if not threading.current_thread().name.startswith("dsx-loader"):  # (it cannot wait on itself)
+                wait_futures([f for _, f in inflight])
+            if stream is not None:  # later work on the caller's stream (a synchronous epoch) comes after
+                torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def close(self) -> None:
         """Unregister the features this loader pinned (a UnifiedTensor passed in stays open)."""

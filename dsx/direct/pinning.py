@@ -147,7 +147,7 @@ def register(ptr: int, nbytes: int) -> None:
                 raise PinningError(memlock_message(nbytes, msg))
             hint = ""
             if "invalid argument" in msg.lower():
-                # Seen on an H200 host: pages of a file on a disk/overlay filesystem (not tmpfs) cannot be pinned.
+                # CUDA refuses pages of a file on a disk or overlay filesystem (not a tmpfs) with this error.
                 hint = (
                     ". If this memory maps a file (a shared segment), the file must live on a tmpfs such as "
                     "/dev/shm: CUDA cannot pin pages of a disk-backed file (set dsx.unified.shared_memory_dir)"

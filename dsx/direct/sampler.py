@@ -196,8 +196,8 @@ class NeighborSampler:
 def to_csr(edge_index: torch.Tensor, num_nodes: int, device: torch.device | str | None = None):
     """CSR over targets from a COO ``edge_index`` (row 0 source, row 1 target): ``(rowptr, col, perm)``.
 
-    ``perm[p]`` is the COO edge id of CSR position ``p``. Built on ``device`` (a GPU sorts 62M edges in well
-    under a second; the CPU takes seconds).
+    ``perm[p]`` is the COO edge id of CSR position ``p``. Built on ``device`` (the sort by target dominates:
+    build it on the GPU when the graph fits there).
     """
     ei = edge_index.to(device) if device is not None else edge_index
     dst = ei[1].long()

@@ -18,22 +18,14 @@ from typing import Any, Literal
 
 import torch
 
+from dsx import defaults
 from dsx.config import UnifiedConfig
 from dsx.direct import gather as _g
 from dsx.direct import pinning, shm
 
-__all__ = ["UnifiedTensor", "attach_unified", "configure", "unified"]
+__all__ = ["UnifiedTensor", "load_gather_op", "unified"]
 
 logger = logging.getLogger("dsx")
-
-# Defaults of the "dsx"."unified" section; :func:`attach_unified` installs the engine's section here.
-_config = UnifiedConfig()
-
-
-def configure(section: UnifiedConfig | None) -> None:
-    """Make ``section`` the defaults of :func:`unified` (None restores the built-in defaults)."""
-    global _config
-    _config = section if section is not None else UnifiedConfig()
 
 
 def _local_world_size_gt1() -> bool:
@@ -44,7 +36,8 @@ def _local_world_size_gt1() -> bool:
     return shm.local_group().size > 1
 
 
-def _load_ext() -> Any:
+def load_gather_op() -> Any:
+    """The compiled gather op (built by DeepSpeed's JIT on first use, then loaded from its cache)."""
     from dsx.ops.unified_gather import load_unified_gather
 
     return load_unified_gather()
@@ -67,6 +60,10 @@ class UnifiedTensor:
 
     Create with :func:`unified`. ``close()`` (or leaving a ``with`` block, or garbage collection)
     unregisters the pages exactly once; the data stays readable on the CPU through :attr:`tensor`.
+
+    Gathers follow :attr:`config`: the section given to :func:`unified`, else the ``"unified"`` process
+    default of the moment (:func:`dsx.defaults.get`), so an engine's section, or a
+    ``with dsx.defaults.set("unified", ...)`` block, applies to tensors made before it.
     """
 
     def __init__(
@@ -75,14 +72,14 @@ class UnifiedTensor:
         *,
         shared: bool,
         group: shm.NodeGroup | None,
-        config: UnifiedConfig,
+        config: UnifiedConfig | None,
         name: str | None,
     ) -> None:
         self.tensor = tensor
         self.shared = shared
         self.group = group
         self.name = name
-        self.config = config
+        self._config = config
         self._pending: list[_g.PendingCheck] = []
         self._ptr: int | None = None
         if torch.cuda.is_available() and tensor.numel() > 0:
@@ -91,6 +88,11 @@ class UnifiedTensor:
         self._finalizer = weakref.finalize(self, _release, self._ptr, tensor)
 
     # ---------------------------------------------------------------------------------------- metadata
+    @property
+    def config(self) -> UnifiedConfig:
+        """The ``"unified"`` section this tensor's gathers follow (read at every gather)."""
+        return self._config if self._config is not None else defaults.get("unified")
+
     @property
     def shape(self) -> torch.Size:
         return self.tensor.shape
@@ -118,8 +120,7 @@ class UnifiedTensor:
         )
 
     # ------------------------------------------------------------------------------------------ gather
-    def _backend(self, index: torch.Tensor) -> Literal["cuda", "torch"]:
-        want = self.config.backend
+    def _backend(self, index: torch.Tensor, want: str) -> Literal["cuda", "torch"]:
         if index.device.type != "cuda":
             if want == "cuda" and index.device.type != "cpu":
                 raise ValueError(f"unified gather: backend 'cuda' cannot serve an index on {index.device}")
@@ -131,10 +132,10 @@ class UnifiedTensor:
                 "unified gather: this UnifiedTensor is closed (its pages are no longer pinned)"
             )
         if want == "cuda":
-            _load_ext()  # raises with the build log if the kernel cannot be built
+            load_gather_op()  # raises with the build log if the kernel cannot be built
             return "cuda"
         try:
-            _load_ext()
+            load_gather_op()
             return "cuda"
         except Exception as exc:  # auto: fall back, say why once
             if not getattr(UnifiedTensor, "_warned", False):
@@ -166,22 +167,22 @@ class UnifiedTensor:
             runs at the next ``gather``, ``check()`` or ``close()`` — rows of bad indices are zero, and the
             error is raised there. Default from ``dsx.unified.check_indices``.
 
-        Performance: on an H100 the kernel reaches about the pinned-copy bandwidth (55 GB/s) for rows of
-        256 bytes or more; the sort of the indices is included and takes well under 1 ms for 1M indices.
+        The kernel's bandwidth against a plain pinned copy, by row size, is in docs/unified.md.
         """
         _g.check_index(index)
         self._poll()
-        if self._backend(index) == "torch":
-            return _g.torch_gather(self.tensor, index, out, sort=self.config.sort_indices)
+        cfg = self.config
+        if self._backend(index, cfg.backend) == "torch":
+            return _g.torch_gather(self.tensor, index, out, sort=cfg.sort_indices)
         res, pending = _g.cuda_gather(
-            _load_ext(),
+            load_gather_op(),
             self.tensor,
             index,
             out,
-            sort=self.config.sort_indices,
-            max_sms=self.config.max_gather_sms or 0,
+            sort=cfg.sort_indices,
+            max_sms=cfg.max_gather_sms or 0,
         )
-        if (check or self.config.check_indices) == "sync":
+        if (check or cfg.check_indices) == "sync":
             pending.raise_if_bad()
         else:
             self._pending.append(pending)
@@ -239,11 +240,14 @@ def unified(
         pins its own tensor. Default from ``dsx.unified.shared``.
     name
         Tag shown in the segment's file name and in ``repr``.
+    config
+        The ``"unified"`` section to follow; default: the process default (:func:`dsx.defaults.get`), which
+        inside an engine built by :func:`dsx.initialize` is the engine's section.
 
-    Performance: registration walks every page (about 1 s per 10 GiB); do it once. Sharing copies the data
-    once into ``shared_memory_dir`` (host memory bandwidth), after which each rank adds only page tables.
+    Registration walks every page, so it is slow for a large table: do it once. Sharing copies the data
+    once into ``shared_memory_dir`` (at host memory bandwidth), after which each rank adds only page tables.
     """
-    cfg = config or _config
+    cfg = config if config is not None else defaults.get("unified")
     mode = shared or cfg.shared
     if tensor is not None:
         if not isinstance(tensor, torch.Tensor):
@@ -262,27 +266,7 @@ def unified(
     use_shared = mode == "on" or (mode == "auto" and _local_world_size_gt1())
     if use_shared:
         data, group = shm.share_tensor(tensor, cfg.shared_memory_dir, name=name)
-        return UnifiedTensor(data, shared=True, group=group, config=cfg, name=name)
+        return UnifiedTensor(data, shared=True, group=group, config=config, name=name)
     if tensor is None:
         raise ValueError("dsx.unified: tensor is None but sharing is off; every rank must pass its tensor")
-    return UnifiedTensor(tensor, shared=False, group=None, config=cfg, name=name)
-
-
-class _UnifiedHandle:
-    """What :func:`attach_unified` returns: restores the defaults on ``close()``."""
-
-    def __init__(self, section: UnifiedConfig) -> None:
-        self.section = section
-        configure(section)
-
-    def close(self) -> None:
-        if _config is self.section:
-            configure(None)
-
-
-def attach_unified(engine: Any, section: UnifiedConfig, runtime: Any) -> _UnifiedHandle:
-    """Feature hook for the ``"dsx"."unified"`` section: its keys become :func:`unified`'s defaults."""
-    if section.backend == "cuda" and torch.cuda.is_available():
-        _load_ext()  # build (or load) the kernel at start-up, not at the first batch
-    logger.info("dsx unified: %s", section.model_dump())
-    return _UnifiedHandle(section)
+    return UnifiedTensor(tensor, shared=False, group=None, config=config, name=name)

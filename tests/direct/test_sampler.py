@@ -110,6 +110,7 @@ def test_loader_batches_train_pyg_sage():
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     seen = 0
     for b in loader:
+        b = b.cpu()  # (the loader's default device is the GPU where there is one)
         assert torch.equal(b.x, data.x[b.n_id]) and torch.equal(b.y, data.y[b.n_id])
         assert torch.equal(b.input_id, b.n_id[: b.batch_size])
         out = model(b.x, b.edge_index, num_sampled_nodes_per_hop=b.num_sampled_nodes,
@@ -190,7 +191,7 @@ def test_loaders_share_one_unified_table():
         b = NeighborLoader(data, [4, 4], batch_size=200, input_nodes=data.val_mask, prefetch=0)
         for loader in (a, b):
             for batch in loader:
-                assert torch.equal(batch.x, x[batch.n_id])
+                assert torch.equal(batch.x.cpu(), x[batch.n_id.cpu()])
             loader.close()
         assert torch.equal(ux[torch.tensor([0, 5])], x[[0, 5]])  # still open after the loaders closed
 

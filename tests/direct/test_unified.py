@@ -11,10 +11,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import dsx.direct as dsx_direct
 from dsx.config import UnifiedConfig
 from dsx.direct import IndexOutOfRangeError, SharedMemoryError, UnifiedTensor, unified
 from dsx.direct import shm as shm_mod
@@ -22,7 +24,10 @@ from dsx.direct.gather import torch_gather
 from dsx.direct.pinning import memlock_message
 from tests.harness import free_port, launcher_env, remove_shm_buffers
 
-ROOT = Path(__file__).resolve().parents[1]
+# the module: the package's ``unified`` is the function
+unified_module = importlib.import_module("dsx.direct.unified")
+
+ROOT = Path(__file__).resolve().parents[2]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int64]
 ROW_SHAPES = [(), (1,), (3,), (7,), (16,), (3, 5), (33,), (128,)]
@@ -37,6 +42,20 @@ def _table(rows: int, row_shape: tuple[int, ...], dtype: torch.dtype, seed: int)
 
 def _cfg(tmp_path: Path, **kw: object) -> UnifiedConfig:
     return UnifiedConfig(shared_memory_dir=str(tmp_path), **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path):
+    """A directory for shared segments: tmp_path, or one in /dev/shm where CUDA will pin the segment's
+    pages (it cannot pin pages of a file on a disk or overlay filesystem, as tmp_path is on the GPU host)."""
+    if not (torch.cuda.is_available() and os.path.isdir("/dev/shm")):
+        yield tmp_path
+        return
+    path = Path(tempfile.mkdtemp(prefix="dsx-test-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------ CPU gather
@@ -147,29 +166,29 @@ def test_shm_too_small_names_sizes_and_fix(tmp_path) -> None:
 # ---------------------------------------------------------------------------------- shared segments
 
 
-def test_shared_single_process_unlinks_and_maps(tmp_path) -> None:
+def test_shared_single_process_unlinks_and_maps(shm_dir) -> None:
     t = _table(300, (17,), torch.float32, 11)
-    with unified(t, shared="on", name="one proc", config=_cfg(tmp_path)) as ut:
+    with unified(t, shared="on", name="one proc", config=_cfg(shm_dir)) as ut:
         assert isinstance(ut, UnifiedTensor) and ut.shared
-        assert os.listdir(tmp_path) == []  # unlinked as soon as every local rank mapped it
+        assert os.listdir(shm_dir) == []  # unlinked as soon as every local rank mapped it
         assert ut.tensor.data_ptr() != t.data_ptr() and torch.equal(ut.tensor, t)
         with open("/proc/self/maps") as f:
-            maps = [ln for ln in f if str(tmp_path) in ln]
+            maps = [ln for ln in f if str(shm_dir) in ln]
         assert maps and all(ln.rstrip().endswith("(deleted)") for ln in maps)
         idx = torch.randint(0, 300, (64,))
         assert torch.equal(ut[idx], t[idx])
     ut.close()  # a second close is a no-op
-    empty = unified(torch.empty(0, 4), shared="on", config=_cfg(tmp_path))
+    empty = unified(torch.empty(0, 4), shared="on", config=_cfg(shm_dir))
     assert empty.shape == (0, 4) and empty[torch.empty(0, dtype=torch.int64)].shape == (0, 4)
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(shm_dir) == []
 
 
-def test_leader_without_data_fails_everywhere(tmp_path) -> None:
+def test_leader_without_data_fails_everywhere(shm_dir) -> None:
     with pytest.raises(SharedMemoryError, match="must pass the tensor"):
-        unified(None, shared="on", config=_cfg(tmp_path))
+        unified(None, shared="on", config=_cfg(shm_dir))
     with pytest.raises(ValueError, match="every rank must pass its tensor"):
-        unified(None, shared="off", config=_cfg(tmp_path))
-    assert os.listdir(tmp_path) == []
+        unified(None, shared="off", config=_cfg(shm_dir))
+    assert os.listdir(shm_dir) == []
 
 
 def test_sweep_removes_only_dead_leaders_files(tmp_path) -> None:
@@ -190,8 +209,9 @@ def _two_rank_job(tmp_path: Path, accelerator: str) -> None:
     """2 ranks via the deepspeed launcher (gloo): same pages (Pss = Rss / 2), then one rank is SIGKILLed."""
     out, shm_dir = tmp_path / "out", tmp_path / "shm"
     out.mkdir()
-    if accelerator == "cuda" and os.path.isdir("/dev/shm"):
-        # CUDA cannot pin pages of a file on a disk/overlay filesystem (tmp_path on the GPU host): use tmpfs.
+    if torch.cuda.is_available() and os.path.isdir("/dev/shm"):
+        # The worker pins the segment wherever CUDA is present (also with the CPU accelerator), and CUDA
+        # cannot pin pages of a file on a disk/overlay filesystem (tmp_path on the GPU host): use tmpfs.
         shm_dir = Path(tempfile.mkdtemp(prefix="dsx-test-", dir="/dev/shm"))
     else:
         shm_dir.mkdir()
@@ -209,7 +229,7 @@ def _two_rank_job_in(tmp_path: Path, out: Path, shm_dir: Path, accelerator: str)
     port = free_port()
     cmd = [
         sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
-        str(ROOT / "tests" / "unified_worker.py"), str(out), str(shm_dir), "kill",
+        str(ROOT / "tests" / "direct" / "_unified_worker.py"), str(out), str(shm_dir), "kill",
     ]  # fmt: skip
     try:
         proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -244,24 +264,46 @@ def test_two_gpu_ranks_register_and_gather_the_shared_copy(tmp_path) -> None:
 
 
 def test_attach_installs_section_defaults(tmp_path) -> None:
+    """What dsx.initialize does for an enabled "unified" section: the engine installs it as the process
+    default (dsx.defaults), attach() returns the feature's handle; closing restores the defaults."""
+    from dsx import defaults
     from dsx.config import parse_dsx_config
-    from dsx.direct import attach
+    from dsx.direct.deepspeed import attach
+    from dsx.runtime.scheduler import Scheduler
 
-    unified_mod = importlib.import_module(
-        "dsx.direct.unified"
-    )  # the module (the package exports the function)
-
-    section = parse_dsx_config({"unified": {"enabled": True, "shared": "off", "sort_indices": False,
-                                            "shared_memory_dir": str(tmp_path), "backend": "torch"}}).unified  # fmt: skip
-    handle = attach(None, section, None)
+    config = parse_dsx_config({"unified": {"enabled": True, "shared": "off", "sort_indices": False,
+                                           "shared_memory_dir": str(tmp_path), "backend": "torch"}})  # fmt: skip
+    section = config.unified
+    runtime = SimpleNamespace(config=config, scheduler=Scheduler(config.scheduler))
+    restore = defaults.install(config, runtime.scheduler)
+    handle = attach(None, runtime)
     try:
+        assert handle.section is section
         ut = unified(_table(30, (5,), torch.float32, 8))
         assert ut.config is section and not ut.shared
         idx = torch.tensor([4, 4, 29, 0])
         assert torch.equal(ut[idx], ut.tensor[idx])
     finally:
         handle.close()
-    assert unified_mod._config is not section
+        restore.restore()
+        runtime.scheduler.close()
+    assert defaults.get("unified") is not section
+    assert ut.config is defaults.get("unified")  # no config of its own: it follows the defaults
+
+
+def test_gathers_follow_the_defaults_of_the_moment(tmp_path) -> None:
+    from dsx import defaults
+
+    t = _table(40, (3,), torch.float32, 12)
+    ut = unified(t, shared="off")
+    fixed = unified(t, shared="off", config=_cfg(tmp_path, sort_indices=False))
+    assert ut.config.sort_indices and ut.config is defaults.get("unified")
+    with defaults.set("unified", sort_indices=False, backend="torch"):
+        assert not ut.config.sort_indices and ut.config.backend == "torch"
+        idx = torch.tensor([3, 1, 3, 39])
+        assert torch.equal(ut[idx], t[idx]) and torch.equal(fixed[idx], t[idx])
+    assert ut.config.sort_indices and fixed.config.sort_indices is False  # an explicit section stays
+    assert "configure" not in dsx_direct.__all__ and not hasattr(unified_module, "_config")
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU-only torch message")
@@ -289,107 +331,3 @@ def test_bench_gather_quick_smoke(tmp_path) -> None:
     assert saved["env"]["torch"] == torch.__version__ and len(saved["results"]) == len(report["results"]) == 2
     for rec in saved["results"]:
         assert all(rec["correct"].values()) and rec["gb_per_s"]["dsx"] > 0
-
-
-# ------------------------------------------------------------------------------------------------ GPU
-
-ROW_BYTES = [4, 5, 12, 16, 31, 64, 100, 128, 130, 256, 512, 1000, 1024, 2052, 4096]
-
-
-def _gpu_table(rows: int, row_bytes: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (rows, row_bytes), generator=g, dtype=torch.uint8)
-
-
-@pytest.mark.gpu
-def test_gpu_jit_build_of_the_op() -> None:
-    from dsx.ops import UnifiedGatherBuilder, load_unified_gather
-
-    assert UnifiedGatherBuilder().is_compatible(verbose=True)
-    ext = load_unified_gather(verbose=True)
-    assert hasattr(ext, "gather") and hasattr(ext, "naive_gather")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("row_bytes", ROW_BYTES)
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("sort", [True, False])
-def test_gpu_kernel_equals_index_select(row_bytes, index_dtype, sort) -> None:
-    t = _gpu_table(5003, row_bytes, row_bytes)
-    ut = unified(t, shared="off", config=UnifiedConfig(backend="cuda", sort_indices=sort))
-    assert ut.is_pinned
-    g = torch.Generator().manual_seed(row_bytes + 1)
-    idx = torch.randint(0, 5003, (20_000,), generator=g)
-    idx[::5] = idx[3]  # a long run of one duplicate plus scattered ones
-    ref = t.index_select(0, idx).cuda()
-    got = ut.gather(idx.to(index_dtype).cuda())
-    assert got.device.type == "cuda" and torch.equal(got, ref)
-    assert ut.gather(torch.empty(0, dtype=index_dtype, device="cuda")).shape == (0, row_bytes)
-    ut.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64])
-def test_gpu_dtypes_and_unaligned_views(dtype) -> None:
-    t = _table(3001, (37,), dtype, 9)
-    with unified(t, shared="off", config=UnifiedConfig(backend="cuda")) as ut:
-        idx = torch.randint(0, 3001, (4000,), device="cuda")
-        assert torch.equal(ut[idx], t[idx.cpu()].cuda())
-        # An out buffer at an odd offset forces the narrow-load path.
-        base = torch.empty(4000 * 37 + 1, dtype=dtype, device="cuda")
-        out = base[1:].view(4000, 37)
-        assert torch.equal(ut.gather(idx, out=out), t[idx.cpu()].cuda())
-
-
-@pytest.mark.gpu
-def test_gpu_out_of_range_raises_sync_and_deferred() -> None:
-    t = _gpu_table(1000, 64, 3)
-    ut = unified(t, shared="off", config=UnifiedConfig(backend="cuda"))
-    with pytest.raises(IndexOutOfRangeError, match="index 1000 is out of range"):
-        ut.gather(torch.tensor([1, 1000, 2], device="cuda"))
-    with pytest.raises(IndexOutOfRangeError, match="index -1 is out of range"):
-        ut.gather(torch.tensor([-1, 5], device="cuda", dtype=torch.int32))
-    out = ut.gather(torch.tensor([4, 5000, 6], device="cuda"), check="deferred")
-    torch.cuda.synchronize()
-    assert torch.equal(out[1].cpu(), torch.zeros(64, dtype=torch.uint8))  # zeroed, never garbage
-    assert torch.equal(out[0].cpu(), t[4])
-    with pytest.raises(IndexOutOfRangeError, match="index 5000"):
-        ut.check()
-    ut.gather(torch.tensor([3, 9999], device="cuda"), check="deferred")
-    with pytest.raises(IndexOutOfRangeError, match="index 9999"):
-        ut.close()
-    # torch's own launch checks still pass (no sticky error left behind).
-    torch.ones(4, device="cuda").sum().item()
-
-
-@pytest.mark.gpu
-def test_gpu_bounded_sms_and_side_stream_give_same_result() -> None:
-    t = _gpu_table(20_000, 512, 4)
-    idx = torch.randint(0, 20_000, (100_000,), device="cuda")
-    ref = t.index_select(0, idx.cpu()).cuda()
-    with unified(t, shared="off", config=UnifiedConfig(backend="cuda", max_gather_sms=2)) as ut:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            got = ut.gather(idx, check="deferred")
-        a = torch.randn(2048, 2048, device="cuda")
-        _ = a @ a  # training-like work on the main stream meanwhile
-        torch.cuda.current_stream().wait_stream(side)
-        ut.check()
-        assert torch.equal(got, ref)
-
-
-@pytest.mark.gpu
-def test_gpu_torch_backend_and_reregistration() -> None:
-    t = _gpu_table(4000, 100, 6)
-    idx = torch.randint(0, 4000, (3000,), device="cuda")
-    ref = t.index_select(0, idx.cpu()).cuda()
-    a = unified(t, shared="off", config=UnifiedConfig(backend="torch"))
-    b = unified(t, shared="off", config=UnifiedConfig(backend="cuda"))  # same address: counted, not an error
-    assert torch.equal(a.gather(idx), ref) and torch.equal(b.gather(idx), ref)
-    a.close()
-    assert b.is_pinned and torch.equal(b.gather(idx), ref)  # still registered for b
-    b.close()
-    c = unified(t, shared="off", config=UnifiedConfig(backend="cuda"))  # registers again after full release
-    assert torch.equal(c.gather(idx), ref)
-    c.close()

@@ -1,4 +1,4 @@
-"""Worker for tests/test_unified.py, started by the deepspeed launcher (gloo): shares a tensor per node.
+"""Worker for tests/direct/test_unified.py, started by the deepspeed launcher (gloo): shares a tensor per node.
 
 argv: OUT_DIR SHM_DIR MODE   (MODE: "share" or "kill")
 Every rank writes OUT_DIR/rank<r>.json with what it saw; in "kill" mode the last rank SIGKILLs itself after
@@ -50,8 +50,11 @@ def main() -> None:
     files_after = sorted(os.listdir(shm_dir))
     idx = torch.randint(0, rows, (1000,), generator=torch.Generator().manual_seed(rank))
     ok_gather = bool(torch.equal(ut.gather(idx), data[idx]))
-    if torch.cuda.is_available():  # on the GPU machine: each rank gathers from the shared pages zero-copy
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # On the GPU machine each rank gathers from the shared pages zero-copy on its own GPU (the CPU job may run
+    # on a host with fewer GPUs than ranks: those ranks check the host gather only).
+    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+        torch.cuda.set_device(local_rank)
         ok_gather = ok_gather and ut.is_pinned and bool(torch.equal(ut.gather(idx.cuda()).cpu(), data[idx]))
     ut.tensor.sum()  # touch every page so Rss/Pss count them
     smaps = _smaps_for(shm_dir)

@@ -1,0 +1,243 @@
+"""NeighborLoader's prefetch belongs to the runtime scheduler: batches are prepared on its "loader" pool (and
+stream), the caller's waits are the loader's stall, an early break leaves nothing running, and prefetching
+never changes which batches come out."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dsx import defaults
+from dsx.config import DsxConfig, SchedulerConfig, UnifiedConfig
+from dsx.data.rmat import rmat_graph
+from dsx.direct import NeighborLoader
+from dsx.direct import loader as loader_mod
+from dsx.runtime.scheduler import Scheduler
+
+CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
+
+
+@pytest.fixture
+def sched():
+    s = Scheduler(SchedulerConfig())
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def data():
+    return rmat_graph(1200, 9000, 6, 3, seed=11)
+
+
+def _same(a, b) -> bool:
+    return (
+        torch.equal(a.n_id, b.n_id)
+        and torch.equal(a.edge_index, b.edge_index)
+        and torch.equal(a.e_id, b.e_id)
+        and torch.equal(a.x, b.x)
+        and torch.equal(a.y, b.y)
+        and torch.equal(a.input_id, b.input_id)
+        and a.num_sampled_nodes == b.num_sampled_nodes
+        and a.num_sampled_edges == b.num_sampled_edges
+    )
+
+
+def _check_batches(loader, data, batches) -> None:
+    """Right seeds in the right order, features and labels of the sampled nodes."""
+    assert len(batches) == len(loader)
+    assert torch.equal(torch.cat([b.input_id.cpu() for b in batches]), loader.rank_seeds())
+    for b in batches:
+        n_id = b.n_id.cpu()
+        assert torch.equal(n_id[: b.batch_size], b.input_id.cpu())
+        assert torch.equal(b.x.cpu(), data.x[n_id]) and torch.equal(b.y.cpu(), data.y[n_id])
+
+
+def _spy_make(monkeypatch, loader, slow: dict[int, float] | None = None, fail_at: int | None = None):
+    """Wrap loader._make: record each call's thread and input, optionally sleep or raise for a batch."""
+    calls: list[tuple[str, int]] = []
+    active = [0]
+    real = loader._make
+    index = {int(c[0]): i for i, c in enumerate(loader._batches())}  # first seed -> batch number
+
+    def make(chunk):
+        i = index.get(int(chunk[0]), -1)  # -1: a batch of another epoch
+        calls.append((threading.current_thread().name, i))
+        active[0] += 1
+        try:
+            if slow and i in slow:
+                time.sleep(slow[i])
+            if fail_at == i:
+                raise RuntimeError(f"injected failure in batch {i}")
+            return real(chunk)
+        finally:
+            active[0] -= 1
+
+    monkeypatch.setattr(loader, "_make", make)
+    return calls, active
+
+
+def test_batches_are_prepared_on_the_schedulers_loader_pool(monkeypatch, data, sched) -> None:
+    loader = NeighborLoader(data, [4, 3], batch_size=150, shuffle=True, prefetch=2, scheduler=sched)
+    assert loader.scheduler is sched
+    calls, _ = _spy_make(monkeypatch, loader)
+    batches = list(loader)
+    _check_batches(loader, data, batches)
+    assert [i for _, i in calls] == list(range(len(loader)))  # in order: one thread, one generator
+    assert all(name.startswith("dsx-loader") for name, _ in calls), calls
+    # Without scheduler=: the process default's pool.
+    other = NeighborLoader(data, [4, 3], batch_size=150, prefetch=1)
+    assert other.scheduler is defaults.scheduler()
+    calls, _ = _spy_make(monkeypatch, other)
+    _check_batches(other, data, list(other))
+    assert calls and all(name.startswith("dsx-loader") for name, _ in calls)
+
+
+def test_a_slow_batch_is_the_loaders_stall_in_the_telemetry(monkeypatch, data, tmp_path) -> None:
+    sched = Scheduler(SchedulerConfig(enabled=True, trace_path=str(tmp_path / "trace.json")))  # keeps events
+    try:
+        loader = NeighborLoader(data, [4, 3], batch_size=200, prefetch=1, scheduler=sched)
+        _spy_make(monkeypatch, loader, slow={2: 0.4})
+        batches = list(loader)
+        _check_batches(loader, data, batches)
+        rec = sched.telemetry.current
+        assert rec.stall_by["loader"] >= 0.3 and rec.stall_s >= rec.stall_by["loader"]
+        waits = {name[len("stall:") :]: t1 - t0 for lane, name, t0, t1 in rec.events if lane == "compute"}
+        labels = [f"{loader.label}:0:{i}" for i in range(len(loader))]
+        assert sorted(waits) == sorted(labels)  # one deadline per batch, named after the loader
+        assert waits[labels[2]] >= 0.3 and max(waits, key=waits.get) == labels[2]
+        assert not any(k.startswith(loader.label) for k in sched._pending)  # every deadline was joined
+    finally:
+        sched.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_the_loader_creates_no_thread_or_stream_of_its_own(monkeypatch, data, device) -> None:
+    src = inspect.getsource(loader_mod)
+    assert "threading.Thread(" not in src and "torch.cuda.Stream(" not in src
+    made_streams: list[object] = []
+    real_stream = torch.cuda.Stream
+
+    def stream(*args, **kwargs):
+        if "stream_id" not in kwargs:  # (torch wraps existing streams, e.g. current_stream(), this way too)
+            made_streams.append(args or kwargs)
+        return real_stream(*args, **kwargs)
+
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self):
+        started.append(self.name)
+        return real_start(self)
+
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    sched = Scheduler(SchedulerConfig(), device=torch.device(device, 0) if device == "cuda" else None)
+    try:
+        loader = NeighborLoader(data, [4, 3], batch_size=150, prefetch=3, scheduler=sched, device=device)
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            for b in loader:
+                assert torch.equal(b.x.cpu(), data.x[b.n_id.cpu()])
+                assert not any(t.name == "dsx-neighbor-loader" for t in threading.enumerate())
+        loader.close()
+        assert "dsx-neighbor-loader" not in started
+        assert started and all(name.startswith("dsx-loader") for name in started), started
+        assert len(started) == 1  # the scheduler's one loader thread, for both epochs
+        if device == "cuda":
+            assert len(made_streams) == 1 and set(sched._streams) == {"loader"}  # the scheduler's stream
+        else:
+            assert made_streams == []
+    finally:
+        sched.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("how", ["break", "close"])
+def test_an_early_break_then_a_new_epoch_gives_correct_batches(monkeypatch, data, how, device) -> None:
+    sched = Scheduler(SchedulerConfig(), device=torch.device(device, 0) if device == "cuda" else None)
+    kw = dict(batch_size=100, shuffle=True, seed=2, device=device)
+    loader = NeighborLoader(data, [4, 3], prefetch=3, scheduler=sched, **kw)
+    ref = NeighborLoader(data, [4, 3], prefetch=0, **kw)
+    calls, active = _spy_make(monkeypatch, loader, slow={i: 0.05 for i in range(len(loader))})
+    if how == "break":
+        for i, b in enumerate(loader):
+            assert torch.equal(b.x.cpu(), data.x[b.n_id.cpu()])
+            if i == 1:
+                break
+    else:
+        it = iter(loader)
+        next(it), next(it)
+        it.close()
+    # Nothing of the abandoned epoch runs on: the batch in progress finished, the others were dropped.
+    assert active[0] == 0
+    assert not any(k.startswith(loader.label) for k in sched._pending)
+    n_prepared = len(calls)
+    time.sleep(0.2)
+    assert len(calls) == n_prepared and n_prepared <= 2 + 3
+    # The next epoch: every batch correct, and exactly the batches an unpipelined loader in the same
+    # random state gives (a leftover task of the old epoch would have drawn from the generator meanwhile).
+    loader.set_epoch(1)
+    ref.set_epoch(1)
+    ref.sampler.generator.set_state(loader.sampler.generator.get_state())
+    batches = list(loader)
+    _check_batches(loader, data, batches)
+    assert all(_same(a, b) for a, b in zip(batches, ref, strict=True))
+    loader.close()
+    ref.close()
+    sched.close()
+
+
+def test_an_error_in_a_batch_surfaces_in_the_caller(monkeypatch, data, sched) -> None:
+    loader = NeighborLoader(data, [4, 3], batch_size=100, prefetch=2, scheduler=sched)
+    _, active = _spy_make(monkeypatch, loader, fail_at=3)
+    got = []
+    with pytest.raises(RuntimeError, match="injected failure in batch 3"):
+        for b in loader:
+            got.append(b)
+    assert len(got) == 3 and active[0] == 0
+    assert not any(k.startswith(loader.label) for k in sched._pending)
+    monkeypatch.undo()
+    _check_batches(loader, data, list(loader))  # the loader (and the pool) still work
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_same_seed_same_batches_with_and_without_prefetch(data, device) -> None:
+    sched = Scheduler(SchedulerConfig(), device=torch.device(device, 0) if device == "cuda" else None)
+    kw = dict(batch_size=128, shuffle=True, seed=5, input_nodes=data.train_mask, device=device)
+    loaders = [NeighborLoader(data, [5, 4], prefetch=p, scheduler=sched, **kw) for p in (0, 1, 4)]
+    for epoch in range(2):
+        runs = []
+        for ld in loaders:
+            ld.set_epoch(epoch)
+            runs.append(list(ld))
+        _check_batches(loaders[0], data, runs[0])
+        for other in runs[1:]:
+            assert all(_same(a, b) for a, b in zip(runs[0], other, strict=True))
+    for ld in loaders:
+        ld.close()
+    sched.close()
+
+
+def test_prefetch_and_scheduler_come_from_the_engine_or_the_defaults(data, sched) -> None:
+    config = DsxConfig(unified=UnifiedConfig(enabled=True, prefetch_batches=3))
+    engine = SimpleNamespace(dsx=SimpleNamespace(config=config, scheduler=sched))
+    ld = NeighborLoader(data, [2], batch_size=300, engine=engine)
+    assert ld.prefetch == 3 and ld.scheduler is sched
+    assert NeighborLoader(data, [2], engine=engine, prefetch=0).prefetch == 0  # an explicit value wins
+    off = SimpleNamespace(dsx=SimpleNamespace(config=DsxConfig(), scheduler=sched))  # section disabled
+    assert NeighborLoader(data, [2], engine=off).prefetch == defaults.get("unified").prefetch_batches == 1
+    plain = SimpleNamespace()  # plain DeepSpeed: no engine.dsx
+    assert NeighborLoader(data, [2], engine=plain).scheduler is defaults.scheduler()
+    with defaults.set("unified", prefetch_batches=2):
+        assert NeighborLoader(data, [2]).prefetch == 2
+    other = Scheduler()
+    try:
+        assert NeighborLoader(data, [2], engine=engine, scheduler=other).scheduler is other
+    finally:
+        other.close()
+    _check_batches(ld, data, list(ld))
