@@ -14,10 +14,10 @@ predicted time (``predicted_step_with_rest_s``), so that the model's full-recomp
 measured one (``predicted_recompute_step_s``) and ratios read against the measurements. The question it
 answers: how far from a target the best plan the model knows lands, and what budget would reach it.
 
-Beside it, :func:`lower_bound`: a step time that no plan of per-layer and per-module keep / move / recompute
-choices beats at each budget, from the run's measurements alone (its no-offload row, the profiles' times
-and recompute costs, the tiers' write rates), every other assumption in the plan's favour; the PNG draws it,
-and no measured point may lie under it.
+Beside it, :func:`dsx.offload.plan.lower_bound`: a step time that no plan of per-layer and per-module keep /
+move / recompute choices beats at each budget, from the run's measurements alone (its no-offload row, the
+profiles' times and recompute costs, the tiers' write rates), every other assumption in the plan's favour; the
+PNG draws it, and no measured point may lie under it.
 
     python benchmarks/plan_frontier.py benchmarks/results/bench_offload.json --input-mib 64
 
@@ -38,7 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, environment, save_png, write_json
 
 from dsx.config import ActivationOffloadConfig
-from dsx.offload.plan import LayerProfile, PlanError, TierBandwidth, floor_bytes, make_plan
+from dsx.offload.plan import (
+    LayerProfile,
+    PlanError,
+    TierBandwidth,
+    floor_bytes,
+    lower_bound,
+    make_plan,
+)
 
 GB = 1e9  # the unit bench_offload reports memory in
 
@@ -90,94 +97,15 @@ def frontier(
     return out
 
 
-def lower_bound(
-    measured: dict[str, dict[str, Any]], profiles: list[LayerProfile], bandwidths: list[TierBandwidth]
-) -> dict[str, Any] | None:
-    """A step time no plan of per-layer and per-module choices (keep, move to a tier, recompute the layer or
-    its ``recompute_modules``) goes under at each activation budget, on the model's own kernels and the run's
-    links: measured inputs, every other assumption in the plan's favour.
-
-    Until the last layer's backward (the first to run) ends, every saved byte is live unless it was moved
-    off by then or dropped to be recomputed, so a plan peaking at ``B`` removed at least
-    ``R = P_none - B`` bytes by then (``P_none``: no offload's activation peak, which falls there). Moved bytes
-    are at most the tiers' write rates summed (``bw``: the copies cost nothing, SSD writes do not share the
-    link) times the time up to that point: no offload's ``W0`` plus every second the plan adds (``X``:
-    recomputation or stalls carry writes too). Dropped bytes cost at least ``c`` each, the cheapest measured
-    cost per byte dropped: a layer's forward per byte it drops, its ``recompute_modules``' per byte they drop,
-    the measured full and selective recompute steps per byte their layers drop. So ``X >= c * (R - bw * (W0
-    + X))``, that is ``X >= c * (R - bw * W0) / (1 + c * bw)`` (:func:`bound_step_s`).
-
-    Two windows ``W0``: ``"until_peak"``, the no-offload step less the other layers' backward times (the
-    bound), and ``"forward"``, the layers' forward times: issue 3's "hideable bytes = bandwidth x forward
-    time", a model, not a bound (copies can go on past the forward). ``window_s_for_1.15x`` is the ``W0`` at
-    which the bound would allow 1.15x full recompute at its peak: a peak that late in no offload's step, or
-    the target is out of reach. None without a no-offload row.
-    """
-    none = measured.get("none")
-    if none is None or not profiles:
-        return None
-    t_none, p_none = none["step_s"], none["activation_peak_gb"] * GB
-    write_Bps = sum(b.write_Bps for b in bandwidths)
-    costs: dict[str, float] = {}
-    layer = [p.fwd_s / (p.saved_bytes - p.input_bytes) for p in profiles if p.saved_bytes > p.input_bytes]
-    has_sel = [p for p in profiles if p.sel_saved_bytes is not None and p.saved_bytes > p.sel_saved_bytes]
-    if layer:
-        costs["layer_forward"] = min(layer)
-    if has_sel:
-        costs["recompute_modules"] = min(
-            p.sel_recompute_s / (p.saved_bytes - p.sel_saved_bytes) for p in has_sel
-        )
-    # the measured strategies: time added per byte their layers drop (not per byte of peak: both fall)
-    dropped = {"recompute": sum(max(0, p.saved_bytes - p.input_bytes) for p in profiles),
-               "megatron_selective": sum(p.saved_bytes - p.sel_saved_bytes for p in has_sel)}  # fmt: skip
-    for cfg, nbytes in dropped.items():
-        r = measured.get(cfg)
-        if r is not None and nbytes > 0:
-            costs[f"measured_{cfg}"] = max(0.0, r["step_s"] - t_none) / nbytes
-    if not costs:
-        return None
-    cheapest = min(costs, key=costs.get)
-    # (the last layer's backward, which runs first, is in "until_peak": no offload may peak anywhere in it)
-    windows = {"until_peak": max(0.0, t_none - sum(p.bwd_s for p in profiles[:-1])),
-               "forward": sum(p.fwd_s for p in profiles)}  # fmt: skip
-    out: dict[str, Any] = {
-        "kind": "lower bound on measured inputs (per-layer and per-module keep / move / recompute plans)",
-        "no_offload_peak_gb": p_none / GB, "no_offload_step_s": t_none, "write_GBps": write_Bps / GB,
-        "cost_s_per_gb": {k: v * GB for k, v in costs.items()}, "cheapest": cheapest,
-        "windows": {k: {"window_s": w, "movable_gb": write_Bps * w / GB} for k, w in windows.items()},
-    }  # fmt: skip
-    rc, soc = measured.get("recompute"), measured.get("save_on_cpu")
-    c, bw = out["cost_s_per_gb"][cheapest], out["write_GBps"]
-    if rc is not None:
-        added = max(0.0, rc["step_s"] / 1.15 - t_none)
-        removed = out["no_offload_peak_gb"] - rc["activation_peak_gb"]
-        out["window_s_for_1.15x"] = max(0.0, removed - added * (1 + c * bw) / c) / bw if bw else None
-    for key, w in out["windows"].items():
-        w["curve"] = [{"budget_gb": g, "step_s": bound_step_s(out, key, g)}
-                      for g in (out["no_offload_peak_gb"] * k / 40 for k in range(41))]  # fmt: skip
-        if rc is not None:
-            t = bound_step_s(out, key, rc["activation_peak_gb"])
-            w["at_recompute_peak"] = {"step_s": t, "max_x_recompute": rc["step_s"] / t}
-        if soc is not None:
-            t = bound_step_s(out, key, soc["activation_peak_gb"])
-            w["at_save_on_cpu_peak"] = {"step_s": t, "max_x_save_on_cpu": soc["step_s"] / t}
-    return out
-
-
-def bound_step_s(bound: dict[str, Any], window: str, budget_gb: float) -> float:
-    """:func:`lower_bound`'s step time at ``budget_gb`` of activation peak, with its ``window``."""
-    c, bw = bound["cost_s_per_gb"][bound["cheapest"]], bound["write_GBps"]
-    left_gb = bound["no_offload_peak_gb"] - budget_gb - bound["windows"][window]["movable_gb"]
-    return bound["no_offload_step_s"] + c * max(0.0, left_gb) / (1 + c * bw)
-
-
 def best_within(front: list[dict[str, Any]], peak_gb: float) -> dict[str, Any] | None:
     fits = [f for f in front if f["predicted_peak_gb"] <= peak_gb]
     return min(fits, key=lambda f: f["predicted_step_s"]) if fits else None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("run", help="a bench_offload JSON with a dsx auto result (GPU run)")
     p.add_argument("--config", default=None, help="the result whose profiles to use (default: the first)")
     p.add_argument("--input-mib", type=float, default=0.0,
@@ -260,7 +188,7 @@ def _plot(out: dict[str, Any], where: str, name: str) -> None:
     styles = {"offload": ("tab:blue", "planner, with the run's tiers (+ rest of step)"),
               "recompute_only": ("tab:orange", "planner, keep / recompute only (+ rest of step)")}  # fmt: skip
     bound_styles = {"until_peak": ("-.", "lower bound, per-layer / per-module plans (writes until the peak)"),
-                    "forward": (":", "the same with issue 3's hideable bytes (bandwidth x forward time)")}  # fmt: skip
+                    "forward": (":", "the same with the design's hideable bytes (bandwidth x forward time)")}  # fmt: skip
     rc, none = out["measured"].get("recompute"), out["measured"].get("none")
     for ax in axes:
         for key, front in out["frontiers"].items():
@@ -278,7 +206,7 @@ def _plot(out: dict[str, Any], where: str, name: str) -> None:
                        marker="o" if dsx_cfg else "s", zorder=3)  # fmt: skip
             ax.annotate(cfg, (r["activation_peak_gb"], r["step_s"] * 1e3), fontsize=7, xytext=(4, 3),
                         textcoords="offset points", annotation_clip=True)  # fmt: skip
-        if rc:  # the issue's target at recompute's budget: 1.15x its throughput
+        if rc:  # the target at recompute's budget: 1.15x its throughput
             ax.axhline(rc["step_s"] * 1e3 / 1.15, color="tab:red", ls="--", lw=0.8,
                        label="1.15x full recompute's throughput (measured / 1.15)")  # fmt: skip
             ax.axvline(rc["activation_peak_gb"], color="tab:gray", ls=":", lw=0.8)

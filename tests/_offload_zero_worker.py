@@ -17,7 +17,7 @@ import deepspeed
 import torch
 
 import dsx
-from tests._offload_models import TinyGPT
+from tests.offload._offload_models import TinyGPT
 
 
 def _config(nvme: str, stage: int, with_dsx: bool, ssd: str, policy: str = "offload_all") -> dict:

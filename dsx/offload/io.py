@@ -3,8 +3,11 @@
 Every backend reads and writes a contiguous, 4 KiB-aligned host buffer at a 4 KiB-aligned file offset and
 returns a :class:`concurrent.futures.Future` that resolves to the byte count. ``kvikio`` (CuFile: GPUDirect
 Storage, or its POSIX compat mode) > ``aio`` (DeepSpeed's libaio handle) > ``posix`` (``os.pwrite`` /
-``os.pread`` on threads, always available). Measured on the H100 host's virtio disk: kvikio 2.0 / 1.6 GB/s,
-AIO 1.9 / 0.6 GB/s, dd O_DIRECT 1.7 / 1.4 GB/s (write / read).
+``os.pread`` on threads, always available); their rates on a real drive are in docs/performance.md.
+
+The calls run on the scheduler's ``"ssd"`` thread pool (:meth:`~dsx.runtime.scheduler.Scheduler.executor`),
+which every backend of the rank shares: a backend keeps track of its own calls in flight, and ``close()``
+waits for them without stopping the pool.
 """
 
 from __future__ import annotations
@@ -13,10 +16,15 @@ import contextlib
 import errno
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future
 from typing import Any
 
 import torch
+
+from dsx import defaults
+from dsx.offload.align import ALIGN
+from dsx.runtime.scheduler import Scheduler
 
 __all__ = [
     "AioBackend",
@@ -27,8 +35,6 @@ __all__ = [
     "describe_backends",
     "select_backend",
 ]
-
-ALIGN = 4096
 
 
 def _check(buf: torch.Tensor, offset: int) -> None:
@@ -41,21 +47,39 @@ def _check(buf: torch.Tensor, offset: int) -> None:
 
 
 class IOBackend:
-    """Reads and writes aligned host buffers against one file. Subclasses implement ``_pwrite``/``_pread``."""
+    """Reads and writes aligned host buffers against one file. Subclasses implement ``_pwrite``/``_pread``.
+
+    The calls run on ``scheduler``'s ``"ssd"`` pool (by default :func:`dsx.defaults.scheduler`'s)."""
 
     name = "base"
 
-    def __init__(self, path: str, fd: int, threads: int = 4) -> None:
+    def __init__(self, path: str, fd: int, scheduler: Scheduler | None = None) -> None:
         self.path, self.fd = path, fd
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"dsx-{self.name}")
+        self._pool = (scheduler or defaults.scheduler()).executor("ssd")
+        self._lock = threading.Lock()
+        self._pending: set[Future[int]] = set()  # this backend's calls not yet done (the pool is shared)
+        self._closed = False
 
     def pwrite(self, buf: torch.Tensor, offset: int) -> Future[int]:
         _check(buf, offset)
-        return self._pool.submit(self._run, "write", self._pwrite, buf, offset)
+        return self._submit("write", self._pwrite, buf, offset)
 
     def pread(self, buf: torch.Tensor, offset: int) -> Future[int]:
         _check(buf, offset)
-        return self._pool.submit(self._run, "read", self._pread, buf, offset)
+        return self._submit("read", self._pread, buf, offset)
+
+    def _submit(self, what: str, fn: Any, buf: torch.Tensor, offset: int) -> Future[int]:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"dsx {self.name} I/O backend of {self.path} is closed")
+            fut = self._pool.submit(self._run, what, fn, buf, offset)
+            self._pending.add(fut)
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, fut: Future[int]) -> None:
+        with self._lock:
+            self._pending.discard(fut)
 
     def _run(self, what: str, fn: Any, buf: torch.Tensor, offset: int) -> int:
         try:
@@ -76,11 +100,15 @@ class IOBackend:
         return n
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Refuse new calls and wait for this backend's calls in flight (the shared pool keeps running)."""
+        with self._lock:
+            self._closed = True
+            pending = list(self._pending)
+        futures.wait(pending)
 
 
 class PosixBackend(IOBackend):
-    """``os.pwrite``/``os.pread`` on a thread pool (the GIL is released during the system call)."""
+    """``os.pwrite``/``os.pread`` on the pool's threads (the GIL is released during the system call)."""
 
     name = "posix"
 
@@ -105,8 +133,8 @@ class AioBackend(IOBackend):
 
     name = "aio"
 
-    def __init__(self, path: str, fd: int, threads: int = 4) -> None:
-        super().__init__(path, fd, threads)
+    def __init__(self, path: str, fd: int, scheduler: Scheduler | None = None) -> None:
+        super().__init__(path, fd, scheduler)
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
         self._op = AsyncIOBuilder().load(verbose=False)
@@ -164,8 +192,8 @@ class KvikioBackend(IOBackend):
 
     name = "kvikio"
 
-    def __init__(self, path: str, fd: int, threads: int = 4) -> None:
-        super().__init__(path, fd, threads)
+    def __init__(self, path: str, fd: int, scheduler: Scheduler | None = None) -> None:
+        super().__init__(path, fd, scheduler)
         import kvikio
 
         self._f = kvikio.CuFile(path, "r+")
@@ -227,11 +255,12 @@ def auto_choice(backends: dict[str, dict[str, Any]] | None = None) -> str:
     return next(n for n in order if backends.get(n, {}).get("available"))
 
 
-def select_backend(name: str, path: str, fd: int, threads: int = 4) -> IOBackend:
-    """Open ``name`` (or the best available for ``"auto"``) on an open file; explicit names fail loudly."""
+def select_backend(name: str, path: str, fd: int, scheduler: Scheduler | None = None) -> IOBackend:
+    """Open ``name`` (or the best available for ``"auto"``) on an open file; explicit names fail loudly. Its
+    calls run on ``scheduler``'s ``"ssd"`` pool (by default :func:`dsx.defaults.scheduler`'s)."""
     if name != "auto":
         try:
-            return _BACKENDS[name](path, fd, threads)
+            return _BACKENDS[name](path, fd, scheduler)
         except Exception as exc:
             reason = describe_backends().get(name, {}).get("reason", "")
             hint = {"kvikio": "pip install dsx[gds] (kvikio for your CUDA), ", "aio": "install libaio-dev, "}
@@ -243,7 +272,7 @@ def select_backend(name: str, path: str, fd: int, threads: int = 4) -> IOBackend
     order = (["kvikio"] if torch.cuda.is_available() else []) + ["aio", "posix"]
     for cand in order:
         try:
-            return _BACKENDS[cand](path, fd, threads)
+            return _BACKENDS[cand](path, fd, scheduler)
         except Exception:
             continue
     raise AssertionError("unreachable: posix backend always opens")

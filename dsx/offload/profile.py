@@ -10,8 +10,8 @@ cannot do this: they see positional inputs only, and Megatron passes ``hidden_st
 fire back to back and report ~0 ms.
 
 On CUDA the profiling step also measures memory, so that the planner predicts the peak
-``max_memory_allocated`` will see and not only the saved bytes (on the H100, a megatron-core plan counted on
-saved bytes alone peaked 4.6 GB above its prediction): per layer, the forward's peak above its start; what is
+``max_memory_allocated`` will see and not only the saved bytes (a megatron-core plan counted on saved bytes
+alone peaked well above its prediction): per layer, the forward's peak above its start; what is
 allocated at the start of its forward and of its backward beyond the saved bytes of the layers still holding
 them (gradients, the layer's input and output, what the model outside the layers keeps); the peak in the gap
 after its forward (the next layer's start, or for the last layer the head, the loss and the start of
@@ -26,8 +26,8 @@ from the model's forward start to ``finish()`` less the layers' intervals; the p
 With gradient accumulation the profiled step runs several micro-batches; the times (and the outside time)
 are divided by their number, as the saved bytes are counted for the first one: the plan is per micro-batch. The
 synchronizations expose host-bound work there (many small optimizer kernels) that an unsynchronized step
-overlaps, so it can overstate (42.6 ms against ~9 ms at hidden 2048 on the H100; exact within 2% where a CPU
-optimizer dominates). Each layer's saved storages are also recorded in save order (``saved_sizes``): a partial
+overlaps, so it can overstate it several times over (it is close where a CPU optimizer dominates;
+docs/offload.md). Each layer's saved storages are also recorded in save order (``saved_sizes``): a partial
 move takes them in that order.
 
 Under recomputation (``profile_mode`` ``"recompute"``: the micro-batch may fit only with dsx) every layer runs
@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from dsx.offload.plan import LayerProfile
 
 __all__ = ["Profiler", "first_grad_tensor"]
 
@@ -276,12 +278,10 @@ class Profiler:
 
         return hook
 
-    def finish(self) -> list[Any]:
+    def finish(self) -> list[LayerProfile]:
         """Call at the profiled step's end (after the optimizer): the layers' profiles; ``outside_s`` is set
         to the step's time outside the layers (their forward and backward intervals, recomputation
         included, subtracted from the step's)."""
-        from dsx.offload.plan import LayerProfile
-
         for h in self._handles:
             h.remove()
         # with gradient accumulation the step ran k micro-batches: the times are their mean, as the saved

@@ -19,18 +19,16 @@ import uuid
 
 import torch
 
-from dsx.offload.io import ALIGN, IOBackend, select_backend
+from dsx.offload.align import ALIGN, align_up
+from dsx.offload.io import IOBackend, select_backend
 from dsx.runtime.process import owner_gone, owner_record
+from dsx.runtime.scheduler import Scheduler
 
-__all__ = ["Arena", "HostPool", "RunDir", "SsdFile", "SsdFull", "align_up", "clean_stale_runs"]
+__all__ = ["Arena", "HostPool", "RunDir", "SsdFile", "SsdFull", "clean_stale_runs"]
 
 logger = logging.getLogger("dsx.offload")
 
 OWNER = "owner.json"  # in each run directory: who made it (dsx.runtime.process.owner_record)
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 class SsdFull(OSError):
@@ -79,8 +77,8 @@ class HostPool:
     """One preallocated host buffer (pinned when the compute device is CUDA), carved by an :class:`Arena`.
 
     The buffer is allocated once, on first use, and its start is 4 KiB-aligned so that every slot can be
-    handed to O_DIRECT. Pinned memory is what lets the GPU→host copy run at PCIe speed (55 GB/s on the H100
-    host) asynchronously on a side stream.
+    handed to O_DIRECT. Pinned memory is what lets the GPU→host copy run at PCIe speed asynchronously on a
+    side stream.
     """
 
     def __init__(self, nbytes: int, pin: bool) -> None:
@@ -163,11 +161,14 @@ class SsdFile:
     Opened with O_DIRECT where the filesystem supports it (``direct`` says which, ``direct_reason`` why not).
     Space is reserved before a write is queued, so ENOSPC and the quota both surface synchronously as
     :class:`SsdFull` at the moment a layer tries to offload, never in the middle of a background write.
+    Its I/O runs on ``scheduler``'s ``"ssd"`` pool (by default :func:`dsx.defaults.scheduler`'s).
     """
 
     GROW = 64 << 20
 
-    def __init__(self, run_dir: RunDir, capacity: int, backend: str, threads: int) -> None:
+    def __init__(
+        self, run_dir: RunDir, capacity: int, backend: str, scheduler: Scheduler | None = None
+    ) -> None:
         self.path = os.path.join(run_dir.path, "activations.bin")
         self.arena = Arena(capacity)
         flags = os.O_RDWR | os.O_CREAT
@@ -183,7 +184,7 @@ class SsdFile:
         self._allocated = 0
         self._lock = threading.Lock()
         try:
-            self.io: IOBackend = select_backend(backend, self.path, self.fd, threads)
+            self.io: IOBackend = select_backend(backend, self.path, self.fd, scheduler)
         except BaseException:
             os.close(self.fd)
             raise

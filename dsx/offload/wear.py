@@ -1,7 +1,7 @@
 """SSD wear: how long the drive's rated endurance lasts at the rate a run writes activations.
 
-Activation offload to SSD writes every moved byte once a step, which adds up: the 2-GPU run in
-docs/offload.md wrote 2.16 GB a step per rank. A drive's datasheet rates its endurance in TB written (TBW);
+Activation offload to SSD writes every moved byte once a step, which adds up: gigabytes a step per rank for a
+large model (docs/offload.md). A drive's datasheet rates its endurance in TB written (TBW);
 at a node's write rate ``r`` bytes/s it lasts ``TBW·10¹² / r`` seconds. dsx warns once when that is under
 ``wear_warn_years``. The node's rate is this rank's rate times the ranks of the node: every rank of a node
 runs the same config, so with the same ``ssd_path`` they write to the same drive at about the same rate.

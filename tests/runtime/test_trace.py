@@ -63,7 +63,7 @@ def _csv(path: Path) -> list[tuple[int, float]]:
 
 
 def test_offload_ends_each_step_once(offload_run) -> None:
-    # offload ends steps from its own engine.step wrapper; the runtime's driver must not end them again
+    # dsx's one engine.step wrapper ends the scheduler's step after each optimizer step, once, with offload on
     assert offload_run["ended"] == STEPS
 
 

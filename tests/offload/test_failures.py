@@ -19,7 +19,7 @@ from dsx.offload import ActivationOffload
 from dsx.offload.store import OWNER, RunDir, clean_stale_runs
 from dsx.runtime.process import owner_record
 from dsx.runtime.scheduler import Scheduler
-from tests._offload_models import OddModel
+from tests.offload._offload_models import OddModel
 
 
 def _run(model, cfg, batches):
@@ -156,7 +156,7 @@ def test_stale_runs_are_judged_only_where_their_owner_can_be(tmp_path):
         os.mkdir(tmp_path / f"dsx-{name}")
         (tmp_path / f"dsx-{name}" / OWNER).write_text(json.dumps(rec))
     removed = sorted(os.path.basename(d) for d in clean_stale_runs(str(tmp_path)))
-    # where /proc does not tell a start time, a boot id or a pid namespace, the pid alone decides (as before)
+    # where /proc does not tell a start time, a boot id or a pid namespace, the pid alone decides
     want = ["dsx-dead", "dsx-rebooted"] + (["dsx-reused-pid"] if me["start"] is not None else [])
     want += [] if me["boot"] else ["dsx-other-machine"]
     want += [] if me["pidns"] else ["dsx-other-container"]
@@ -173,7 +173,7 @@ def test_sigkilled_rank_leftovers_removed_at_next_start(tmp_path):
         from dsx.config import ActivationOffloadConfig
         from dsx.offload import ActivationOffload
         from dsx.runtime.scheduler import Scheduler
-        from tests._offload_models import OddModel
+        from tests.offload._offload_models import OddModel
         m = OddModel(layers=2)
         cfg = ActivationOffloadConfig(enabled=True, tiers=["ssd"], ssd_path={str(root)!r}, policy="offload_all",
                                       host_pool_gb=0.05, ssd_capacity_gb=0.05, min_tensor_bytes=0,

@@ -15,14 +15,14 @@ from dsx.offload import ActivationOffload
 from dsx.offload.io import describe_backends
 from dsx.runtime import allocator
 from dsx.runtime.scheduler import Scheduler
-from tests._offload_models import TinyGPT, assert_same_grads
+from tests.offload._offload_models import TinyGPT, assert_same_grads
 
 pytestmark = pytest.mark.gpu
 
 
 def _train(model, batches, off=None, hold=None, between=None):
     """AdamW steps; each step's gradients. ``hold``: a stream that gets ~1 s of GPU sleep queued before each
-    forward (longer than a warm step takes the host to queue: 0.2 s was outlasted once, stop 22); ``between()``
+    forward (longer than a warm step takes the host to queue; a shorter sleep was outlasted); ``between()``
     runs after each forward."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     grads = []
@@ -104,7 +104,7 @@ def _measured_step(model, opt, x, off=None) -> int:
             False,
             "prefetch",
             True,
-        ),  # read buffers from the side stream's pool (the old way)
+        ),  # read buffers from the side stream's pool
         (["ssd"], "posix", False, "prefetch", True),
         # without verify, host reads are queued on the fetching thread, ordered after their writes on the GPU
         (["host"], "posix", False, "compute", False),
@@ -317,13 +317,13 @@ def test_gpu_slots_of_a_graph_dropped_while_its_writes_copy_wait_for_the_copies(
     barrier, which would hold the forward until the copies end, is off.)"""
     model, batches, want, cfg = _host_all(5, 2, write_barrier="off")
     with _offloaded(model, cfg) as (off, sched):
-        # a warm step first, parameters unchanged: the first pack allocates the pinned pool (1.6 s on the H100)
+        # a warm step first, parameters unchanged: the first pack allocates the pinned pool (seconds)
         model(batches[0]).float().pow(2).mean().backward()
         model.zero_grad(set_to_none=True)
         off.end_step()
         torch.cuda.synchronize()
-        with torch.cuda.stream(sched.stream("offload")):  # ~2 s: gc.collect() below took 0.16 s in a fresh
-            torch.cuda._sleep(4_000_000_000)  # process and more late in the suite, outlasting a 0.2 s sleep
+        with torch.cuda.stream(sched.stream("offload")):  # ~2 s: longer than gc.collect() below takes, also
+            torch.cuda._sleep(4_000_000_000)  # late in the suite
         y = model(batches[0]).float().pow(2).mean()
         used = off.mover.host.arena.used
         del y
@@ -439,9 +439,9 @@ def test_gpu_calibration_measures_what_the_step_allocates_for_activations(tmp_pa
     off = ActivationOffload(model, cfg, sched)
     try:
         step(off)
-        off._mark_peak()
+        off.calibration.meter.mark()
         measured = step(off)  # from just after zero_grad: the gradients count, as in the prediction
-        seen = off._peak_since_mark()
+        seen = off.calibration.meter.since_mark()
         assert seen is not None
         # both are measured from the model's forward (after zero_grad), the gradients inside the peak
         assert abs(seen - measured) < grad_bytes / 2, (seen, measured, grad_bytes)
@@ -507,11 +507,10 @@ def test_gpu_auto_trains_a_micro_batch_that_fits_only_with_it(tmp_path):
 def test_gpu_ssd_writes_give_device_memory_back_when_their_copies_end(tmp_path, write_barrier):
     """An SSD write's device bytes go back once its copy to the host slot ends, not once an I/O thread gets to
     its file write: with the drive's gate shut (as for DeepSpeed's optimizer swap) every I/O thread waits there
-    with more writes queued behind it, and still every moved tensor is off the device after the forward (before
-    stop 22 only those the threads had reached were). With ``offload_all``'s write barrier (``"auto"``) the
-    forward itself passes the barrier under the shut gate; before stop 22 it waited on the drive (here, until
-    a 20 s watchdog opened the gate). Once the gate opens the step's gradients are those of a run without
-    offload."""
+    with more writes queued behind it, and still every moved tensor is off the device after the forward (not
+    only those the threads have reached). With ``offload_all``'s write barrier (``"auto"``) the forward itself
+    passes the barrier under the shut gate, rather than wait on the drive (here, until a 20 s watchdog opened
+    the gate). Once the gate opens the step's gradients are those of a run without offload."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     model, batches, want = _reference(seed=6, n_batches=2)

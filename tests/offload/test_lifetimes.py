@@ -20,9 +20,9 @@ import torch
 from dsx.config import ActivationOffloadConfig, SchedulerConfig
 from dsx.offload import ActivationOffload
 from dsx.runtime.scheduler import Scheduler
-from tests._offload_models import OddModel, TinyGPT
+from tests.offload._offload_models import OddModel, TinyGPT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _off(model, tmp_path, tiers, **kw):
@@ -112,7 +112,7 @@ def test_a_failed_read_frees_the_graph_and_every_slot(tmp_path):
 
 
 def test_a_failed_reserve_gives_the_staging_slot_back(tmp_path, monkeypatch):
-    # ENOSPC and the quota fall back to the host tier (test_offload_failures.py); another error from the
+    # ENOSPC and the quota fall back to the host tier (test_failures.py); another error from the
     # filesystem (EIO here, injected: a real one cannot be produced on demand) propagates, with nothing held
     torch.manual_seed(0)
     m = TinyGPT()
@@ -178,7 +178,7 @@ def test_handles_released_by_the_cyclic_gc_inside_a_pack_do_not_deadlock():
         from dsx.config import ActivationOffloadConfig, SchedulerConfig
         from dsx.offload import ActivationOffload
         from dsx.runtime.scheduler import Scheduler
-        from tests._offload_models import TinyGPT
+        from tests.offload._offload_models import TinyGPT
         faulthandler.dump_traceback_later(200, exit=True)
         torch.manual_seed(0)
         m = TinyGPT(layers=4)
@@ -219,13 +219,16 @@ def test_aio_read_past_the_end_is_an_oserror(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys, torch
         sys.path.insert(0, {ROOT!r})
+        from dsx.config import SchedulerConfig
         from dsx.offload.io import AioBackend
+        from dsx.runtime.scheduler import Scheduler
         path = {str(tmp_path / "f.bin")!r}
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         raw = torch.randint(0, 255, (16384 + 4096,), dtype=torch.uint8)
         s = (-raw.data_ptr()) % 4096
         buf = raw[s:s + 16384]
-        io = AioBackend(path, fd, 2)
+        sched = Scheduler(SchedulerConfig(io_workers=2))
+        io = AioBackend(path, fd, sched)
         io.pwrite(buf, 0).result()
         os.ftruncate(fd, 4096)
         try:
@@ -233,6 +236,8 @@ def test_aio_read_past_the_end_is_an_oserror(tmp_path):
             print("NO ERROR")
         except OSError as e:
             print("OSERROR", e)
+        io.close()
+        sched.close()
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OSERROR [Errno 5] dsx aio read failed" in r.stdout, (
@@ -261,8 +266,8 @@ def test_a_backward_gives_its_slots_back_as_it_ends(tmp_path):
 def test_close_waits_for_the_file_writes_of_a_dropped_graph(tmp_path):
     """A graph dropped while its SSD writes wait (the drive's gate shut, as for DeepSpeed's optimizer swap)
     releases its entries; closing must still wait for those writes before it closes the file, or they run on a
-    closed descriptor (or one the process reused for another file). Before stop 22 close waited only for the
-    writes of entries still held."""
+    closed descriptor (or one the process reused for another file), which waiting only for the writes of
+    entries still held would allow."""
     torch.manual_seed(0)
     m = TinyGPT()
     # (no write barrier: on CPU the I/O threads copy, and under the shut gate the forward would wait for them)
@@ -339,7 +344,7 @@ def test_a_tensor_moved_off_its_storage_by_data_is_not_matched_at_the_address_it
 
     The next tensor is put on h's old storage here, as the allocator would: left to glibc, a block freed on
     the I/O thread went to that thread's cache, and whether the address came back depended on the suite's
-    earlier tests (the guard below, that it came back, failed in one full CI run). With the dedup table's
+    earlier tests (the guard below, that it came back, could then fail). With the dedup table's
     old check (the tensor alive, not on its storage) the gradient here is wrong."""
     seen = {"reused": 0}
 

@@ -14,7 +14,7 @@ from dsx.config import ActivationOffloadConfig, DsxConfigError, SchedulerConfig
 from dsx.offload import ActivationOffload
 from dsx.offload.wear import SECONDS_PER_YEAR, WearWatch, years_of_endurance
 from dsx.runtime.scheduler import Scheduler
-from tests._offload_models import TinyGPT
+from tests.offload._offload_models import TinyGPT
 
 
 def _cfg(tmp_path, **kw):

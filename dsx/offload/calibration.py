@@ -1,0 +1,146 @@
+"""Budget calibration of policy ``auto``: the planned step's activation peak, measured, and a re-plan when it
+ran over ``memory_budget_gb``.
+
+The cost model counts saved bytes, recomputation and what the profiling step measured beyond them
+(background, workspaces), but not what it cannot see (allocator rounding, what a recomputed sub-module's
+checkpoint frame holds, memory that differs between a kept and a recomputed layer). Measuring the step that
+ran is exact (CUDA only: elsewhere there is no peak to read, and nothing is calibrated).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsx.config import ActivationOffloadConfig
+from dsx.offload.agree import rank
+from dsx.offload.plan import Plan, PlanError
+
+__all__ = ["MAX_CALIBRATIONS", "Calibration", "PeakMeter"]
+
+logger = logging.getLogger("dsx.offload")
+GB = 1 << 30
+MAX_CALIBRATIONS = 2  # re-plans after a planned step measured over the budget (policy auto, CUDA)
+
+
+class PeakMeter:
+    """The activation peak of a step (CUDA), measured as the profiler measured it for the prediction: from the
+    model's forward on, above the memory allocated then.
+
+    Measured from the step boundary instead, gradients that the optimizer's ``zero_grad(set_to_none=True)``
+    frees before the next forward would be in the base and not in the peak (a plan then ran over its budget
+    unseen)."""
+
+    def __init__(self, root: nn.Module, device: torch.device) -> None:
+        self._root, self.device = root, device
+        self._peak_base: int | None = None  # memory allocated as the measured step's forward started
+        self._peak_hook: Any = None
+
+    def mark(self) -> None:
+        """Measure the next step: from its model forward's start on."""
+        if self.device.type != "cuda":
+            return
+        self.close()
+        self._peak_base = None
+
+        def forward_starts(module: nn.Module, args: Any) -> None:
+            self.close()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._peak_base = torch.cuda.memory_allocated(self.device)
+
+        self._peak_hook = self._root.register_forward_pre_hook(forward_starts)
+
+    def since_mark(self) -> int | None:
+        """The activation peak since the marked step's forward started; None before it has."""
+        if self.device.type != "cuda" or self._peak_base is None:
+            return None
+        return torch.cuda.max_memory_allocated(self.device) - self._peak_base
+
+    def close(self) -> None:
+        """Remove the forward hook a mark left, if its forward has not come yet."""
+        if self._peak_hook is not None:
+            self._peak_hook.remove()
+            self._peak_hook = None
+
+
+class Calibration:
+    """At most ``MAX_CALIBRATIONS`` re-plans after planned steps measured over the budget, each on the same
+    profiles (no new profiling step); the budget the planner is given is only ever lowered.
+
+    ``pending`` says whether the step just ended is to be measured (its peak goes to :meth:`calibrate`)."""
+
+    def __init__(self, cfg: ActivationOffloadConfig, root: nn.Module, device: torch.device) -> None:
+        self.cfg = cfg
+        self.meter = PeakMeter(root, device)
+        self.model_budget = 0.0  # the budget the planner is given: memory_budget_gb less measured overshoot
+        self.left = 0  # re-plans left
+
+    @property
+    def pending(self) -> bool:
+        return self.left > 0
+
+    def start(self) -> None:
+        """The first plan is installed: with a budget, measure the step it runs."""
+        if self.cfg.memory_budget_gb is not None:
+            self.model_budget = self.cfg.memory_budget_gb * GB
+            self.left = MAX_CALIBRATIONS
+            self.meter.mark()
+
+    def calibrate(
+        self,
+        measured: int,
+        plan: Plan,
+        replan: Callable[[ActivationOffloadConfig], Plan],
+        install: Callable[[Plan], None],
+    ) -> None:
+        """The planned step (``plan``) peaked at ``measured`` bytes above its start: if that is over the
+        budget, plan again (``replan``, on ``plan``'s profiles) against a budget lowered by the overshoot and
+        ``install`` that plan; measure the next step."""
+        budget = self.cfg.memory_budget_gb * GB
+        self.left -= 1
+        if measured <= budget:
+            self.left = 0
+            return
+        self.model_budget -= measured - budget
+        cfg = self.cfg.model_copy(update={"memory_budget_gb": max(self.model_budget, 0.0) / GB})
+        try:
+            new = replan(cfg)
+        except PlanError as exc:
+            if self.left > 0 and any(not a.recomputed for a in plan.actions):
+                # the model has no plan with that margin, but its error runs both ways (a mixed plan can peak
+                # over its prediction while full recompute's is overestimated): fall back to recomputing every
+                # layer and measure that
+                logger.warning(
+                    "dsx activation offload: the planned step peaked at %.2f GiB, over memory_budget_gb=%s, and "
+                    "the model has no plan with a margin for that (%s); trying recompute for every layer",
+                    measured / GB,
+                    self.cfg.memory_budget_gb,
+                    exc,
+                )
+                install(replan(self.cfg.model_copy(update={"policy": "recompute_all"})))
+                self.meter.mark()
+                return
+            self.left = 0
+            logger.warning(
+                "dsx activation offload: the planned step peaked at %.2f GiB, over memory_budget_gb=%s, and no "
+                "plan with a margin for that exists (%s); keeping the current plan",
+                measured / GB,
+                self.cfg.memory_budget_gb,
+                exc,
+            )
+            return
+        if rank() == 0:
+            logger.warning(
+                "dsx activation offload: the planned step peaked at %.2f GiB against a budget of %.2f GiB "
+                "(predicted %.2f GiB); planning again against %.2f GiB",
+                measured / GB,
+                budget / GB,
+                plan.peak_bytes / GB,
+                self.model_budget / GB,
+            )
+        install(new)
+        self.meter.mark()

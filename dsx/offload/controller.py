@@ -1,0 +1,301 @@
+"""The activation-offload controller: hooks, tiers and the per-layer plan for one model.
+
+:class:`ActivationOffload` sets up the tiers (a pinned host pool, a per-rank SSD file), the mover that copies
+to and from them, the per-layer saved-tensor hooks and, for policy ``auto``, the profiling step whose
+measurements the planner turns into a plan. Under DeepSpeed, :mod:`dsx.offload.deepspeed` attaches it to the
+engine; on a bare module call :meth:`ActivationOffload.end_step` after each optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsx import defaults
+from dsx.config import ActivationOffloadConfig
+from dsx.offload.agree import agree_peak, agree_profiles, rank
+from dsx.offload.calibration import Calibration
+from dsx.offload.checkpointing import checkpointed, layers_and_subs
+from dsx.offload.hooks import LayerHooks
+from dsx.offload.plan import Action, Plan, make_plan, write_barrier_fixed
+from dsx.offload.profile import Profiler
+from dsx.offload.store import HostPool, RunDir, SsdFile
+from dsx.offload.transfer import Mover
+from dsx.offload.wear import WearWatch
+from dsx.runtime import allocator
+from dsx.runtime.bandwidth import measure_tier_bandwidth
+from dsx.runtime.scheduler import Scheduler
+
+__all__ = ["ActivationOffload"]
+
+logger = logging.getLogger("dsx.offload")
+GB = 1 << 30
+
+# settings a fixed policy may ignore, and the policies that read each
+_READERS = {
+    "memory_budget_gb": ("auto",),
+    "profile_mode": ("auto",),
+    "profile_warmup_steps": ("auto",),
+    "write_barrier": ("auto", "offload_all"),
+}
+
+
+def _warn_unused_auto_settings(cfg: ActivationOffloadConfig) -> None:
+    """A fixed policy has no profile and no plan: say so when the config sets what only a plan uses."""
+    set_keys = [
+        k
+        for k, readers in _READERS.items()
+        if k in cfg.model_fields_set
+        and getattr(cfg, k) != type(cfg).model_fields[k].default
+        and cfg.policy not in readers
+    ]
+    if set_keys and rank() == 0:
+        logger.warning(
+            "dsx activation offload: policy %r ignores %s",
+            cfg.policy,
+            ", ".join(
+                f"{k}={getattr(cfg, k)!r} (read by policy {', '.join(map(repr, _READERS[k]))} only)"
+                for k in set_keys
+            ),
+        )
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class ActivationOffload:
+    """Hooks, tiers and the per-layer plan for one model.
+
+    Parameters
+    ----------
+    model
+        The module whose layers offload (``engine.module`` under DeepSpeed).
+    cfg
+        The ``"dsx"."activation_offload"`` section; by default ``dsx.defaults.get("activation_offload")``.
+    scheduler
+        The rank's :class:`~dsx.runtime.scheduler.Scheduler` (side streams, I/O threads, telemetry); by default
+        :func:`dsx.defaults.scheduler`.
+    device
+        The compute device; defaults to the device of the model's first parameter. On a CPU run the whole
+        mechanism runs with CPU tensors (the CI path).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: ActivationOffloadConfig | None = None,
+        scheduler: Scheduler | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        cfg = cfg if cfg is not None else defaults.get("activation_offload")
+        scheduler = scheduler if scheduler is not None else defaults.scheduler()
+        self.cfg, self.sched = cfg, scheduler
+        self._closed = False
+        self.device = device or _device_of(model)
+        # checked before any hook, file or buffer exists: a bad name leaves the model as it was
+        self.layers, self._subs = layers_and_subs(model, cfg)
+        self.run_dir: RunDir | None = None
+        self.ssd: SsdFile | None = None
+        self.wear: WearWatch | None = None  # ssd_endurance_tbw given: warns when the drive would wear out
+        # the SSD tier shares a drive with another writer (ZeRO's nvme_path: set by dsx.offload.deepspeed);
+        # activation writes then pause while that writer runs
+        self.shared_ssd = False
+        if "ssd" in cfg.tiers and cfg.policy != "none":
+            self.run_dir = RunDir(cfg.ssd_path, rank())
+            try:
+                self.ssd = SsdFile(self.run_dir, int(cfg.ssd_capacity_gb * GB), cfg.io_backend, scheduler)
+            except BaseException:  # (an unavailable io_backend): a failed start leaves no directory behind
+                self.run_dir.remove()
+                raise
+            logger.info(
+                "dsx activation offload: SSD file %s, backend %s, %s",
+                self.ssd.path,
+                self.ssd.io.name,
+                self.ssd.direct_reason,
+            )
+            if cfg.ssd_endurance_tbw is not None:
+                self.wear = WearWatch(cfg.ssd_path, cfg.ssd_endurance_tbw, cfg.wear_warn_years)
+        self._bws: list[Any] = []
+        if cfg.policy in ("auto", "offload_all"):
+            # a collective call (every rank of the node measures at once, then they agree on a share), made
+            # here, where all ranks are in dsx.initialize together, before training traffic shares the links
+            self._bws = measure_tier_bandwidth(
+                cfg.tiers, self.run_dir.path if self.run_dir else None, mb=scheduler.config.bandwidth_probe_mb
+            )
+        self._expandable_before: bool | None = None  # the allocator setting to restore at close
+        self.host = HostPool(int(cfg.host_pool_gb * GB), pin=self.device.type == "cuda")
+        self.mover = Mover(
+            self.device, scheduler, self.host, self.ssd, cfg.verify, read_pool=cfg.resolved("read_pool")
+        )
+        self.hooks = LayerHooks(model, self.layers, self.mover, cfg.min_tensor_bytes)
+        self._orig_forward: dict[int, Any] = {}
+        self._orig_sub_forward: dict[int, Any] = {}
+        self.plan: Plan | None = None
+        # the planned steps' measured peaks (its forward start is where a step's activation memory counts from)
+        self.calibration = Calibration(cfg, model, self.device)
+        self.step = 0
+        self.profiler: Profiler | None = None
+        self._outside_s = 0.0  # the profiled step's time outside the layers (Profiler.outside_s)
+        self._profile_rc = False  # policy auto profiles under recomputation (set below)
+        if cfg.policy != "auto":
+            _warn_unused_auto_settings(cfg)
+        if cfg.policy == "offload_all":
+            last = Action(cfg.tiers[-1])  # "ordered": writes pass the tiers in order and rest in the last
+            sel = [Action(f"{last.value}+sel") if subs else last for subs in self._subs]
+            # ("auto" holds it: memory is what offload_all is for; resolved() decides "auto" for policy auto)
+            on = cfg.write_barrier != "off"
+            self._apply(
+                sel, cfg.prefetch_depth or 1, barriers=write_barrier_fixed(len(sel)) if on else ([], [])
+            )
+        elif cfg.policy == "recompute_all":
+            self._apply([Action.RECOMPUTE] * len(self.layers), 1)
+        elif cfg.policy == "auto":
+            # a budget means the micro-batch may fit only with dsx: profile under recomputation then
+            self._profile_rc = cfg.resolved("profile_mode") == "recompute"
+            self.profiler = Profiler(
+                self.layers,
+                self.hooks,
+                self.device,
+                cfg.recompute_modules,
+                under_recompute=self._profile_rc,
+                root=model,
+            )
+            self._profile_next(cfg.profile_warmup_steps == 0)
+        # last: a constructor that raised is never closed, and this setting is process-wide
+        if self.device.type == "cuda" and cfg.policy != "none":
+            want = cfg.resolved("expandable_segments") == "on"
+            if cfg.expandable_segments != "auto" or (want and not allocator.user_configured()):
+                self._expandable_before = allocator.set_expandable_segments(want)
+                logger.info("dsx activation offload: CUDA allocator expandable_segments=%s (setting %r)",
+                            want, cfg.expandable_segments)  # fmt: skip
+
+    # ------------------------------------------------------------------------------------ actions
+    def _apply(
+        self,
+        actions: list[Action],
+        depth: int,
+        caps: dict[int, int] | None = None,
+        barriers: tuple[list[int], list[int]] = ([], []),
+    ) -> None:
+        """Install an :class:`~dsx.offload.plan.Action` per layer (a recomputed layer runs under the
+        reentrant checkpoint, a ``+sel`` one's ``recompute_modules`` under the non-reentrant one, and what it
+        stores moves to ``Action.tier``), the prefetch depth, the partial layers' caps and the write barriers
+        (forward, backward): the plan's, or ``offload_all``'s fixed rule."""
+        tiers = []
+        for i, a in enumerate(actions):
+            checkpointed(self.layers[i], a.recomputed, i, self._orig_forward, reentrant=True)
+            for sub in self._subs[i]:
+                checkpointed(sub, a.sel, id(sub), self._orig_sub_forward)
+            # the reentrant checkpoint saves its inputs with save_for_backward, inside the layer's hooks
+            tiers.append(a.tier.value if a.tier is not None else "keep")
+        self.hooks.actions = tiers
+        self.hooks.prefetch_depth = depth
+        self.hooks.move_caps = dict(caps or {})
+        self.hooks.write_barrier, self.hooks.write_barrier_bwd = list(barriers[0]), list(barriers[1])
+
+    def _profile_next(self, on: bool) -> None:
+        """Profile the coming step (``on``), or run it as the profiling step will, unprofiled (a warm-up
+        step): everything kept, or every layer recomputed (``profile_mode``)."""
+        profiler = self.profiler
+        assert profiler is not None
+        profiler.enabled = on
+        if on:
+            self.hooks.start_profile()
+        if not self._profile_rc:
+            self.hooks.actions = ["profile" if on else "keep"] * len(self.layers)
+            return
+        self.hooks.actions = ["keep"] * len(self.layers)  # the profiler counts inside the recomputation
+        self._uncheckpoint_layers()
+        for i, layer in enumerate(self.layers):
+            wrap = (lambda fn, count_saved=True, i=i: profiler.wrap(i, fn, count_saved)) if on else None
+            checkpointed(layer, True, i, self._orig_forward, reentrant=True, wrap=wrap)
+
+    def _uncheckpoint_layers(self) -> None:
+        for i in list(self._orig_forward):
+            checkpointed(self.layers[i], False, i, self._orig_forward)
+
+    # ------------------------------------------------------------------------------------- steps
+    def after_step(self) -> None:
+        """Mark an optimizer-step boundary: after the profiling step of policy 'auto', plan and apply; after a
+        planned step under a budget, calibrate. The caller ends the scheduler's step (the engine does)."""
+        warmup = self.cfg.profile_warmup_steps
+        if self.profiler is not None and self.step + 1 == warmup:
+            self._profile_next(True)
+        elif self.profiler is not None and self.step == warmup:
+            # every rank plans from the same numbers, so that all recompute the same layers (a collective)
+            profiles, self._outside_s = agree_profiles(self.profiler.finish(), self.profiler.outside_s)
+            self.profiler = None
+            if rank() == 0 and len(profiles) > 16:  # the search grows about as n^3 (make_plan's notes)
+                logger.warning("dsx activation offload: planning %d layers ...", len(profiles))
+            self._uncheckpoint_layers()  # the profiler's wrappers go; the plan checkpoints what it recomputes
+            self._install(
+                make_plan(profiles, self._bws, self.cfg, best_effort=True, outside_s=self._outside_s)
+            )
+            self.calibration.start()
+        elif self.calibration.pending:
+            peak = agree_peak(self.calibration.meter.since_mark(), len(self.layers))  # (a collective)
+            if peak is not None:
+                self.calibration.calibrate(peak, self.plan, self._replan, self._install)
+        self.hooks.release_dead()
+        if self.wear is not None and self.ssd is not None:
+            self.wear.step(self.ssd.bytes_written)
+        self.step += 1
+
+    def end_step(self) -> None:
+        """:meth:`after_step`, then end the scheduler's step: call it after each optimizer step when no
+        engine does (a bare ``nn.Module``)."""
+        self.after_step()
+        self.sched.end_step()
+
+    def _replan(self, cfg: ActivationOffloadConfig) -> Plan:
+        """A plan from the installed plan's profiles under ``cfg`` (budget calibration)."""
+        assert self.plan is not None
+        return make_plan(self.plan.profiles, self._bws, cfg, outside_s=self._outside_s)
+
+    def _install(self, plan: Plan) -> None:
+        self.plan = plan
+        if rank() == 0:
+            how = "every layer recomputed" if self._profile_rc else "everything kept"
+            logger.warning(
+                "dsx activation offload plan (profiled with %s; reads into the %s stream's allocator pool%s):\n%s",
+                how,
+                self.mover.read_pool,
+                "; expandable segments"
+                if self.device.type == "cuda" and allocator.expandable_segments()
+                else "",
+                plan.describe(),
+            )
+        self._apply(
+            plan.actions,
+            self.cfg.prefetch_depth or plan.prefetch_depth,
+            plan.move_caps,
+            (plan.write_barrier, plan.write_barrier_bwd),
+        )
+
+    def close(self) -> None:
+        """Wait for the writes in flight, remove the hooks, close and remove the SSD file; once (a second call
+        does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.calibration.meter.close()
+        try:
+            self.mover.drain()
+        finally:
+            self.hooks.remove()
+            self._uncheckpoint_layers()
+            for sub in [s for subs in self._subs for s in subs]:
+                checkpointed(sub, False, id(sub), self._orig_sub_forward)
+            if self.ssd is not None:
+                self.ssd.close()
+            if self.run_dir is not None:
+                self.run_dir.remove()
+            if self._expandable_before is not None:
+                allocator.set_expandable_segments(self._expandable_before)
+                self._expandable_before = None

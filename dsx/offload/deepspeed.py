@@ -1,0 +1,88 @@
+"""Activation offload inside a DeepSpeed engine: what :func:`dsx.initialize` attaches.
+
+The engine wraps ``engine.step`` once for every feature (:mod:`dsx.engine`); this feature enters its
+:meth:`_Feature.around_step` around each step and calls :meth:`_Feature.after_step` after each optimizer step.
+When the SSD tier shares a drive with ZeRO's ``nvme_path``, DeepSpeed swaps optimizer state on that drive in
+``engine.step()``: activation writes wait for it then (the scheduler's ``"ssd"`` gate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from dsx.offload.checkpointing import check_model
+from dsx.offload.controller import ActivationOffload
+
+__all__ = ["attach", "check_model"]
+
+logger = logging.getLogger("dsx.offload")
+
+
+def _st_dev(path: str) -> int:
+    """st_dev of ``path`` or of its nearest existing parent (DeepSpeed creates nvme_path lazily)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.stat(path).st_dev
+
+
+def _nvme_path(engine: Any) -> str | None:
+    """ZeRO's NVMe offload directory (optimizer state, else parameters), or None."""
+    cfg = getattr(engine, "_config", None)
+    zc = getattr(cfg, "zero_config", None)
+    for key in ("offload_optimizer", "offload_param"):
+        sub = getattr(zc, key, None)
+        path = getattr(sub, "nvme_path", None) if sub is not None else None
+        if path:
+            return str(path)
+    return None
+
+
+class _Feature:
+    """What :func:`attach` returns: the engine's handle on one :class:`ActivationOffload`."""
+
+    def __init__(self, offload: ActivationOffload) -> None:
+        self.offload = offload
+
+    @contextlib.contextmanager
+    def around_step(self) -> Iterator[None]:
+        """Around ``engine.step()``: DeepSpeed swaps optimizer state on a shared drive there, so activation
+        writes wait."""
+        if self.offload.shared_ssd:
+            with self.offload.sched.paused("ssd"):
+                yield
+        else:
+            yield
+
+    def after_step(self) -> None:
+        self.offload.after_step()
+
+    def close(self) -> None:
+        self.offload.close()
+
+
+def attach(engine: Any, runtime: Any) -> _Feature:
+    """Install activation offload on ``engine.module`` (the ``runtime``'s ``activation_offload`` section, its
+    scheduler); the handle's ``close()`` removes hooks and files."""
+    section = runtime.config.activation_offload
+    offload = ActivationOffload(engine.module, section, runtime.scheduler, device=torch.device(engine.device))
+    try:
+        nvme = _nvme_path(engine)
+        if nvme and offload.ssd is not None and _st_dev(nvme) == _st_dev(section.ssd_path):
+            offload.shared_ssd = True
+            logger.info(
+                "dsx activation offload: %s shares a device with ZeRO's nvme_path %s: activation writes pause "
+                "during engine.step()",
+                section.ssd_path,
+                nvme,
+            )
+    except BaseException:
+        offload.close()
+        raise
+    return _Feature(offload)

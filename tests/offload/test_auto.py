@@ -1,0 +1,400 @@
+"""Policy ``auto`` on CPU: the profiling step (kept or recomputed, selective recompute, gradient accumulation),
+the plan it installs, partial layers and budget calibration; gradients stay bitwise equal throughout."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from dsx.config import SchedulerConfig
+from dsx.offload import ActivationOffload
+from dsx.offload.plan import Action
+from dsx.runtime.scheduler import Scheduler
+from tests.offload._offload_models import TinyGPT, assert_same_grads
+from tests.offload._runs import (
+    _batches,
+    _calls_per_step,
+    _cfg,
+    _reference,
+    _steps,
+    _train,
+    _train_with_plans,
+)
+
+
+@pytest.mark.parametrize("tiers", [["host"], ["ssd"]])
+def test_offload_all_with_recompute_modules_bitwise(tmp_path, tiers):
+    model, batches, want = _reference(3, 3)
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    off = ActivationOffload(model, _cfg(tmp_path, tiers, recompute_modules=["CoreAttention"]), sched)
+    try:
+        assert all(type(b.attn.forward).__name__ == "function" for b in model.blocks), "attention not wrapped"
+        got = _steps(model, batches, off)
+        moved = sched.telemetry.history[0].bytes_by_tier.get(tiers[-1], 0)
+    finally:
+        off.close()
+        sched.close()
+    assert moved > 0
+    assert all("forward" not in b.attn.__dict__ for b in model.blocks), "close() left the wrapper"
+    assert_same_grads(want, got)
+
+
+def test_auto_profiles_selective_bytes_and_moves_what_it_predicts(tmp_path):
+    """The profiled +sel bytes are exactly what the layer moves with its recompute modules recomputed."""
+    model, batches, want = _reference(4, 4, make=lambda: TinyGPT(by_keyword=True))
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    cfg = _cfg(tmp_path, ["host"], policy="auto", recompute_modules=["CoreAttention"], profile_warmup_steps=0)
+    off = ActivationOffload(model, cfg, sched)
+    n = len(model.blocks)
+    try:
+        # step 0 profiles; step 1 moves everything outside attention; step 2 everything; step 3 mixes
+        got = _steps(model, batches, off, [[Action.HOST_SEL] * n, [Action.HOST] * n,
+                                           [Action.KEEP_SEL, Action.HOST_SEL, Action.KEEP]])  # fmt: skip
+        profiles = off.plan.profiles
+        hist = sched.telemetry.history
+    finally:
+        off.close()
+        sched.close()
+    assert_same_grads(want, got)
+    for p in profiles:
+        assert p.sel_saved_bytes is not None and 0 < p.sel_saved_bytes < p.saved_bytes
+        assert p.sel_recompute_s > 0
+    assert hist[1].bytes_by_tier["host"] == sum(p.sel_saved_bytes for p in profiles)
+    assert hist[2].bytes_by_tier["host"] == sum(p.saved_bytes for p in profiles)
+    assert hist[3].bytes_by_tier["host"] == profiles[1].sel_saved_bytes
+
+
+def test_partial_moves_move_what_the_plan_counts(tmp_path):
+    """A hide-only plan moves part of a layer (its first saved storages, each that still fits under the
+    cap): the profile records the storages in save order, and plan.movable() predicts the bytes the runtime
+    then moves, for caps that fall between storage sizes."""
+    from dsx.offload.plan import movable
+
+    model, batches, want = _reference(12, 3)
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0), sched)
+    profiles, caps = [], {}
+
+    def partial_moves(step: int) -> None:  # after the profiling step: parts of every layer, to the host
+        if step == 0:
+            profiles.extend(off.plan.profiles)
+            caps.update(
+                {i: int(p.saved_bytes * f) for i, (p, f) in enumerate(zip(profiles, (0.31, 0.55, 0.83)))}
+            )
+            off._apply([Action.HOST] * len(profiles), 1, caps)
+
+    try:
+        got = _steps(model, batches, off, after=partial_moves)
+        moved = [h.bytes_by_tier.get("host", 0) for h in sched.telemetry.history]
+    finally:
+        off.close()
+        sched.close()
+    assert_same_grads(want, got)
+    for p in profiles:
+        assert sum(p.saved_sizes) == p.saved_bytes and len(p.saved_sizes) > 3
+    want_moved = sum(movable(p, Action.HOST, caps[i]) for i, p in enumerate(profiles))
+    assert 0 < want_moved < sum(caps.values())  # the caps fall between storages: less than the caps moves
+    assert moved[1:] == [want_moved, want_moved]
+
+
+def test_profiler_times_backward_of_keyword_called_layers(tmp_path):
+    """Megatron passes hidden_states by keyword: per-layer backward times must still add up."""
+    import time
+
+    from dsx.offload.profile import Profiler
+
+    torch.manual_seed(5)
+    model = TinyGPT(d=128, layers=3, heads=4, seq=64, by_keyword=True)
+    sched = Scheduler()
+    off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="none"), sched)
+    prof = Profiler(off.layers, off.hooks, off.device)
+    try:
+        x = torch.randint(0, 64, (8, 64))
+        loss = model(x).float().pow(2).mean()
+        t0 = time.perf_counter()
+        loss.backward()
+        total = time.perf_counter() - t0
+        profiles = prof.finish()
+    finally:
+        off.close()
+        sched.close()
+    assert all(p.bwd_s > 0 for p in profiles)
+    # the blocks are most of the backward (the rest: embedding, head, loss); hooks that fired back to back
+    # would sum to ~0
+    assert sum(p.bwd_s for p in profiles) > 0.3 * total
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_profile_measures_the_step_outside_the_layers(tmp_path, mode):
+    """The printed prediction covers the whole step: the profiling step's time outside the layers (here a
+    0.2 s sleep where the optimizer runs) is measured and added; the layers' own time, their recomputation
+    under profile_mode recompute included (a 0.25 s sleep in each attention, which the recomputation runs
+    again), is not counted outside."""
+    import time
+
+    torch.manual_seed(11)
+    model = TinyGPT(by_keyword=True)
+    for b in model.blocks:
+        b.attn.register_forward_pre_hook(lambda *_: time.sleep(0.25))
+    sched = Scheduler()
+    cfg = _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0, profile_mode=mode)
+    off = ActivationOffload(model, cfg, sched)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for x in _batches("gpt", 2):
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            time.sleep(0.2)
+            opt.step()
+            off.end_step()
+        plan = off.plan
+    finally:
+        off.close()
+        sched.close()
+    assert 0.2 <= plan.outside_s < 0.2 + 0.25, plan.outside_s
+    assert plan.predicted_total_step_s == pytest.approx(plan.predicted_step_s + plan.outside_s)
+    assert plan.predicted_step_s >= 0.25 * len(model.blocks)  # each layer's forward, once
+    text = plan.describe()
+    assert f"predicted step {plan.predicted_total_step_s * 1e3:.1f} ms" in text
+    assert f"{plan.outside_s * 1e3:.1f} outside them" in text
+
+
+def test_unknown_recompute_module_is_a_clear_error(tmp_path):
+    model = TinyGPT()
+    with pytest.raises(ValueError, match=r"recompute_modules \['Nope'\] match no sub-module.*CoreAttention"):
+        ActivationOffload(model, _cfg(tmp_path, ["ssd"], recompute_modules=["Nope"]), Scheduler())
+    assert not model._forward_pre_hooks and not any(b._forward_pre_hooks for b in model.blocks)
+    assert not os.listdir(tmp_path / "ssd"), "a run directory was created before the config was checked"
+
+
+def test_auto_profiles_after_warmup_steps(tmp_path):
+    model, batches, want = _reference(6, 4)
+    sched = Scheduler()
+    cfg = _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=2, write_barrier="on")
+    off = ActivationOffload(model, cfg, sched)
+    got, plans = _train_with_plans(model, batches, off, sched)
+    assert plans[0] is None and plans[1] is None and plans[2] is not None
+    assert all(p.saved_bytes > 0 and p.fwd_s > 0 for p in plans[2].profiles)
+    # the plan's write barrier is what the hooks wait by
+    assert len(plans[2].write_barrier) == len(plans[2].actions) + 1
+    assert off.hooks.write_barrier == plans[2].write_barrier
+    assert_same_grads(want, got)
+
+
+def test_auto_replans_when_the_planned_step_peaks_over_the_budget(tmp_path):
+    """A planned step measured over memory_budget_gb (the cost model missed bytes) makes the planner plan
+    again against the budget lowered by the overshoot; gradients stay bitwise equal throughout. On CPU there
+    is no peak to read, so the measurement is stubbed: on the first calibration the step is said to have
+    peaked at budget + overshoot, on the second within the budget."""
+    model, batches, want = _reference(7, 5)
+    sched = Scheduler()
+    cfg = _cfg(
+        tmp_path, ["host"], policy="auto", profile_warmup_steps=0, memory_budget_gb=1.0, host_pool_gb=0.2
+    )
+    off = ActivationOffload(model, cfg, sched)
+    budget = 1 << 30
+    measured: list[int] = []
+
+    def fake_peak() -> int:
+        keep_all = off.plan.bound["keep_all_bytes"]
+        # over the budget by (budget - keep_all / 2): the re-plan must fit keep_all / 2
+        measured.append(2 * budget - keep_all // 2 if not measured else budget // 2)
+        return measured[-1]
+
+    off.calibration.meter.since_mark = fake_peak  # type: ignore[method-assign]
+    got, plans = _train_with_plans(model, batches, off, sched)
+    first, second = plans[0], plans[1]
+    keep_all = first.bound["keep_all_bytes"]
+    assert first.peak_bytes > keep_all // 2  # a 1 GiB budget leaves the tiny model's plan free
+    assert second is not first and second.peak_bytes <= keep_all // 2  # planned with the margin
+    assert len(measured) == 2 and plans[2] is second and plans[4] is second  # within budget: no more re-plans
+    assert_same_grads(want, got)
+
+
+def test_partial_layer_moves_up_to_its_cap_bitwise(tmp_path):
+    """The planner's partial layer: its first saved storages move, up to the cap; the rest stays; same grads."""
+
+    def run(model, batches, caps):
+        sched = Scheduler(SchedulerConfig(io_workers=2))
+        off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="none"), sched)
+        try:
+            off._apply([Action.HOST] + [Action.KEEP] * (len(off.layers) - 1), 1, caps)
+            grads = _train(model, batches, off)
+            return grads, [r.bytes_by_tier.get("host", 0) for r in sched.telemetry.history]
+        finally:
+            off.close()
+            sched.close()
+
+    sizing, batches, _ = _reference(5, 1)
+    whole = run(sizing, batches, None)[1][0]  # what layer 0 moves when it moves everything
+    cap = whole // 3
+    model, batches, want = _reference(5, 3)
+    got, moved = run(model, batches, {0: cap})
+    assert whole > 0 and len(moved) == 3 and all(0 < m <= cap for m in moved), (whole, cap, moved)
+    assert_same_grads(want, got)
+
+
+@pytest.mark.parametrize(
+    "actions",
+    [
+        [Action.RECOMPUTE_HOST] * 3,
+        [Action.RECOMPUTE_SSD] * 3,
+        [Action.RECOMPUTE_HOST, Action.HOST, Action.KEEP],
+    ],
+    ids=["rh-rh-rh", "rs-rs-rs", "rh-h-k"],
+)
+def test_recompute_with_its_inputs_moved_bitwise(tmp_path, actions):
+    """recompute+<tier>: what the layer's checkpoint keeps (its input hidden state) moves and comes back for
+    the recomputation; gradients stay bitwise equal and the inputs are all a recomputed layer moves."""
+    model, batches, want = _reference(8, 3)
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    off = ActivationOffload(model, _cfg(tmp_path, ["host", "ssd"], policy="recompute_all"), sched)
+    try:
+        off._apply(actions, 1)
+        got = _train(model, batches, off)
+        hist = sched.telemetry.history
+        tier = actions[0].tier.value  # (an SSD write also counts its staging copy under host)
+        moved = [r.bytes_by_tier.get(tier, 0) for r in hist]
+        read = [r.bytes_by_tier.get(f"{tier}_read", 0) for r in hist]
+    finally:
+        off.close()
+        sched.close()
+    assert moved == read  # everything written came back
+    hidden = batches[0].numel() * model.tok.embedding_dim * 4  # one float32 hidden state
+    n_rc = sum(a.recomputed and a.moved for a in actions)
+    if actions[1] == Action.HOST:  # a layer that moves everything it saves: more than its input
+        assert all(m > (n_rc + 1) * hidden for m in moved), (moved, hidden)
+    else:
+        assert moved == [n_rc * hidden] * len(batches), (moved, hidden)
+    assert_same_grads(want, got)
+
+
+@pytest.mark.parametrize(("budget", "mask"), [(None, False), (1.0, False), (None, True)])
+def test_profile_under_recompute_sees_what_keeping_sees(tmp_path, budget, mask):
+    """profile_mode recompute (the default with a budget): the warm-up and profiling steps recompute every
+    layer (the attention runs twice a step) and the profile counts the same bytes as a step that keeps
+    everything: saved, saved with the recompute modules recomputed, inputs; gradients stay bitwise. A mask
+    handed to every layer counts in neither (it stays on the device)."""
+    runs = {}
+    for mode in ("keep", "recompute" if budget is None else "auto"):
+        model, batches, want = _reference(9, 4, make=lambda: TinyGPT(by_keyword=True, shared_mask=mask))
+        sched = Scheduler(SchedulerConfig(io_workers=2))
+        cfg = _cfg(tmp_path, ["host"], policy="auto", recompute_modules=["CoreAttention"],
+                   profile_warmup_steps=1, profile_mode=mode, memory_budget_gb=budget if mode != "keep" else None)  # fmt: skip
+        off = ActivationOffload(model, cfg, sched)
+        got, plans, calls = _calls_per_step(model, batches, off, sched)
+        assert_same_grads(want, got)
+        runs[mode] = (plans, calls)
+    (kp, kcalls), (rp, rcalls) = runs["keep"], runs["recompute" if budget is None else "auto"]
+    n = len(kp[1].profiles)
+    assert kp[0] is None and rp[0] is None and kp[1] is not None and rp[1] is not None
+    assert kcalls[:2] == [n, n] and rcalls[:2] == [2 * n, 2 * n], (kcalls, rcalls)
+    hidden = 2 * 16 * 32 * 4
+    for a, b in zip(rp[1].profiles, kp[1].profiles):
+        assert a.saved_bytes == b.saved_bytes > a.input_bytes
+        assert a.sel_saved_bytes == b.sel_saved_bytes and 0 < a.sel_saved_bytes < a.saved_bytes
+        assert a.input_bytes == b.input_bytes == hidden
+        assert a.fwd_s > 0 and a.bwd_s > 0 and a.sel_recompute_s > 0 and not a.recompute_only
+
+
+def test_profile_under_recompute_with_frozen_embeddings(tmp_path):
+    """A layer whose input needs no grad runs through the non-reentrant checkpoint, where the profile cannot
+    count its saved tensors: it is timed, marked recompute_only and recomputed by the plan; the gradients
+    of every trainable parameter stay bitwise equal."""
+
+    def train(model, batches, off=None):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        out, plans = [], []
+        for x in batches:
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            out.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+            opt.step()
+            if off is not None:
+                off.end_step()
+                plans.append(off.plan)
+        return out, plans
+
+    torch.manual_seed(3)
+    ref = TinyGPT()
+    ref.tok.requires_grad_(False)
+    ref.pos.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    batches = _batches("gpt", 3, seed=5)
+    want, _ = train(ref, batches)
+    sched = Scheduler()
+    cfg = _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0, profile_mode="recompute")
+    off = ActivationOffload(model, cfg, sched)
+    try:
+        got, plans = train(model, batches, off)
+    finally:
+        off.close()
+        sched.close()
+    prof = plans[0].profiles
+    assert prof[0].recompute_only and prof[0].fwd_s > 0
+    assert all(not p.recompute_only and p.saved_bytes > 0 for p in prof[1:])
+    assert plans[0].actions[0].recomputed
+    assert len(got) == len(want) and all(len(g) > 0 for g in got)
+    assert_same_grads(want, got)
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_profile_counts_bytes_per_micro_batch_under_gradient_accumulation(tmp_path, mode):
+    """Two micro-batches per step recompute (or save) twice: the profile still counts one micro-batch's
+    bytes, the same as a step of one micro-batch; an evaluation forward under no_grad before the first
+    micro-batch's backward does not end the count (its recomputation happens after it)."""
+    runs = []
+    for accumulate in (1, 2, 0):
+        torch.manual_seed(10)
+        model = TinyGPT(by_keyword=True)
+        sched = Scheduler()
+        cfg = _cfg(tmp_path, ["host"], policy="auto", recompute_modules=["CoreAttention"],
+                   profile_warmup_steps=0, profile_mode=mode)  # fmt: skip
+        off = ActivationOffload(model, cfg, sched)
+        try:
+            if accumulate:
+                for x in _batches("gpt", accumulate, seed=3):
+                    model(x).float().pow(2).mean().backward()
+            else:  # one micro-batch with an evaluation forward between its forward and its backward
+                (x,) = _batches("gpt", 1, seed=3)
+                loss = model(x).float().pow(2).mean()
+                with torch.no_grad():
+                    model(x)
+                loss.backward()
+            off.end_step()
+            runs.append(off.plan.profiles)
+        finally:
+            off.close()
+            sched.close()
+    for one, *others in zip(*runs):
+        for two in others:
+            assert one.saved_bytes == two.saved_bytes > 0
+            assert one.input_bytes == two.input_bytes > 0
+            assert one.sel_saved_bytes == two.sel_saved_bytes > 0
+
+
+def test_auto_falls_back_to_recomputing_every_layer_when_no_plan_has_the_margin(tmp_path):
+    """A planned step measured far over the budget (more than any plan could save): dsx recomputes every
+    layer, measures that, and keeps it once it is within the budget; gradients stay bitwise equal. The peak
+    is stubbed as in the re-plan test (CPU has none to read)."""
+    model, batches, want = _reference(12, 5)
+    sched = Scheduler()
+    cfg = _cfg(
+        tmp_path, ["host"], policy="auto", profile_warmup_steps=0, memory_budget_gb=1.0, host_pool_gb=0.2
+    )
+    off = ActivationOffload(model, cfg, sched)
+    measured: list[int] = []
+
+    def fake_peak() -> int:
+        measured.append(50 << 30 if not measured else 1 << 29)  # 49 GiB over, then half the budget
+        return measured[-1]
+
+    off.calibration.meter.since_mark = fake_peak  # type: ignore[method-assign]
+    got, plans = _train_with_plans(model, batches, off, sched)
+    assert not all(a.recomputed for a in plans[0].actions)  # the tiny model's plan recomputes little
+    assert all(a.value == "recompute" for a in plans[1].actions), plans[1].actions
+    assert len(measured) == 2 and plans[4] is plans[1]
+    assert_same_grads(want, got)
