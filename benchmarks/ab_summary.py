@@ -1,11 +1,9 @@
-"""Summarise interleaved A/B rounds of ``bench_offload.py`` (``gpu_run.sh`` stages that write
+"""Summarise interleaved A/B rounds of ``bench_offload.py`` (runs written as
 ``<prefix>_<variant>_<round>.json``): each variant's median step against its own round's ``none`` run.
 
 Usage::
 
-    python benchmarks/ab_summary.py --name ab_summary_s19 \\
-        bench_offload_wait_offload59 bench_offload_wait_offload60 bench_offload_ab_offload62 \\
-        bench_offload_ab_offload64 bench_offload_ab_offload66
+    python benchmarks/ab_summary.py --name ab_summary bench_offload_ab
 
 Writes ``<out>/<name>.json`` (every run: step, ratio, bytes moved, GPU waits for reads) and a PNG of the ratios.
 """
@@ -53,7 +51,12 @@ def collect(results: Path, prefix: str) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=type(
+            "Fmt", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}
+        ),
+    )
     add_common_args(p)
     p.add_argument("prefixes", nargs="+", help="file-name prefixes of the A/B stages in --out")
     p.add_argument("--name", default="ab_summary")

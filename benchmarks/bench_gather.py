@@ -239,7 +239,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--quick", action="store_true", help="tiny sizes on the CPU (smoke test)")
     p.add_argument("--table-mb", type=int, default=4096)

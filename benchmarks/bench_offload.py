@@ -46,11 +46,11 @@ import _memory_trace
 from _common import add_common_args, environment, host_probe_s, save_png, write_json
 
 import dsx
-from dsx.examples.gpt import _single_process_env
 from dsx.models.gpt import GPT, GPTConfig
 from dsx.models.megatron_gpt import build_megatron_gpt, megatron_available
 from dsx.runtime import allocator
 from dsx.runtime.events import EVENT_WAIT_MODES
+from dsx.runtime.process import single_process_env
 
 CONFIGS = [
     "none", "recompute", "megatron_selective", "save_on_cpu", "ds_cpu_ckpt", "dsx_host", "dsx_host_sel",
@@ -263,7 +263,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         read_pool = rt.features["activation_offload"].offload.mover.read_pool
         hooks = rt.features["activation_offload"].offload.hooks
         barrier = bool(hooks.write_barrier or hooks.write_barrier_bwd)
-    # the event_wait mode ("auto" resolved; None: an A/B tree from before the setting, which spun)
+    # the event_wait mode ("auto" resolved; None: a dsx without the setting, which spins)
     waiter = getattr(rt.scheduler, "waiter", None) if rt and rt.scheduler else None
     # whether the steps ran with expandable allocator segments (dsx restores the setting at close)
     expandable = dev.type == "cuda" and allocator.expandable_segments()
@@ -318,9 +318,9 @@ class _BackgroundCopies:
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, nbytes: int, chunks: int = 4) -> None:
-        from dsx.offload.hooks import _tensors
+        from dsx.offload import tensors_of
 
-        self._tensors = _tensors
+        self._tensors = tensors_of
         per = -(-nbytes // chunks // (1 << 21)) * (1 << 21)  # one chunk's bytes, rounded up to 2 MiB
         cuda = device.type == "cuda"
         gen = torch.Generator(device=device).manual_seed(1)
@@ -398,7 +398,7 @@ def _deepspeed_checkpointing(model: torch.nn.Module) -> None:
     import deepspeed
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
-    from dsx.offload.hooks import find_layers
+    from dsx.offload import find_layers
 
     ds_ckpt.configure(None, partition_activations=False, checkpoint_in_cpu=True)
     for layer in find_layers(model, None):
@@ -416,7 +416,7 @@ RESULT_TAG = "BENCH_OFFLOAD_RESULT "
 
 
 def _init_distributed() -> None:
-    _single_process_env()
+    single_process_env()
     import deepspeed
 
     # megatron-core's model parallel state needs the process group before the model is built.
@@ -461,7 +461,12 @@ def _child(name: str, argv: list[str], budget: float | None, timeout_s: float) -
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=type(
+            "Fmt", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}
+        ),
+    )
     add_common_args(p)
     p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     p.add_argument("--hidden", type=int, default=2048)
@@ -643,8 +648,8 @@ def _write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         if r["config"].startswith("dsx_auto_hide") and r.get("plan"):
             bound = r["plan"]["bound"]
             ratios[f"{r['config']}_fraction_of_bound"] = bound["fraction_of_bound"]  # what the plan asked for
-            # what the measured steps moved, against the same bound (before partial layers were planned at
-            # what their storages move, plans moved 0.79-0.85 of what they asked for)
+            # what the measured steps moved, against the same bound (a plan can move less than it asks for
+            # when a layer's storages do not fit its cap)
             written = r["telemetry"].get("written_gb_per_measured_step")
             hideable = min(bound["hideable_write_bytes"], bound["hideable_read_bytes"])
             if written and hideable > 0:

@@ -1,7 +1,7 @@
 """One relational layer, forward + backward: dsx.rgnn RGCN / RGAT / HGT against PyG in the same process.
 
 Baselines: torch_geometric.nn RGCNConv and FastRGCNConv (for RGCN), RGATConv, HGTConv, on synthetic graphs
-shaped like the issue-5 table (``dsx.data.hetero.PRESETS``), input = output dim 64 and 128. Each case:
+shaped like eight public datasets (``dsx.data.hetero.PRESETS``), input = output dim 64 and 128. Each case:
 median of ``--repeats`` timed runs (CUDA events) after one warm-up (a warm-up slower than ``--slow-s`` is the
 only run), host time, peak memory of a steady-state step plus what dsx keeps between steps (the prepared
 graph); an out-of-memory failure is recorded, not fatal; ``--pyg-budget-s`` bounds the time spent before the
@@ -349,7 +349,9 @@ ORDER = sorted(PRESETS, key=lambda k: PRESETS[k].num_edges)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--datasets", nargs="+", default=ORDER, choices=list(PRESETS))
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
     ap.add_argument("--heads", type=int, default=1)

@@ -137,7 +137,7 @@ def _bench_edge_spec(name, spec, args, device, backend, timeit, ceiling, peak, g
         torch.testing.assert_close(fwd(), want, rtol=1e-4, atol=1e-4 * max(1.0, want.abs().max().item()))
         del want
     t_fb, t_fb_ref = timeit(fwd_bwd), timeit(lambda: fwd_bwd(fused_edge_ref))
-    # (Named apart from ``peak``, the data-sheet GB/s: the 2026-11-22 JSON divided by these MB by mistake.)
+    # (Named apart from ``peak``, the data-sheet GB/s, so that the two cannot be confused.)
     mem, mem_ref = _peak_mb(fwd_bwd, device), _peak_mb(lambda: fwd_bwd(fused_edge_ref), device)
     nbytes = edge_bytes(spec, args.nodes, args.edges, heads, dim)
     gbps = nbytes / t_fwd / 1e9
@@ -248,7 +248,9 @@ def plot(result, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--quick", action="store_true", help="tiny sizes on CPU under the Triton interpreter")
     p.add_argument("--nodes", type=int, default=1_000_000)

@@ -316,7 +316,9 @@ def _write(res: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--name", default="bench_sage", help="JSON/PNG file name (without extension)")
     p.add_argument("--nodes", type=int, default=2_400_000)

@@ -88,7 +88,12 @@ def trial(mode: str, args: argparse.Namespace, cyc_ms: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=type(
+            "Fmt", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}
+        ),
+    )
     add_common_args(p)
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--waiters", type=int, default=4)

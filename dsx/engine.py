@@ -145,6 +145,30 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     return src
 
 
+def _check_ops(ds_config: dict[str, Any], dsx_config: DsxConfig) -> None:
+    """Before DeepSpeed starts: a clear error for an op the config needs that cannot be built here (rather
+    than a linker error deep in ZeRO's set-up), and one line for each op the start will compile."""
+    from dsx.ops.aio import async_io_status
+    from dsx.ops.notice import announce_builds, pending_builds
+
+    full = {**ds_config, "dsx": dsx_config.model_dump()}
+    zero = ds_config.get("zero_optimization") or {}
+    nvme = [k for k in ("offload_optimizer", "offload_param")
+            if isinstance(zero.get(k), Mapping) and str(zero[k].get("device", "")).lower() == "nvme"]  # fmt: skip
+    if (
+        nvme
+        and int(zero.get("stage", 0) or 0) == 3
+        and any(b.name == "async_io" for b in pending_builds(full))
+    ):
+        ok, why = async_io_status()
+        if not ok:
+            raise DsxConfigError(
+                f'zero_optimization.{nvme[0]}.device "nvme" needs DeepSpeed\'s async_io op, which cannot be '
+                f'built here: {why}; or offload to "cpu" instead'
+            )
+    announce_builds(full)
+
+
 def initialize(
     args: Any = None,
     model: torch.nn.Module | None = None,
@@ -168,6 +192,7 @@ def initialize(
     engine gains an ``engine.dsx`` :class:`DsxRuntime`.
     """
     ds_config, dsx_config = split_config(_config_source(args, config, config_params))
+    _check_ops(ds_config, dsx_config)
     if model is not None:  # what the model must match is checked before DeepSpeed starts (and builds ops)
         for name, module_name in _FEATURES.items():
             section = getattr(dsx_config, name)

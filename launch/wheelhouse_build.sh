@@ -18,7 +18,11 @@ done
 [[ -n "$out" ]] || { echo "error: --out DIR is required" >&2; usage >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
-pip wheel -q --no-deps --no-build-isolation -w "$out" "$root"        # dsx itself (pure Python + csrc sources)
+# dsx itself (pure Python + csrc sources; setuptools >= 77). setuptools' scratch build/ is removed before and
+# after: files it kept from an earlier tree (a module since deleted) would otherwise land in the wheel.
+rm -rf "$root/build"
+pip wheel -q --no-deps --no-build-isolation -w "$out" "$root"
+rm -rf "$root/build"
 [[ $only == 1 ]] && { ls "$out"; exit 0; }
 plats=(--platform "$plat" --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform linux_x86_64)
 reqs=$(python - "$root" "$extras" "$torch" <<'PY'

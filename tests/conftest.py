@@ -1,4 +1,5 @@
-"""Markers: ``gpu`` / ``multigpu`` tests skip with a reason where the hardware is missing."""
+"""Markers: ``gpu`` / ``multigpu`` / ``async_io`` tests skip with a reason where the hardware or system part
+is missing."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ def _gpus() -> int:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     n = _gpus()
+    if any(item.get_closest_marker("async_io") for item in items):
+        from tests.harness import async_io_available
+
+        aio_ok, aio_why = async_io_available()
+        for item in items:
+            if item.get_closest_marker("async_io") and not aio_ok:
+                item.add_marker(pytest.mark.skip(reason=aio_why))
     for item in items:
         if "multigpu" in item.keywords and n < 2:
             item.add_marker(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -11,20 +12,48 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 __all__ = [
     "REPO",
     "LaunchResult",
+    "async_io_available",
     "build_deepspeed_ops",
     "free_port",
     "launch",
     "launch_local_multinode",
     "launcher_env",
+    "load_example",
+    "needs_async_io",
     "remove_shm_buffers",
     "shm_buffers",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Tests that make DeepSpeed build its async_io op (ZeRO-3 offload to nvme, dsx's aio backend). The condition
+# is evaluated at collection, and only when a collected test carries the marker (tests/conftest.py).
+needs_async_io = pytest.mark.async_io
+
+
+def async_io_available() -> tuple[bool, str]:
+    """Whether DeepSpeed's async_io op can be used here, and if not why (the skip reason): dsx's own check."""
+    from dsx.ops.aio import async_io_status
+
+    ok, why = async_io_status()
+    return ok, "" if ok else f"DeepSpeed's async_io op cannot be built here: {why}"
+
+
+def load_example(relpath: str, name: str | None = None) -> ModuleType:
+    """Import an example script (``examples/<...>.py``, not a package) as a module, for in-process tests."""
+    path = REPO / relpath
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

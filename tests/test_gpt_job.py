@@ -13,9 +13,17 @@ import torch
 
 import dsx
 from dsx.data.tokens import make_loader, stdlib_corpus
-from dsx.examples.gpt import main
 from dsx.models.gpt import GPT, GPTConfig
-from tests.harness import REPO, build_deepspeed_ops, launch, launch_local_multinode
+from tests.harness import (
+    REPO,
+    build_deepspeed_ops,
+    launch,
+    launch_local_multinode,
+    load_example,
+    needs_async_io,
+)
+
+main = load_example("examples/gpt/train.py", "gpt_train").main
 
 CONFIGS = REPO / "configs"
 SMALL = [
@@ -93,6 +101,7 @@ def test_zero_stages_train(name: str, tmp_path) -> None:
 
 
 @pytest.mark.slow
+@needs_async_io
 def test_zero3_optimizer_offload_to_nvme(tmp_path) -> None:
     """DeepSpeed AIO (libaio) swaps optimizer state to files under nvme_path."""
     nvme = tmp_path / "nvme"

@@ -10,7 +10,12 @@ import pytest
 
 from tests.harness import REPO
 
-SCRIPTS = [*sorted((REPO / "launch").glob("*.sh")), REPO / "launch" / "slurm.sbatch"]
+SCRIPTS = [
+    *sorted((REPO / "launch").glob("*.sh")),
+    REPO / "launch" / "slurm.sbatch",
+    REPO / "tests/run.sh",
+    REPO / ".ci/run",
+]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -38,3 +43,18 @@ def test_nossh_requires_node_rank(tmp_path) -> None:
     out = subprocess.run(["bash", str(REPO / "launch/multinode_nossh.sh"), str(hostfile), "x.py"], env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode != 0 and "NODE_RANK" in out.stderr
+
+
+def test_setup_env_help() -> None:
+    out = subprocess.run(
+        ["bash", str(REPO / "launch/setup_env.sh"), "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "DSX_SKIP_DALI" in out.stdout, out.stderr
+
+
+def test_run_sh_says_to_run_command_1_first(tmp_path) -> None:
+    """README command 2 without command 1's tools: one line that says what to do, not a bash error."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(tmp_path / "no-python")}
+    out = subprocess.run(["bash", str(REPO / "tests/run.sh")], env=env, capture_output=True, text=True)
+    assert out.returncode == 1
+    assert out.stderr.strip().count("\n") == 0 and "README command 1" in out.stderr, out.stderr

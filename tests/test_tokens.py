@@ -65,3 +65,16 @@ def test_shard_errors(tmp_path) -> None:
         load_shards(tmp_path)
     with pytest.raises(ValueError, match="fewer than seq_len"):
         window_offsets(10, 64, 1, 0, 0)
+
+
+def test_dali_absent_without_an_nvidia_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """find_spec("nvidia.dali") raises, not returns None, when no nvidia package exists at all."""
+    import importlib.util
+
+    from dsx.data import tokens
+
+    def missing(name: str, package: str | None = None) -> None:
+        raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}", name=name.split(".")[0])
+
+    monkeypatch.setattr(importlib.util, "find_spec", missing)
+    assert tokens.dali_available() is False

@@ -24,9 +24,30 @@ from typing import Literal
 import numpy as np
 import torch
 
-__all__ = ["WITH_DALI", "TokenData", "load_shards", "make_loader", "stdlib_corpus", "window_offsets"]
+__all__ = [
+    "WITH_DALI",
+    "TokenData",
+    "dali_available",
+    "load_shards",
+    "make_loader",
+    "stdlib_corpus",
+    "window_offsets",
+]
 
-WITH_DALI = importlib.util.find_spec("nvidia.dali") is not None
+
+def dali_available() -> bool:
+    """Whether ``nvidia.dali`` can be imported (checked without importing it).
+
+    ``find_spec("nvidia.dali")`` imports the parent first, so it raises ModuleNotFoundError instead of
+    returning None when no ``nvidia`` namespace package is installed at all.
+    """
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except (ImportError, ValueError):  # ValueError: a parent module whose __spec__ is None
+        return False
+
+
+WITH_DALI = dali_available()
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch
 
 from dsx import defaults
 from dsx.offload.align import ALIGN
+from dsx.ops.aio import async_io_status
 from dsx.runtime.scheduler import Scheduler
 
 __all__ = [
@@ -229,22 +230,8 @@ def describe_backends() -> dict[str, dict[str, Any]]:
         }
     except Exception as exc:
         out["kvikio"] = {"available": False, "reason": f"import kvikio failed: {exc}"}
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        b = AsyncIOBuilder()
-        if not b.is_compatible(verbose=False):
-            out["aio"] = {
-                "available": False,
-                "reason": "DeepSpeed AsyncIOBuilder incompatible (install libaio-dev)",
-            }
-        else:
-            out["aio"] = {
-                "available": True,
-                "reason": "DeepSpeed aio_handle (libaio; JIT-built on first use)",
-            }
-    except Exception as exc:
-        out["aio"] = {"available": False, "reason": f"DeepSpeed async_io op failed to load: {exc}"}
+    ok, reason = async_io_status()
+    out["aio"] = {"available": ok, "reason": reason}
     return out
 
 

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder
 
+from dsx.ops.notice import announce, is_cached, op_build
+
 __all__ = ["UnifiedGatherBuilder", "build_ops", "csrc_dir", "load_unified_gather"]
 
 
@@ -84,7 +86,10 @@ def load_unified_gather(verbose: bool = False) -> Any:
     if _failure is not None:
         raise RuntimeError(f"dsx unified gather kernel unavailable: {_failure}") from _failure
     try:
-        _loaded = UnifiedGatherBuilder().load(verbose=verbose)
+        builder = UnifiedGatherBuilder()
+        if builder.is_compatible(verbose=False) and not is_cached(builder.NAME):
+            announce([op_build(builder.NAME, "dsx unified-tensor gathers")])
+        _loaded = builder.load(verbose=verbose)
     except BaseException as exc:
         _failure = exc
         raise RuntimeError(f"dsx unified gather kernel unavailable: {exc}") from exc

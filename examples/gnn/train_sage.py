@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -26,27 +27,34 @@ from tqdm import tqdm
 
 import dsx
 import dsx.direct
+from dsx.cli import run_entry_point
 from dsx.config import load_deepspeed_config
 from dsx.data.rmat import rmat_graph
 from dsx.direct import DistributedNeighborLoader
-from dsx.examples.gpt import _single_process_env
-from dsx.runtime.process import exit_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the start-up the examples share
+from _launch import init_distributed
 
 __all__ = ["main", "parse_args"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="GraphSAGE through dsx.initialize with dsx.direct.NeighborLoader")
-    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--nodes", type=int, default=20_000)
-    p.add_argument("--edges", type=int, default=200_000)
-    p.add_argument("--features", type=int, default=32)
-    p.add_argument("--classes", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--fanouts", default="15,10,5")
+    p = argparse.ArgumentParser(
+        description="GraphSAGE through dsx.initialize with dsx.direct.NeighborLoader",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                   help="this rank's GPU on its machine (set by the launcher)")  # fmt: skip
+    p.add_argument("--epochs", type=int, default=3, help="passes over the training seeds")
+    p.add_argument("--nodes", type=int, default=20_000, help="nodes of the generated R-MAT graph")
+    p.add_argument("--edges", type=int, default=200_000, help="edges of the generated R-MAT graph")
+    p.add_argument("--features", type=int, default=32, help="feature width of the generated graph")
+    p.add_argument("--classes", type=int, default=8, help="label classes of the generated graph")
+    p.add_argument("--hidden", type=int, default=128, help="GraphSAGE hidden size")
+    p.add_argument("--fanouts", default="15,10,5", help="neighbours sampled per hop, comma-separated")
     p.add_argument("--dataset", default=None, help="torch.save'd torch_geometric.data.Data")
-    p.add_argument("--feature-placement", choices=["host", "gpu"], default="host")
+    p.add_argument("--feature-placement", choices=["host", "gpu"], default="host",
+                   help="host: pinned, shared host memory gathered zero-copy; gpu: a copy on each GPU")  # fmt: skip
     p.add_argument("--max-batches", type=int, default=0, help="stop each epoch after N batches (0: all)")
     p.add_argument("--train-fraction", type=float, default=0.0,
                    help="keep this fraction of all nodes as training seeds (and as many validation seeds); "
@@ -57,9 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run every layer on every sampled node "
         "(default: PyG's trim_to_layer, each layer only on nodes that still reach the seeds)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-json", default=None)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="graph, model and sampling seed")
+    p.add_argument("--log-json", default=None, help="write the summary here (rank 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args(argv)
     if args.deepspeed_config is None:
@@ -123,11 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     args = parse_args(argv)
     ds_config = load_deepspeed_config(args.deepspeed_config)
-    _single_process_env()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    rank = dist.get_rank()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(args.local_rank)
+    rank, _ = init_distributed(args.local_rank)
     data = _load(args)
     num_classes = int(data.y.max()) + 1
     fanouts = [int(k) for k in args.fanouts.split(",")]
@@ -216,5 +220,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
-    exit_distributed()
+    run_entry_point(main)

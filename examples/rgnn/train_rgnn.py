@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -30,8 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import dsx
 import dsx.rgnn as rg
+from dsx.cli import run_entry_point
 from dsx.config import load_deepspeed_config
 from dsx.data.hetero import PRESETS, HeteroGraph, synthetic_hetero
+from dsx.runtime.process import single_process_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,33 +92,31 @@ def load_dataset(path: str) -> HeteroGraph:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    p.add_argument("--model", choices=["rgcn", "rgat", "hgt"], default="rgcn")
-    p.add_argument("--preset", default="aifb", choices=list(PRESETS))
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                   help="this rank's GPU on its machine (set by the launcher)")  # fmt: skip
+    p.add_argument("--model", choices=["rgcn", "rgat", "hgt"], default="rgcn", help="relational layer")
+    p.add_argument("--preset", default="aifb", choices=list(PRESETS), help="shape of the synthetic graph")
     p.add_argument("--scale", type=float, default=0.3, help="synthetic graph size relative to the preset")
     p.add_argument("--dataset", default=None, help="a torch.save'd torch_geometric HeteroData instead")
-    p.add_argument("--features", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=["kernels", "interpreter"], default=None)
-    p.add_argument("--deepspeed_config", default=str(ROOT / "configs" / "rgnn.json"))
-    p.add_argument("--log-json", default=None)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--features", type=int, default=16, help="feature width of the synthetic graph")
+    p.add_argument("--hidden", type=int, default=32, help="hidden size")
+    p.add_argument("--heads", type=int, default=2, help="attention heads (rgat, hgt)")
+    p.add_argument("--epochs", type=int, default=40, help="full-graph training epochs")
+    p.add_argument("--seed", type=int, default=0, help="graph and model seed")
+    p.add_argument("--backend", choices=["kernels", "interpreter"], default=None,
+                   help="override the config's rgnn.backend (None: keep it)")  # fmt: skip
+    p.add_argument("--deepspeed_config", default=str(ROOT / "configs" / "rgnn.json"), help="DeepSpeed config")
+    p.add_argument("--log-json", default=None, help="write the summary here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if "RANK" not in os.environ:  # plain `python`: rank 0 of 1, no launcher
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-        )
+    single_process_env()
     config = load_deepspeed_config(args.deepspeed_config)
     if args.backend is not None:
         config["dsx"]["rgnn"]["backend"] = "triton" if args.backend == "kernels" else "interpreter"
@@ -149,7 +148,7 @@ def main(argv=None) -> dict:
         losses.append(loss.item())
         accs.append(acc)
         bar.set_postfix(loss=f"{losses[-1]:.4f}", acc=f"{acc:.3f}")
-    summary = {"model": args.model, "backend": rg.DEFAULTS["backend"], "nodes": g.num_nodes,
+    summary = {"model": args.model, "backend": model.convs[0].options().backend, "nodes": g.num_nodes,
                "edges": int(g.edge_index.shape[1]), "relations": g.num_relations, "epochs": args.epochs,
                "losses": losses, "test_acc": accs, "final_test_acc": accs[-1],
                "wall_s": time.perf_counter() - t0}  # fmt: skip
@@ -162,4 +161,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(main)

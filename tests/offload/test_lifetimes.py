@@ -20,6 +20,7 @@ import torch
 from dsx.config import ActivationOffloadConfig, SchedulerConfig
 from dsx.offload import ActivationOffload
 from dsx.runtime.scheduler import Scheduler
+from tests.harness import needs_async_io
 from tests.offload._offload_models import OddModel, TinyGPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -209,13 +210,9 @@ def test_handles_released_by_the_cyclic_gc_inside_a_pack_do_not_deadlock():
     assert "FINISHED 0" in r.stdout, r.stderr[-3000:]
 
 
+@needs_async_io
 def test_aio_read_past_the_end_is_an_oserror(tmp_path):
     # DeepSpeed's aio handle asserts (the process aborts) on it; dsx must raise as the other backends do
-    pytest.importorskip("deepspeed")
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    if not AsyncIOBuilder().is_compatible(verbose=False):
-        pytest.skip("DeepSpeed async_io cannot build here (libaio-dev missing)")
     script = textwrap.dedent(f"""
         import os, sys, torch
         sys.path.insert(0, {ROOT!r})

@@ -13,6 +13,7 @@ from dsx.config import SchedulerConfig
 from dsx.offload import ActivationOffload, OffloadIntegrityError
 from dsx.offload.plan import Action
 from dsx.runtime.scheduler import Scheduler
+from tests.harness import needs_async_io
 from tests.offload._offload_models import OddModel, TinyGPT, assert_same_grads
 from tests.offload._runs import (
     _batches,
@@ -171,13 +172,9 @@ def test_recompute_all_with_frozen_embeddings_keeps_layer_gradients(tmp_path):
 
 
 @pytest.mark.slow
+@needs_async_io
 def test_bitwise_equal_gradients_aio_backend(tmp_path):
-    """DeepSpeed's AIO handle as the SSD backend (its JIT build takes ~4 min once, then is cached)."""
-    from dsx.offload.io import describe_backends
-
-    info = describe_backends()["aio"]
-    if not info["available"]:
-        pytest.skip(f"DeepSpeed async_io unavailable: {info['reason']}")
+    """DeepSpeed's AIO handle as the SSD backend (its JIT build takes minutes once, then is cached)."""
     model, batches, want = _reference(7, 3)
     sched = Scheduler(SchedulerConfig(io_workers=2))
     off = ActivationOffload(model, _cfg(tmp_path, ["host", "ssd"], io_backend="aio"), sched)

@@ -1,1 +1,0 @@
-"""Runnable jobs behind ``examples/`` (``python -m dsx.examples.gpt``)."""
