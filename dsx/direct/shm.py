@@ -4,39 +4,52 @@ The node's leader (its lowest global rank) creates a file in ``shared_memory_dir
 default), reserves its pages with ``posix_fallocate`` (so that a full tmpfs fails here with a clear message
 rather than with SIGBUS on first touch), copies the data in and publishes the path; the other local ranks map
 the same file. As soon as every local rank holds its mapping the leader unlinks the file: the pages then
-live exactly as long as some process maps them, so a rank killed by SIGKILL leaves nothing behind. A
-leader killed before the unlink leaves a file whose name carries its pid; :func:`sweep_stale` removes such
-files at the next start.
+live exactly as long as some process maps them, so a rank killed by SIGKILL leaves nothing behind.
+
+Ownership: the file is created exclusively, readable by its user only (0600), named per user and job, and
+its name carries its creator's :func:`~dsx.runtime.process.owner_tag` (pid, start time, boot id, pid
+namespace); the leader holds a lock on it until the unlink. A leader killed before the unlink leaves the
+file; :func:`sweep_stale` removes it at the next start once
+:func:`~dsx.runtime.process.owner_gone` proves its creator dead. A file whose creator ran in another pid
+namespace or machine (containers sharing ``/dev/shm``) cannot be judged from here and is kept.
 
 Collective: every rank of the default process group must call :func:`share_tensor` in the same order.
 """
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import re
 import socket
+import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from dsx.runtime.process import all_gather, pid_alive
+from dsx.runtime.process import ShmFinding, all_gather, is_locked, owner_gone, owner_tag, parse_owner_tag
 
 __all__ = [
     "NodeGroup",
     "SharedMemoryError",
     "check_space",
     "local_group",
+    "scan_segments",
     "share_tensor",
     "shm_space_message",
     "sweep_stale",
 ]
 
 PREFIX = "dsx-ut-"
-_NAME_RE = re.compile(rf"^{PREFIX}(?P<job>[0-9a-f]+)-p(?P<pid>\d+)-")
+
+
+def _user_prefix() -> str:
+    """The start of this user's segment names (another user's files are never judged or touched)."""
+    return f"{PREFIX}u{os.getuid()}-"
 
 
 class SharedMemoryError(RuntimeError):
@@ -100,22 +113,58 @@ def check_space(directory: str, needed: int) -> None:
         raise SharedMemoryError(shm_space_message(directory, needed, free, total))
 
 
-def sweep_stale(directory: str) -> list[str]:
-    """Remove segments left by leaders that died before unlinking (their pid no longer runs)."""
-    removed = []
+def scan_segments(directory: str, min_age_s: float = 0.0) -> list[ShmFinding]:
+    """This user's unified-tensor segments in ``directory``, each judged stale (its creator proven dead) or
+    kept, with the reason. Segments younger than ``min_age_s`` are kept whatever their owner."""
+    out: list[ShmFinding] = []
     try:
-        names = os.listdir(directory)
+        names = sorted(os.listdir(directory))
     except OSError:
-        return removed
+        return out
+    now = time.time()
     for name in names:
-        m = _NAME_RE.match(name)
-        if m is None or pid_alive(int(m.group("pid"))):
+        if not name.startswith(PREFIX):
             continue
+        path = Path(directory, name)
         try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
+            st = path.stat()
         except OSError:
-            pass  # another rank or node swept it first
+            continue
+        owner = parse_owner_tag(name) if name.startswith(_user_prefix()) else None
+        if owner is None:
+            why = "another user's" if not name.startswith(_user_prefix()) else "not named by this dsx version"
+            out.append(ShmFinding(path, st.st_size, False, f"{why}: ownership unknown"))
+            continue
+        if is_locked(path):
+            out.append(
+                ShmFinding(path, st.st_size, False, f"in use: its creator (pid {owner['pid']}) holds it")
+            )
+            continue
+        if now - st.st_mtime < min_age_s:
+            out.append(ShmFinding(path, st.st_size, False, f"younger than {min_age_s:g} s"))
+            continue
+        gone = owner_gone(owner)
+        if gone:
+            out.append(ShmFinding(path, st.st_size, True, f"its creator (pid {owner['pid']}) has ended"))
+        elif gone is None:
+            out.append(ShmFinding(path, st.st_size, False, "made in another pid namespace or machine: "
+                                  "cannot tell whether its creator runs"))  # fmt: skip
+        else:
+            out.append(ShmFinding(path, st.st_size, False, f"its creator (pid {owner['pid']}) runs"))
+    return out
+
+
+def sweep_stale(directory: str) -> list[str]:
+    """Remove the segments :func:`scan_segments` proves stale (left by leaders that died before unlinking);
+    the names removed."""
+    removed = []
+    for finding in scan_segments(directory):
+        if finding.stale:
+            try:
+                finding.path.unlink()
+                removed.append(finding.path.name)
+            except OSError:
+                pass  # another rank or node swept it first
     return removed
 
 
@@ -137,6 +186,20 @@ def _all_ok(local_error: str | None) -> None:
     if bad:
         r, e = bad[0]
         raise SharedMemoryError(f"rank {r}: {e}")
+
+
+def _create(path: str) -> tuple[str, int]:
+    """Create the segment file: exclusively (never reuse a name someone else made), readable by this user
+    only, and locked while this process holds the descriptor (so that no sweep takes a live segment, from
+    any container). Returns (path, descriptor)."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return path, fd
 
 
 def _map(path: str, nbytes: int) -> torch.Tensor:
@@ -173,6 +236,7 @@ def share_tensor(
     error: str | None = None
     path = None
     base = None
+    fd = -1
     if group.is_leader:
         try:
             if tensor is None:
@@ -182,19 +246,16 @@ def share_tensor(
             nbytes = tensor.numel() * tensor.element_size()
             check_space(shared_memory_dir, nbytes)
             tag = re.sub(r"[^A-Za-z0-9_.]", "_", name or "tensor")[:40]
-            path = os.path.join(shared_memory_dir, f"{PREFIX}{job}-p{os.getpid()}-r{group.rank}-{tag}")
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            name_ = f"{_user_prefix()}{job}-{owner_tag()}-r{group.rank}-{tag}"
+            path, fd = _create(os.path.join(shared_memory_dir, name_))
             try:
-                try:
-                    # Reserve tmpfs pages now, not at first touch (at least one byte, so that it maps).
-                    os.posix_fallocate(fd, 0, max(nbytes, 1))
-                except OSError as exc:
-                    st = os.statvfs(shared_memory_dir)
-                    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-                    msg = shm_space_message(shared_memory_dir, nbytes, free, total)
-                    raise SharedMemoryError(f"{msg} ({exc})") from None
-            finally:
-                os.close(fd)
+                # Reserve tmpfs pages now, not at first touch (at least one byte, so that it maps).
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
+            except OSError as exc:
+                st = os.statvfs(shared_memory_dir)
+                free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+                msg = shm_space_message(shared_memory_dir, nbytes, free, total)
+                raise SharedMemoryError(f"{msg} ({exc})") from None
             base = _map(path, max(nbytes, 1))[:nbytes]
             if nbytes:
                 base.view(tensor.dtype).view(tensor.shape).copy_(tensor)
@@ -203,6 +264,9 @@ def share_tensor(
             error = f"{type(exc).__name__}: {exc}"
             if path is not None and os.path.exists(path):
                 os.unlink(path)
+            if fd >= 0:
+                os.close(fd)
+                fd = -1
     # Every rank learns every leader's error or path.
     metas = all_gather((error, meta[0]))
     _, leader_meta = metas[group.leader]  # type: ignore[misc]
@@ -222,6 +286,8 @@ def share_tensor(
     finally:
         if group.is_leader and os.path.exists(path):
             os.unlink(path)  # from here on the pages live only as long as the mappings
+        if fd >= 0:
+            os.close(fd)  # (drops the lock: the name it guarded is gone)
     # One more exchange so that, on every rank, unified() returns only once the name is gone.
     _all_ok(None)
     assert base is not None

@@ -5,21 +5,30 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import os
+import re
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ShmFinding",
     "all_gather",
     "deepspeed_shm_buffer",
     "exit_distributed",
+    "hold_deepspeed_shm",
+    "is_locked",
     "owner_gone",
     "owner_record",
+    "owner_tag",
+    "parse_owner_tag",
     "pid_alive",
     "release_deepspeed_shm",
     "release_deepspeed_shm_at_exit",
+    "scan_deepspeed_shm",
     "shm_prefix",
     "single_process_env",
     "stale_deepspeed_shm_buffers",
@@ -123,8 +132,34 @@ def single_process_env() -> bool:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     return True
+
+
+_TAG = re.compile(r"p(?P<pid>\d+)-t(?P<start>\d+)-b(?P<boot>[0-9a-f]{32}|0)-n(?P<ns>\d+)")
+
+
+def owner_tag() -> str:
+    """:func:`owner_record` as a file-name part (``p<pid>-t<start>-b<boot id>-n<pid namespace>``), for files
+    whose name must say who made them; :func:`parse_owner_tag` reads it back."""
+    r = owner_record()
+    boot = (r["boot"] or "").replace("-", "") or "0"
+    ns = re.sub(r"\D", "", r["pidns"] or "") or "0"
+    return f"p{r['pid']}-t{r['start'] or 0}-b{boot}-n{ns}"
+
+
+def parse_owner_tag(text: str) -> dict[str, Any] | None:
+    """The owner record in a name that carries an :func:`owner_tag`, or None. It has no host name: a file
+    whose boot id is not this machine's is judged unknowable by :func:`owner_gone`."""
+    m = _TAG.search(text)
+    if m is None:
+        return None
+    b = m["boot"]
+    boot = f"{b[:8]}-{b[8:12]}-{b[12:16]}-{b[16:20]}-{b[20:]}" if b != "0" else None
+    return {"pid": int(m["pid"]), "start": int(m["start"]) or None, "boot": boot,
+            "pidns": f"pid:[{m['ns']}]" if m["ns"] != "0" else None, "host": None}  # fmt: skip
 
 
 def exit_distributed() -> None:
@@ -178,43 +213,103 @@ def release_deepspeed_shm_at_exit() -> None:
     """
     atexit.unregister(release_deepspeed_shm)
     atexit.register(release_deepspeed_shm)
+    hold_deepspeed_shm()
 
 
-def stale_deepspeed_shm_buffers(min_age_s: float = 60.0) -> list[Path]:
-    """This user's DeepSpeed CPU all-reduce buffers in ``/dev/shm`` that no running process maps.
+@dataclass(frozen=True)
+class ShmFinding:
+    """A file dsx or DeepSpeed left in shared memory, and whether it is proven stale (``reason`` says why it
+    is, or why it is kept)."""
 
-    They are what jobs left behind (DeepSpeed never unlinks them; a killed rank cannot): nothing can use
-    them again, since a new job creates its own under its own port. Files younger than ``min_age_s`` are
-    left out: a rank maps its buffer a moment after creating it, and peers open it by name during setup.
-    """
-    mapped: set[str] = set()
+    path: Path
+    nbytes: int
+    stale: bool
+    reason: str
+
+
+def is_locked(path: str | os.PathLike[str]) -> bool:
+    """Whether some process holds an advisory lock on ``path`` (``flock``; seen across pid namespaces and
+    containers, unlike pids). False for a file that is gone or cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # (closing drops the lock this probe may have taken)
+    return False
+
+
+def _mapped_paths() -> dict[str, int]:
+    """Every file mapped by a process visible here -> one such pid (``/proc/<pid>/maps``)."""
+    mapped: dict[str, int] = {}
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
             text = maps.read_text()
         except OSError:  # gone, or another user's process (which cannot map our 0600 files)
             continue
         for line in text.splitlines():
-            if "deepspeed_allreduce_buffer_" in line:
-                mapped.add(line.split(maxsplit=5)[-1].removesuffix(" (deleted)"))
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith("/"):
+                mapped.setdefault(parts[5].removesuffix(" (deleted)"), int(maps.parent.name))
+    return mapped
+
+
+def scan_deepspeed_shm(min_age_s: float = 60.0) -> list[ShmFinding]:
+    """This user's DeepSpeed CPU all-reduce buffers in ``/dev/shm``, each judged stale or kept.
+
+    Kept: a buffer a visible process maps, one a dsx job holds (:func:`hold_deepspeed_shm`: a lock seen from
+    every container sharing ``/dev/shm``), one younger than ``min_age_s`` (a rank maps its buffer a moment
+    after creating it, and peers open it by name during setup). The rest is what jobs left behind: DeepSpeed
+    never unlinks them, a killed rank cannot, and no job uses another job's buffer (each has its port).
+    A DeepSpeed job started without dsx in another container is invisible here: run the command in that
+    container, or leave ``min_age_s`` above its run time."""
+    mapped = _mapped_paths()
     now = time.time()
     out = []
-    for path in SHM_DIR.glob(f"{shm_prefix()}*"):
-        with contextlib.suppress(FileNotFoundError):
-            if str(path) not in mapped and now - path.stat().st_mtime >= min_age_s:
-                out.append(path)
-    return sorted(out)
+    for path in sorted(SHM_DIR.glob(f"{shm_prefix()}*")):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        if str(path) in mapped:
+            out.append(ShmFinding(path, st.st_size, False, f"mapped by running process {mapped[str(path)]}"))
+        elif is_locked(path):
+            out.append(ShmFinding(path, st.st_size, False, "held by a running dsx job"))
+        elif now - st.st_mtime < min_age_s:
+            out.append(
+                ShmFinding(path, st.st_size, False, f"younger than {min_age_s:g} s: a job may be starting")
+            )
+        else:
+            out.append(ShmFinding(path, st.st_size, True, "no running process maps or holds it"))
+    return out
 
 
-def cli_clean_shm(args: Any) -> int:
-    """``dsx clean-shm``: remove (or, with ``--dry-run``, list) stale DeepSpeed all-reduce buffers."""
-    stale = stale_deepspeed_shm_buffers(args.min_age)
-    total = 0
-    for path in stale:
-        with contextlib.suppress(FileNotFoundError):
-            total += path.stat().st_size
-            if not args.dry_run:
-                path.unlink()
-        print(("would remove " if args.dry_run else "removed ") + str(path))
-    verb = "would free" if args.dry_run else "freed"
-    print(f"{len(stale)} stale DeepSpeed shared-memory buffer(s), {verb} {total / 2**20:.0f} MiB")
-    return 0
+def stale_deepspeed_shm_buffers(min_age_s: float = 60.0) -> list[Path]:
+    """The buffers :func:`scan_deepspeed_shm` proves stale."""
+    return [f.path for f in scan_deepspeed_shm(min_age_s) if f.stale]
+
+
+_held: dict[str, int] = {}  # buffer -> the descriptor whose lock marks it as in use by this process
+
+
+def hold_deepspeed_shm() -> None:
+    """Hold a shared lock on this rank's DeepSpeed CPU all-reduce buffer while the process lives, so that
+    ``dsx clean-shm`` run from another container sharing ``/dev/shm`` (where this pid is invisible) keeps it."""
+    path = deepspeed_shm_buffer()
+    if str(path) in _held:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # no buffer: not a CPU job on one machine
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        _held[str(path)] = fd
+    except OSError:
+        os.close(fd)

@@ -26,8 +26,10 @@ def test_launched_job_leaves_no_deepspeed_shm_buffer(mode: str, tmp_path) -> Non
         remove_shm_buffers(res.port)
 
 
-def test_clean_shm_removes_only_unmapped_old_buffers(capsys) -> None:
-    """Real files in /dev/shm: an old unmapped buffer is stale; a mapped one and a young one are not."""
+def test_clean_shm_lists_then_removes_only_stale_buffers(capsys) -> None:
+    """Real files in /dev/shm: an old buffer nobody maps or holds is stale; a mapped one, one a dsx job holds
+    (a lock, seen from any container) and a young one are kept, each with its reason."""
+    import fcntl
     import mmap
     import os
     import time
@@ -38,22 +40,30 @@ def test_clean_shm_removes_only_unmapped_old_buffers(capsys) -> None:
     if not SHM_DIR.is_dir():
         pytest.skip("no /dev/shm on this machine")
     tag = f"deepspeed_allreduce_buffer_{os.getuid()}_test.invalid_{os.getpid()}"
-    old, mapped, young = (SHM_DIR / f"{tag}_{r}" for r in range(3))
-    for p in (old, mapped, young):
+    old, mapped, young, held = (SHM_DIR / f"{tag}_{r}" for r in range(4))
+    for p in (old, mapped, young, held):
         p.write_bytes(os.urandom(8192))
     hour_ago = time.time() - 3600
-    os.utime(old, (hour_ago, hour_ago))
-    os.utime(mapped, (hour_ago, hour_ago))
+    for p in (old, mapped, held):
+        os.utime(p, (hour_ago, hour_ago))
+    holder = os.open(held, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_SH)  # as hold_deepspeed_shm does in a dsx job
     try:
         with open(mapped, "r+b") as f, mmap.mmap(f.fileno(), 8192) as m:
             stale = stale_deepspeed_shm_buffers()
-            assert old in stale and mapped not in stale and young not in stale, stale
+            assert old in stale and mapped not in stale and young not in stale and held not in stale, stale
             assert m[:8] == mapped.read_bytes()[:8]
-            assert main(["clean-shm", "--dry-run"]) == 0
-            assert old.exists() and f"would remove {old}" in capsys.readouterr().out
-            assert main(["clean-shm"]) == 0
-            assert not old.exists() and mapped.exists() and young.exists()
-            assert f"removed {old}" in capsys.readouterr().out
+            assert main(["clean-shm"]) == 0  # lists only
+            out = capsys.readouterr().out
+            assert all(p.exists() for p in (old, mapped, young, held))
+            assert f"stale    {old}: no running process maps or holds it" in out
+            assert f"kept     {mapped}: mapped by running process {os.getpid()}" in out
+            assert f"kept     {held}: held by a running dsx job" in out
+            assert f"kept     {young}: younger than 60 s" in out and "run with --remove" in out
+            assert main(["clean-shm", "--remove"]) == 0
+            assert not old.exists() and mapped.exists() and young.exists() and held.exists()
+            assert f"removed  {old}" in capsys.readouterr().out
     finally:
-        for p in (old, mapped, young):
+        os.close(holder)
+        for p in (old, mapped, young, held):
             p.unlink(missing_ok=True)

@@ -13,8 +13,8 @@ import dsx
 from dsx.cli import main as dsx_main
 from dsx.runtime.timeline import load_timeline
 from dsx.runtime.trace import rank_path
-from tests.offload._offload_models import TinyGPT
 from tests.harness import REPO, launch
+from tests.offload._offload_models import TinyGPT
 
 STEPS, INTERVAL = 5, 2
 MICRO = 2
