@@ -54,11 +54,11 @@ from dsx.runtime.process import single_process_env
 
 CONFIGS = [
     "none", "recompute", "megatron_selective", "save_on_cpu", "ds_cpu_ckpt", "dsx_host", "dsx_host_sel",
-    "dsx_ssd", "dsx_ssd_sel", "dsx_auto_budget", "dsx_auto_budget_sel", "dsx_auto_hide", "dsx_auto_hide_sel",
+    "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_auto_budget", "dsx_auto_budget_sel", "dsx_auto_hide", "dsx_auto_hide_sel",
     "none_copies",
 ]  # fmt: skip
 # configs whose steps take seconds (bandwidth-bound copies): fewer steps, same warm-up rule
-SLOW = ("save_on_cpu", "dsx_ssd", "dsx_ssd_sel", "dsx_host")
+SLOW = ("save_on_cpu", "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_host")
 NEEDS_BUDGET = ("dsx_auto_budget", "dsx_auto_budget_sel")
 
 
@@ -130,6 +130,9 @@ def _section(
         "recompute": {**base, "policy": "recompute_all"},
         "dsx_host": {**base, **barrier, "policy": "offload_all", "tiers": ["host"]},
         "dsx_ssd": {**base, **barrier, "policy": "offload_all", "tiers": ["ssd"], "ssd_path": ssd_dir},
+        # the same without the default integrity check of SSD reads: what verifying costs
+        "dsx_ssd_noverify": {**base, **barrier, "policy": "offload_all", "tiers": ["ssd"], "ssd_path": ssd_dir,
+                             "verify": False},
         "ds_cpu_ckpt": None,
         "dsx_auto_budget": {**base, **auto, "tiers": ["host", "ssd"], "ssd_path": ssd_dir,
                             "memory_budget_gb": budget_gb},
@@ -301,7 +304,27 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             "host_probe_s": host_probe, "dsx_path": str(Path(dsx.__file__).parent),
             **({"copied_gb_per_step": copied_gb} if copied_gb is not None else {}),
             **({"kernel_trace": kernel_trace} if kernel_trace else {}),
+            **({"checksum_GBps": _checksum_GBps(dev)} if name.startswith("dsx_ssd") else {}),
             **({"memory_trace": memory} if memory else {})}  # fmt: skip
+
+
+def _checksum_GBps(dev: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """How fast the device checksums the bytes an SSD entry moves (dsx.offload.checksum), median of
+    ``repeats``: with the bytes verified per step, what verifying costs the device per step."""
+    from dsx.offload.checksum import checksum
+
+    buf = torch.randint(0, 256, (nbytes if dev.type == "cuda" else 1 << 24,), dtype=torch.uint8, device=dev)
+    checksum(buf)  # (warm-up)
+    times = []
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        checksum(buf)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return buf.numel() / statistics.median(times) / 1e9
 
 
 class _BackgroundCopies:
@@ -627,7 +650,8 @@ def _write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
     for a, b in [("dsx_auto_budget", "recompute"), ("dsx_host_sel", "ds_cpu_ckpt"), ("dsx_auto_budget_sel", "recompute"),
                  ("dsx_auto_budget_sel", "megatron_selective"), ("dsx_auto_hide", "none"),
                  ("dsx_auto_hide_sel", "none"), ("dsx_host", "save_on_cpu"), ("dsx_host_sel", "save_on_cpu"),
-                 ("none_copies", "none"), ("dsx_auto_hide", "none_copies")]:  # fmt: skip
+                 ("none_copies", "none"), ("dsx_auto_hide", "none_copies"),
+                 ("dsx_ssd", "dsx_ssd_noverify")]:  # fmt: skip
         if a in ok and b in ok:
             ratios[f"{a}_vs_{b}_throughput"] = ok[a]["tokens_per_s"] / ok[b]["tokens_per_s"]
     # the targets as stated: the fastest dsx config whose measured activation peak is within a baseline's
@@ -656,6 +680,13 @@ def _write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
                 ratios[f"{r['config']}_measured_fraction_of_bound"] = (
                     statistics.mean(written) * 1e9 / hideable
                 )
+    ssd = ok.get("dsx_ssd")
+    if ssd and ssd.get("checksum_GBps") and ssd["telemetry"].get("written_gb_per_measured_step"):
+        # every verified byte is checksummed twice on the device: as it leaves, as it comes back
+        written = statistics.median(ssd["telemetry"]["written_gb_per_measured_step"])
+        device_s = 2 * written / ssd["checksum_GBps"]
+        ratios["verify"] = {"verified_gb_per_step": written, "checksum_GBps": ssd["checksum_GBps"],
+                            "checksum_device_s_per_step": device_s, "fraction_of_step": device_s / ssd["step_s"]}  # fmt: skip
     out = {"name": "bench_offload", "env": environment(), "config": vars(args),
            "model": "megatron-core GPTModel" if _megatron(args) else "dsx torch GPT",
            "results": results, "ratios": ratios}  # fmt: skip

@@ -161,7 +161,9 @@ class ActivationOffloadConfig(_Section):
     expandable_segments: Literal["auto", "on", "off"] = "auto"
     io_backend: Literal["auto", "kvikio", "aio", "posix"] = "auto"
     min_tensor_bytes: int = Field(default=1 << 20, ge=0, le=1 << 50)
-    verify: bool = False
+    # which tiers' read-backs are checked against a checksum taken on the device as the bytes left it: "auto"
+    # the SSD tier (a drive or file system can corrupt bytes), true every tier, false none
+    verify: bool | Literal["auto"] = "auto"
     prefetch_depth: int | None = Field(default=None, ge=1, le=64)
     # SSD wear: the drive's rated endurance in TB written (its datasheet's TBW); with it, dsx warns once when
     # the rate this node writes activations at would use it up within wear_warn_years. null: no check
@@ -186,6 +188,12 @@ class ActivationOffloadConfig(_Section):
             return value
         with_budget, without = self._AUTO_BY_BUDGET[key]
         return with_budget if self.memory_budget_gb is not None else without
+
+    def verified_tiers(self) -> frozenset[str]:
+        """The tiers ``verify`` checks: ``"auto"``: the SSD tier; ``true``: every tier; ``false``: none."""
+        if self.verify == "auto":
+            return frozenset({"ssd"})
+        return frozenset({"host", "ssd"}) if self.verify else frozenset()
 
     @field_validator("tiers")
     @classmethod

@@ -131,7 +131,12 @@ class ActivationOffload:
         self._expandable_before: bool | None = None  # the allocator setting to restore at close
         self.host = HostPool(int(cfg.host_pool_gb * GB), pin=self.device.type == "cuda")
         self.mover = Mover(
-            self.device, scheduler, self.host, self.ssd, cfg.verify, read_pool=cfg.resolved("read_pool")
+            self.device,
+            scheduler,
+            self.host,
+            self.ssd,
+            cfg.verified_tiers(),
+            read_pool=cfg.resolved("read_pool"),
         )
         self.hooks = LayerHooks(model, self.layers, self.mover, cfg.min_tensor_bytes)
         self._orig_forward: dict[int, Any] = {}

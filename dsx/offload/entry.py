@@ -13,7 +13,7 @@ __all__ = ["Entry", "OffloadIntegrityError"]
 
 
 class OffloadIntegrityError(RuntimeError):
-    """Data read back from a tier differs from what was written (``verify: true``)."""
+    """Data read back from a tier differ from what was written (``verify``: on for the SSD tier by default)."""
 
 
 @dataclass(eq=False)
@@ -29,7 +29,9 @@ class Entry:
     src: torch.Tensor | None = None
     host: tuple[int, torch.Tensor] | None = None  # (arena offset, aligned slot)
     ssd_off: int | None = None
-    crc: int | None = None
+    # the checksum of the device bytes as written (a host tensor, valid once the copy out has run): set when
+    # the entry's tier is verified (config ``verify``); its read-back is checked against it
+    checksum: torch.Tensor | None = None
     written: Future[Any] | None = None  # an I/O thread's write (None for an inline one)
     fetched: Future[Any] | None = None
     consumed: bool = False  # a consumer waited for the read (its stream is ordered after the copy)
@@ -39,7 +41,7 @@ class Entry:
     # failed); an SSD entry is set before its file write, which needs only the host slot
     off_device: threading.Event = field(default_factory=threading.Event)
     copied: Any = None  # CUDA: the event after the device-to-host copy on the offload stream
-    # written without an I/O thread (CUDA, host tier, no verify): poll_writes() also finishes the write
+    # written without an I/O thread (CUDA, host tier, not verified): poll_writes() also finishes the write
     inline: bool = False
     # released after a read was issued (CUDA): the slots go back once that read's copy has run (poll_writes)
     frees_after_read: bool = False

@@ -1,8 +1,11 @@
 """The read half of :class:`~dsx.offload.transfer.Mover`: a moved storage back to the device in backward.
 
-Host-tier reads without ``verify`` are queued on the thread that fetches, the others on I/O threads; the
+Host-tier reads of unverified entries are queued on the thread that fetches, the others on I/O threads; the
 consumer waits on a CUDA event, and on the host only when the data are not yet on their way back (that wait is
-recorded as stall). How long the compute stream itself waits for a read's copy is timed with CUDA events and
+recorded as stall). A verified entry's bytes are checksummed on the prefetch stream right after their copy
+back, and the I/O thread compares that with the checksum taken when they were written before it hands them
+over: a corrupt read is an :class:`~dsx.offload.entry.OffloadIntegrityError` naming layer, tier, file and
+offset, and no gradient is computed from unverified bytes. How long the compute stream itself waits for a read's copy is timed with CUDA events and
 recorded as GPU wait. On CPU the same code runs with the compute device being the CPU and plain (unpinned)
 host buffers.
 
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import time
-import zlib
 from concurrent import futures
 from concurrent.futures import Future
 from typing import Any
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from dsx.offload.align import align_up
+from dsx.offload.checksum import checksum, mismatch
 from dsx.offload.entry import Entry, OffloadIntegrityError
 
 __all__ = ["ReadPath"]
@@ -60,15 +63,15 @@ class ReadPath:
             return e.fetched
 
     def _reads_inline(self, e: Entry) -> bool:
-        """Whether ``e``'s read needs no host wait: on CUDA, a host-tier entry (never on the SSD) without
-        ``verify`` (a checksum needs the bytes on the host first), whose write did not fail. The copy back is
-        then ordered after the copy out on the GPU (an event), and is queued on this thread."""
+        """Whether ``e``'s read needs no host wait: on CUDA, a host-tier entry (never on the SSD) that is not
+        verified (its check waits on the host), whose write did not fail. The copy back is then ordered after
+        the copy out on the GPU (an event), and is queued on this thread."""
         return (
             self._cuda
             and e.copied is not None
             and e.tier == "host"
             and e.ssd_off is None
-            and not self.verify
+            and e.checksum is None
             and not (e.written is not None and e.written.done() and e.written.exception() is not None)
         )
 
@@ -90,11 +93,17 @@ class ReadPath:
         return fut
 
     def _copy_to_device(
-        self, buf: torch.Tensor, nbytes: int, dst: tuple[torch.Tensor, Any] | None, after: Any = None
+        self,
+        buf: torch.Tensor,
+        nbytes: int,
+        dst: tuple[torch.Tensor, Any] | None,
+        after: Any = None,
+        check: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Any, int]:
         """Queue ``buf[:nbytes]`` to the device on the prefetch stream, after ``dst``'s issue event and
-        ``after`` (events); the buffer (``dst``'s, or one from the prefetch stream's pool), the copy's event
-        and its place in the stream's order (``wait`` skips waits that an earlier one covers)."""
+        ``after`` (events), and with ``check`` (a pinned int64[3]) the checksum of what arrived; the buffer
+        (``dst``'s, or one from the prefetch stream's pool), the event after both and its place in the
+        stream's order (``wait`` skips waits that an earlier one covers)."""
         side = self.sched.stream("prefetch")
         # (the number and the queueing under one lock: inline reads and I/O threads' reads share the stream)
         with self._read_lock, torch.cuda.stream(side):
@@ -106,6 +115,8 @@ class ReadPath:
             if after is not None:
                 side.wait_event(after)
             out.copy_(buf[:nbytes], non_blocking=True)
+            if check is not None:
+                check.copy_(checksum(out), non_blocking=True)
             ev = torch.cuda.Event(enable_timing=True)  # the consumer times its wait against it
             ev.record(side)
             self._read_seq += 1
@@ -132,19 +143,24 @@ class ReadPath:
                 self.ssd.io.pread(buf, ssd_off).result()
             else:
                 buf = host[1]
-            if self.verify and zlib.crc32(buf[: e.nbytes].numpy()) != e.crc:
-                where = f"{self.ssd.path} offset {e.ssd_off}" if tier == "ssd" else "host pool"
+            got = None
+            if self._cuda:  # (an inline write may still be on its way to the slot: the copy waits for it)
+                if e.checksum is not None:
+                    got = torch.empty(3, dtype=torch.int64, pin_memory=True)
+                after = e.copied if e.inline else None
+                out, ev, seq = self._copy_to_device(buf, e.nbytes, dst, after=after, check=got)
+                if tmp is not None or got is not None:  # the staging slot is reused right after; the check
+                    self.sched.waiter.wait(ev)
+            else:
+                out, ev, seq = buf[: e.nbytes].clone(), None, 0
+                got = checksum(out) if e.checksum is not None else None
+            if got is not None and mismatch(e.checksum, got):
+                where = f"{self.ssd.path} offset {ssd_off}" if ssd_off is not None else "host pool"
                 raise OffloadIntegrityError(
                     f"dsx activation offload: checksum mismatch reading back layer {e.layer} tensor {e.name} "
                     f"({e.nbytes} bytes) from the {tier} tier ({where}); the data are corrupt, refusing to "
                     "compute gradients from them"
                 )
-            if self._cuda:  # (an inline write may still be on its way to the slot: the copy waits for it)
-                out, ev, seq = self._copy_to_device(buf, e.nbytes, dst, after=e.copied if e.inline else None)
-                if tmp is not None:  # the staging slot is reused right after
-                    self.sched.waiter.wait(ev)
-            else:
-                out, ev, seq = buf[: e.nbytes].clone(), None, 0
         finally:
             if tmp is not None:
                 self.host.free(tmp[0], align_up(e.nbytes))

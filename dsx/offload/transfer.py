@@ -39,13 +39,14 @@ class Mover(WritePath, ReadPath):
         scheduler: Scheduler,
         host: HostPool,
         ssd: SsdFile | None,
-        verify: bool,
+        verify: set[str] | frozenset[str],
         ssd_gate: str = "ssd",
         read_pool: str = "compute",
     ) -> None:
         if read_pool not in ("compute", "prefetch"):
             raise ValueError(f"read_pool must be 'compute' or 'prefetch', got {read_pool!r}")
-        self.device, self.sched, self.host, self.ssd, self.verify = device, scheduler, host, ssd, verify
+        self.device, self.sched, self.host, self.ssd = device, scheduler, host, ssd
+        self.verify = frozenset(verify)  # the tiers whose read-backs are checked against a checksum
         self.ssd_gate = ssd_gate
         self.read_pool = read_pool  # which stream's allocator pool read buffers come from (config read_pool)
         self._cuda = device.type == "cuda"

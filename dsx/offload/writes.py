@@ -3,11 +3,14 @@
 On CUDA, pack records an event on the compute stream; the device→host copy waits on it on the scheduler's
 ``"offload"`` side stream. The threads that queue the GPU's work see each copy end (an event query, in queue
 order, at the layer hooks: :meth:`WritePath.poll_writes`) and drop the device reference there (the memory goes
-back to the caching allocator). A host-tier write without ``verify`` needs nothing more. An SSD write, or one
-under ``verify``, needs the bytes on the host: an I/O thread waits for the copy's event (and drops the
-device reference too, if no poll has yet) and writes the host slot to the file (or checksums it); the device
-bytes do not wait for that thread (with every thread in a slow file write, they would stay on the device
-behind it). On CPU the I/O thread copies and drops the reference itself.
+back to the caching allocator). A host-tier write needs nothing more. An SSD write needs the bytes on the host:
+an I/O thread waits for the copy's event (and drops the device reference too, if no poll has yet) and writes
+the host slot to the file; the device bytes do not wait for that thread (with every thread in a slow file
+write, they would stay on the device behind it). On CPU the I/O thread copies and drops the reference itself.
+
+A verified tier's entry (config ``verify``) also gets a checksum of its device bytes
+(:mod:`dsx.offload.checksum`), queued on the offload stream before the copy, its 24 bytes copied to the host
+with it; the read path checks the bytes that come back against it.
 """
 
 from __future__ import annotations
@@ -15,13 +18,13 @@ from __future__ import annotations
 import errno
 import heapq
 import time
-import zlib
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from dsx.offload.align import align_up
+from dsx.offload.checksum import checksum
 from dsx.offload.entry import Entry
 from dsx.offload.store import SsdFull
 
@@ -68,6 +71,9 @@ class WritePath:
             side = self.sched.stream("offload")
             with torch.cuda.stream(side):
                 side.wait_event(ready)
+                if e.tier in self.verify:  # the checksum of the bytes as they are on the device
+                    e.checksum = torch.empty(3, dtype=torch.int64, pin_memory=True)
+                    e.checksum.copy_(checksum(src), non_blocking=True)
                 slot[1][:nbytes].copy_(src, non_blocking=True)
                 # (not blocking=True: with I/O threads asleep in a blocking-sync event's synchronize, the
                 # forward's own CUDA calls waited for the copies to end; how the I/O thread waits is
@@ -78,7 +84,7 @@ class WritePath:
             # nothing to do on the host once the copy ends but drop src for a host-tier write: no I/O thread
             # waits for it (threads spinning in cudaEventSynchronize slowed the thread queueing the forward's
             # kernels many times over at times, and kept a core busy each)
-            e.inline = e.tier == "host" and not self.verify
+            e.inline = e.tier == "host" and e.checksum is None
             with self._in_flight_lock:  # (every copy: src goes when it ends, whatever the I/O threads do)
                 self._in_flight.append((e, t0))
             if not e.inline:
@@ -108,12 +114,12 @@ class WritePath:
             if copied is not None:
                 self.sched.waiter.wait(copied)
             else:
+                if e.tier in self.verify:
+                    e.checksum = checksum(e.src)
                 host[: e.nbytes].copy_(e.src)
         finally:
             e.src = None  # device memory returns to the allocator now
             e.off_device.set()
-        if self.verify:
-            e.crc = zlib.crc32(host[: e.nbytes].numpy())
         self.sched.telemetry.add_transfer("host", e.nbytes, t0, time.perf_counter(), e.name)
         if e.tier != "ssd":
             return
@@ -161,8 +167,8 @@ class WritePath:
             now = time.perf_counter()
             for e, t0 in done:
                 e.src = None  # device memory returns to the allocator now
-                if not e.inline:  # an I/O thread checksums the host slot or writes it to the file; release()
-                    # or that write frees the slots
+                if not e.inline:  # an I/O thread writes the host slot to the file; release() or that write
+                    # frees the slots
                     e.off_device.set()
                     continue
                 with e.lock:  # (release() decides under this lock whether the slots are still being written)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsx.config import ActivationOffloadConfig, SchedulerConfig
-from dsx.offload import ActivationOffload
+from dsx.offload import ActivationOffload, OffloadIntegrityError
 from dsx.offload.io import describe_backends
 from dsx.runtime import allocator
 from dsx.runtime.scheduler import Scheduler
@@ -548,3 +548,24 @@ def test_gpu_ssd_writes_give_device_memory_back_when_their_copies_end(tmp_path, 
             opt.step()
             off.end_step()
     assert_same_grads(want, got)
+
+
+@pytest.mark.parametrize("kind", ["flip", "stale"])
+def test_gpu_corrupt_ssd_read_is_an_error_by_default(tmp_path, kind):
+    """The device checksums (taken on the offload stream as the bytes leave, on the prefetch stream as they
+    come back) catch bytes changed on the drive, with the default config; the consumer never gets them."""
+    from tests.offload.test_mechanism import _corrupt
+
+    model, batches, _, _ = _host_all(seed=7, n_batches=1)
+    (tmp_path / "ssd").mkdir()
+    cfg = ActivationOffloadConfig(enabled=True, tiers=["ssd"], ssd_path=str(tmp_path / "ssd"), policy="offload_all",
+                                  host_pool_gb=1, ssd_capacity_gb=1, min_tensor_bytes=0, io_backend="posix")  # fmt: skip
+    assert cfg.verify == "auto"
+    with _offloaded(model, cfg) as (off, _):
+        loss = model(batches[0]).float().pow(2).mean()
+        off.mover.drain()
+        e, other = off.mover.entries_of(0)[0], off.mover.entries_of(1)[0]
+        assert e.tier == other.tier == "ssd" and e.checksum is not None
+        _corrupt(kind, off.ssd.path, e, other)
+        with pytest.raises(OffloadIntegrityError, match=rf"layer 0 .*ssd tier .*offset {e.ssd_off}"):
+            loss.backward()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -96,26 +97,53 @@ def test_inplace_after_save_raises(tmp_path):
         sched.close()
 
 
-def test_corrupt_ssd_read_is_an_error(tmp_path):
+def _corrupt(kind: str, path: str, e, other) -> None:
+    """Change an entry's bytes on disk behind dsx's back: 16 flipped bytes, a zeroed page, or the bytes of
+    another tensor (a stale or misplaced block)."""
+    with open(path, "r+b") as f:
+        f.seek(e.ssd_off)
+        b = f.read(min(e.nbytes, 4096))
+        if kind == "flip":
+            new = bytes(x ^ 0xFF for x in b[:16]) + b[16:]
+        elif kind == "zero":
+            new = bytes(len(b))
+        else:
+            f.seek(other.ssd_off)
+            new = f.read(len(b))
+            assert new != b
+        f.seek(e.ssd_off)
+        f.write(new)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@pytest.mark.parametrize("kind", ["flip", "zero", "stale"])
+@pytest.mark.parametrize("verify", ["default", True])
+def test_corrupt_ssd_read_is_an_error(tmp_path, kind, verify):
+    """Verified by default on the SSD tier: a corrupt read names layer, tier, file and offset, and no
+    gradient comes out of it."""
     # Four layers: the end of forward already reads back the last layer and prefetch_depth more (3 and 2),
-    # so layer 0 is read only during backward, after the bytes below were flipped.
+    # so layer 0 is read only during backward, after its bytes were changed.
     model = OddModel(layers=4)
+    cfg = _cfg(tmp_path, ["ssd"])
+    if verify == "default":
+        cfg = type(cfg)(**cfg.model_dump(exclude={"verify"}))
+        assert cfg.verify == "auto" and cfg.verified_tiers() == {"ssd"}
     sched = Scheduler(SchedulerConfig(io_workers=2))
-    off = ActivationOffload(model, _cfg(tmp_path, ["ssd"]), sched)
+    off = ActivationOffload(model, cfg, sched)
     try:
         y = model(torch.randn(4, 6, 48))
         off.mover.drain()
-        e = off.mover.entries_of(0)[0]
-        assert e.tier == "ssd"
-        with open(off.ssd.path, "r+b") as f:  # flip bytes on disk behind dsx's back
-            f.seek(e.ssd_off)
-            b = f.read(16)
-            f.seek(e.ssd_off)
-            f.write(bytes(x ^ 0xFF for x in b))
-            f.flush()
-            os.fsync(f.fileno())
-        with pytest.raises(OffloadIntegrityError, match="layer 0"):
+        e, other = off.mover.entries_of(0)[0], off.mover.entries_of(1)[0]
+        assert e.tier == "ssd" and other.tier == "ssd"
+        _corrupt(kind, off.ssd.path, e, other)
+        message = rf"layer 0 .*from the ssd tier \({re.escape(off.ssd.path)} offset {e.ssd_off}\)"
+        with pytest.raises(OffloadIntegrityError, match=message):
             y.sum().backward()
+        # layer 0's own parameters (not the one all layers share) got no gradient from the corrupt bytes
+        shared = {id(p) for p in model.layers[1].parameters()}
+        own = [p for p in model.layers[0].parameters() if id(p) not in shared]
+        assert own and all(p.grad is None for p in own)
     finally:
         off.close()
         sched.close()
