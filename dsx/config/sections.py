@@ -1,47 +1,15 @@
-"""Pydantic models of the ``"dsx"`` section of a DeepSpeed JSON config.
-
-Every section is off unless it says ``"enabled": true``; a config without a ``"dsx"`` section behaves exactly
-as DeepSpeed. Unknown keys, wrong types and out-of-range values fail at start-up with a
-:class:`DsxConfigError` that names the key path (``dsx.activation_offload.tiers[1]``), the value given and
-what is allowed.
-"""
+"""The sections of the ``"dsx"`` config: one pydantic model each (``extra="forbid"``, bounded fields)."""
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = [
-    "ActivationOffloadConfig",
-    "DsxConfig",
-    "DsxConfigError",
-    "RGNNConfig",
-    "SchedulerConfig",
-    "UnifiedConfig",
-    "load_deepspeed_config",
-    "parse_dsx_config",
-    "split_config",
-]
+from dsx.config.checks import GIB, MAX_GB, check_dir, check_path_length, physical_memory
 
-DSX_KEY = "dsx"
-
-
-class DsxConfigError(ValueError):
-    """A bad key or value in the ``"dsx"`` section (or a config that cannot be read at all)."""
+__all__ = ["ActivationOffloadConfig", "DsxConfig", "RGNNConfig", "SchedulerConfig", "UnifiedConfig"]
 
 
 class _Section(BaseModel):
@@ -50,74 +18,6 @@ class _Section(BaseModel):
     model_config = ConfigDict(
         extra="forbid", strict=True, validate_assignment=True, frozen=False, allow_inf_nan=False
     )
-
-
-GIB = 1 << 30
-# Upper bound of every size in GB: more than any machine holds, and small enough that the byte counts derived
-# from it stay exact integers far from any C integer's overflow.
-MAX_GB = float(1 << 20)
-# Room dsx's own names take below a directory it is given (run directory, rank file, owner record).
-_NAME_ROOM = 96
-
-
-def _limits(path: Path) -> tuple[int, int]:
-    """(longest path, longest name) the filesystem holding ``path`` (or its nearest parent) allows."""
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        return os.pathconf(probe, "PC_PATH_MAX"), os.pathconf(probe, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        return 4096, 255
-
-
-def _check_path_length(value: str, key: str) -> Path:
-    """The path, once its length and every component's fit what the filesystem allows (the messages complete
-    ``<key>: "<value>" ...``)."""
-    path = Path(value).expanduser()
-    size = len(os.fsencode(str(path.absolute())))
-    # before any stat: a longer name or path fails every system call on Linux
-    for part in path.parts:
-        if len(os.fsencode(part)) > 255:
-            raise ValueError(f"has a name of {len(os.fsencode(part))} bytes; names may have at most 255")
-    if size + _NAME_ROOM > 4096:
-        raise ValueError(
-            f"is {size} bytes long; with the {_NAME_ROOM} bytes of names dsx adds below it, it must stay under "
-            f"4096: point {key} at a shorter path"
-        )
-    path_max, name_max = _limits(path)
-    if size + _NAME_ROOM > path_max:
-        raise ValueError(
-            f"is {size} bytes long; with the {_NAME_ROOM} bytes of names dsx adds below it, it must stay under "
-            f"{path_max}: point {key} at a shorter path"
-        )
-    long = [p for p in path.parts if len(os.fsencode(p)) > name_max]
-    if long:
-        raise ValueError(
-            f"has a name of {len(os.fsencode(long[0]))} bytes; this filesystem allows {name_max}"
-        )
-    return path
-
-
-def _check_dir(value: str | None, key: str) -> str | None:
-    """A directory dsx writes into must exist and be writable at start-up, not at the first step.
-
-    The messages complete ``<key>: "<value>" ...`` (see :func:`_format_errors`)."""
-    if value is None:
-        return None
-    if not value.strip():
-        raise ValueError(f"is empty: give {key} a directory")
-    path = _check_path_length(value, key)
-    if not path.exists():
-        raise ValueError(f"does not exist: create it, or point {key} at an existing directory")
-    if not path.is_dir():
-        raise ValueError(f"is not a directory: point {key} at a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"is not writable by this user (uid {os.getuid()}): change its permissions, or point {key} at a "
-            "directory this user can write"
-        )
-    return str(path)
 
 
 class ActivationOffloadConfig(_Section):
@@ -206,7 +106,7 @@ class ActivationOffloadConfig(_Section):
     @classmethod
     def _host_pool_fits(cls, v: float, info: ValidationInfo) -> float:
         # the pool is pinned host memory, allocated at start-up: more than the machine has can never work
-        ram = _physical_memory()
+        ram = physical_memory()
         if info.data.get("enabled", False) and ram and v * GIB > ram:
             raise ValueError(
                 f"GB is more than this machine's memory ({ram / GIB:.1f} GiB): the pool is pinned host memory "
@@ -218,7 +118,7 @@ class ActivationOffloadConfig(_Section):
     @classmethod
     def _ssd_path(cls, v: str | None, info: ValidationInfo) -> str | None:
         # a disabled section is not used: its directory need not exist on this machine
-        return _check_dir(v, "ssd_path") if info.data.get("enabled", False) else v
+        return check_dir(v, "ssd_path") if info.data.get("enabled", False) else v
 
     @model_validator(mode="after")
     def _ssd_needs_path(self) -> ActivationOffloadConfig:
@@ -250,7 +150,7 @@ class UnifiedConfig(_Section):
     def _shm(cls, v: str, info: ValidationInfo) -> str:
         if not info.data.get("enabled", False):  # a disabled section is not used here
             return v
-        out = _check_dir(v, "shared_memory_dir")
+        out = check_dir(v, "shared_memory_dir")
         assert out is not None
         return out
 
@@ -294,24 +194,16 @@ class SchedulerConfig(_Section):
             return None
         if not v.strip():
             raise ValueError("is empty: give trace_path a file name, or null for no trace")
-        path = _check_path_length(v, "trace_path")
+        path = check_path_length(v, "trace_path")
         if path.is_dir():
             raise ValueError("is a directory: give trace_path a file name in it, e.g. trace.json")
         # a disabled scheduler writes no trace: its directory may be absent
         if info.data.get("enabled", False):
             try:
-                _check_dir(str(path.parent), "trace_path")
+                check_dir(str(path.parent), "trace_path")
             except ValueError as exc:
                 raise ValueError(f"is in {str(path.parent)!r}, which {exc}") from None
         return str(path)
-
-
-def _physical_memory() -> int:
-    """Bytes of RAM on this machine (0 where the system does not say)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
 
 
 class DsxConfig(_Section):
@@ -325,152 +217,3 @@ class DsxConfig(_Section):
     @property
     def any_enabled(self) -> bool:
         return any(getattr(self, name).enabled for name in type(self).model_fields)
-
-
-# --------------------------------------------------------------------------------------------- errors
-
-# keys that older configs may still carry -> where the setting lives now
-_MOVED: dict[tuple[str, ...], str] = {
-    ("activation_offload", "io_threads"): "scheduler.io_workers",
-}
-
-
-def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The model class whose field set applies at ``loc`` (for listing valid keys)."""
-    model: type[BaseModel] = DsxConfig
-    for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is None:
-            return model
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-        else:
-            return model
-    return model
-
-
-def _fmt_loc(loc: tuple[Any, ...]) -> str:
-    out = DSX_KEY
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif isinstance(part, str) and part.isascii() and part.isidentifier():
-            out += f".{part}"
-        else:  # keys that are not identifiers are shown quoted, so that the path stays unambiguous
-            out += f"[{json.dumps(part)}]"
-    return out
-
-
-def _allowed(err: dict[str, Any]) -> str:
-    kind, ctx = err["type"], err.get("ctx", {})
-    simple = {
-        "bool_type": "true or false",
-        "int_type": "an integer",
-        "float_type": "a number",
-        "string_type": "a string",
-        "list_type": "a list",
-        "model_type": "an object",
-        "dict_type": "an object",
-        "none_required": "null",
-        "finite_number": "a finite number",
-    }
-    if kind in simple:
-        return simple[kind]
-    if kind == "literal_error":
-        return f"one of {ctx.get('expected')}"
-    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        sign = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[
-            kind
-        ]
-        bound = next(iter(ctx.values()))
-        return f"a number {sign} {bound}"
-    if kind in ("value_error", "assertion_error"):
-        return str(ctx.get("error", err["msg"]))
-    if kind == "too_short":
-        return f"a list of at least {ctx.get('min_length')} item(s)"
-    if kind == "too_long":
-        return f"a list of at most {ctx.get('max_length')} item(s)"
-    return err["msg"]
-
-
-def _format_errors(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors(include_url=False):
-        loc = tuple(err["loc"])
-        # Union members add their own loc part ("float", "none", "list[...]"); drop those for the path.
-        loc = tuple(
-            p for p in loc if not (isinstance(p, str) and ("[" in p or p in {"float", "none", "int"}))
-        )
-        if err["type"] == "extra_forbidden":
-            moved = _MOVED.get(tuple(loc))
-            if moved is not None:
-                lines.append(f"{_fmt_loc(loc)}: this key moved: use {DSX_KEY}.{moved} instead")
-                continue
-            model = _model_at(loc[:-1])
-            valid = ", ".join(model.model_fields) if model is not None else "?"
-            lines.append(f"{_fmt_loc(loc)}: unknown key; valid keys here are: {valid}")
-            continue
-        if err["type"] == "dsx_missing":  # a key that must be given (its message says which and why)
-            lines.append(f"{_fmt_loc(loc)}: {err['msg']}")
-            continue
-        value = err.get("input")
-        shown = json.dumps(value, default=repr)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        if err["type"] in ("value_error", "assertion_error"):  # our checks: the message says what is wrong
-            lines.append(f"{_fmt_loc(loc)}: {shown} {err.get('ctx', {}).get('error', err['msg'])}")
-            continue
-        lines.append(f"{_fmt_loc(loc)}: value {shown} is not allowed; expected {_allowed(err)}")
-    # One line per problem, deduplicated (a union reports each member's failure).
-    seen: list[str] = []
-    for line in lines:
-        if line not in seen:
-            seen.append(line)
-    return "invalid dsx config:\n  " + "\n  ".join(seen)
-
-
-# ------------------------------------------------------------------------------------------- parsing
-
-
-def parse_dsx_config(section: Any) -> DsxConfig:
-    """Validate a ``"dsx"`` section (a mapping, or None for all-off).
-
-    Raises
-    ------
-    DsxConfigError
-        With one line per problem: key path, value given and what is allowed.
-    """
-    if section is None:
-        return DsxConfig()
-    if not isinstance(section, Mapping):
-        raise DsxConfigError(
-            f"invalid dsx config:\n  {DSX_KEY}: value {json.dumps(section, default=repr)[:80]} is not allowed; "
-            "expected an object"
-        )
-    try:
-        return DsxConfig.model_validate(dict(section))
-    except ValidationError as exc:
-        raise DsxConfigError(_format_errors(exc)) from None
-
-
-def load_deepspeed_config(config: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
-    """Read a DeepSpeed config given as a path or a dict (the dict is copied, never changed)."""
-    if isinstance(config, Mapping):
-        return json.loads(json.dumps(config))
-    path = Path(config)
-    if not path.is_file():
-        raise DsxConfigError(f"DeepSpeed config {str(path)!r} does not exist or is not a file")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DsxConfigError(f"DeepSpeed config {str(path)!r} is not valid JSON: {exc}") from None
-
-
-def split_config(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[dict[str, Any], DsxConfig]:
-    """Split a DeepSpeed config into what DeepSpeed reads and the validated ``"dsx"`` section."""
-    raw = load_deepspeed_config(config)
-    if not isinstance(raw, dict):
-        raise DsxConfigError("a DeepSpeed config must be a JSON object")
-    section = raw.pop(DSX_KEY, None)
-    return raw, parse_dsx_config(section)
