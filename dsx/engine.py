@@ -192,7 +192,6 @@ def initialize(
     engine gains an ``engine.dsx`` :class:`DsxRuntime`.
     """
     ds_config, dsx_config = split_config(_config_source(args, config, config_params))
-    _check_ops(ds_config, dsx_config)
     if model is not None:  # what the model must match is checked before DeepSpeed starts (and builds ops)
         for name, module_name in _FEATURES.items():
             section = getattr(dsx_config, name)
@@ -200,6 +199,7 @@ def initialize(
                 check = getattr(importlib.import_module(module_name), "check_model", None)
                 if check is not None:
                     check(model, section)
+    _check_ops(ds_config, dsx_config)
     single_process_env()  # plain ``python train.py``: rank 0 of 1, not DeepSpeed's MPI discovery
     if args is not None and hasattr(args, "deepspeed_config"):
         # DeepSpeed re-reads args.deepspeed_config when config is None; we always pass the dict instead.

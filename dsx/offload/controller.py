@@ -100,6 +100,12 @@ class ActivationOffload:
         self.device = device or _device_of(model)
         # checked before any hook, file or buffer exists: a bad name leaves the model as it was
         self.layers, self._subs = layers_and_subs(model, cfg)
+        self.host = HostPool(int(cfg.host_pool_gb * GB), pin=self.device.type == "cuda")
+        if cfg.policy in (
+            "auto",
+            "offload_all",
+        ):  # the policies that move bytes: the pool, now, or a clear error
+            self.host.allocate()
         self.run_dir: RunDir | None = None
         self.ssd: SsdFile | None = None
         self.wear: WearWatch | None = None  # ssd_endurance_tbw given: warns when the drive would wear out
@@ -129,7 +135,6 @@ class ActivationOffload:
                 cfg.tiers, self.run_dir.path if self.run_dir else None, mb=scheduler.config.bandwidth_probe_mb
             )
         self._expandable_before: bool | None = None  # the allocator setting to restore at close
-        self.host = HostPool(int(cfg.host_pool_gb * GB), pin=self.device.type == "cuda")
         self.mover = Mover(
             self.device,
             scheduler,

@@ -16,12 +16,28 @@ from typing import Any
 
 import torch
 
-from dsx.offload.checkpointing import check_model
+from dsx.config import ActivationOffloadConfig, DsxConfigError
+from dsx.offload import checkpointing
 from dsx.offload.controller import ActivationOffload
+from dsx.offload.io import describe_backends
 
 __all__ = ["attach", "check_model"]
 
 logger = logging.getLogger("dsx.offload")
+
+
+def check_model(model: torch.nn.Module, section: ActivationOffloadConfig) -> None:
+    """What would fail once DeepSpeed has started, checked before it does (``dsx.initialize`` calls this): the
+    layers and sub-modules the section names, and an ``io_backend`` named explicitly that this machine lacks."""
+    checkpointing.check_model(model, section)
+    backend = section.io_backend
+    if "ssd" in section.tiers and section.policy != "none" and backend != "auto":
+        info = describe_backends().get(backend, {"available": True})
+        if not info["available"]:
+            raise DsxConfigError(
+                f'invalid dsx config:\n  dsx.activation_offload.io_backend: "{backend}" is not available here '
+                f'({info["reason"]}); use "auto" (the best available) or "posix"'
+            )
 
 
 def _st_dev(path: str) -> int:

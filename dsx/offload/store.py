@@ -13,12 +13,14 @@ import errno
 import json
 import logging
 import os
+import resource
 import shutil
 import threading
 import uuid
 
 import torch
 
+from dsx.config import DsxConfigError
 from dsx.offload.align import ALIGN, align_up
 from dsx.offload.io import IOBackend, select_backend
 from dsx.runtime.process import owner_gone, owner_record
@@ -85,6 +87,21 @@ class HostPool:
         self.arena = Arena(nbytes)
         self._pin = pin
         self._buf: torch.Tensor | None = None
+
+    def allocate(self) -> None:
+        """Allocate (and pin) the buffer now: at start-up a machine that cannot hold it is a
+        :class:`~dsx.config.DsxConfigError` naming ``host_pool_gb``, not a failure in the middle of a forward."""
+        try:
+            self._buffer()
+        except (RuntimeError, MemoryError) as exc:
+            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**30:.2f} GiB"
+            what = "pin" if self._pin else "allocate"
+            raise DsxConfigError(
+                f"dsx.activation_offload.host_pool_gb: could not {what} {self.arena.capacity / 2**30:.2f} GiB "
+                f"of host memory for the pool ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); lower "
+                f"host_pool_gb (the ranks of a node share its memory; locked-memory limit here: {limit})"
+            ) from None
 
     def _buffer(self) -> torch.Tensor:
         if self._buf is None:

@@ -136,7 +136,9 @@ def measure_tier_bandwidth(
         if distributed:
             dist.barrier()
         if tier == "host":
-            w, r = measure_host_bandwidth(max(mb, 64))
+            # two buffers of the probe's size: never more than a small share of the machine's memory
+            ram_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+            w, r = measure_host_bandwidth(min(max(mb, 64), max(64, ram_mb // 32)))
         elif tier == "ssd":
             if ssd_dir is None:
                 continue

@@ -1,17 +1,16 @@
-"""The DeepSpeed glue (dsx.offload.deepspeed) on a stand-in engine, and what the controller takes from the
-process defaults and the scheduler's section."""
+"""The DeepSpeed glue (dsx.offload.deepspeed) on real engines, the checks it makes before DeepSpeed starts, and
+what the controller takes from the process defaults and the scheduler's section."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
+import pytest
 import torch
 
 import dsx
 import dsx.offload.controller as controller
-from dsx.config import ActivationOffloadConfig, DsxConfig, SchedulerConfig
+from dsx.config import ActivationOffloadConfig, DsxConfig, DsxConfigError, SchedulerConfig
 from dsx.offload import ActivationOffload
-from dsx.offload.deepspeed import _nvme_path, attach
+from dsx.offload.deepspeed import _nvme_path
 from dsx.runtime.bandwidth import TierBandwidth
 from dsx.runtime.scheduler import Scheduler
 from tests.offload._offload_models import TinyGPT
@@ -24,57 +23,90 @@ def _section(tmp_path, **kw) -> ActivationOffloadConfig:
     return ActivationOffloadConfig(**{**base, **kw})
 
 
-def _engine(model, nvme: str | None):
-    """What attach reads of a DeepSpeed engine: the module, the device and ZeRO's offload config."""
-    zero = SimpleNamespace(
-        offload_optimizer=SimpleNamespace(nvme_path=nvme) if nvme else None, offload_param=None
-    )
-    return SimpleNamespace(module=model, device="cpu", _config=SimpleNamespace(zero_config=zero))
+def _engine(tmp_path, nvme: str | None, **section):
+    """A real DeepSpeed engine through dsx.initialize: ZeRO-2 with the optimizer offloaded (to ``nvme`` when
+    given: stage 2 keeps it in host memory but records the path, which is what dsx compares drives by), the
+    SSD tier in ``tmp_path/ssd``."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    offload = {"device": "nvme", "nvme_path": nvme} if nvme else {"device": "cpu"}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": offload},
+        "dsx": {
+            "activation_offload": _section(tmp_path, **section).model_dump(),
+            "scheduler": {"io_workers": 2},
+        },
+    }
+    engine, _, _, _ = dsx.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
 
 
-def _step(feature, model, sched) -> bool:
-    """A training step as the engine drives it: forward and backward, the step inside ``around_step``, then
-    ``after_step`` and the scheduler's step end (the engine's part); whether the "ssd" gate was open in it."""
-    model(torch.randint(0, 64, (2, 16))).float().pow(2).mean().backward()
-    with feature.around_step():
-        gate_open = sched.gate("ssd").is_set()
-    feature.after_step()
-    sched.end_step()
-    return gate_open
+def _gate_during_steps(engine, steps: int) -> list[bool]:
+    """Train ``steps`` steps; whether the scheduler's "ssd" gate was open while DeepSpeed's own step ran (its
+    optimizer step is where ZeRO swaps state on the nvme drive)."""
+    sched = engine.dsx.scheduler
+    seen: list[bool] = []
+    inner = engine.optimizer.step
+
+    def step(*args, **kwargs):
+        seen.append(sched.gate("ssd").is_set())
+        return inner(*args, **kwargs)
+
+    engine.optimizer.step = step
+    for _ in range(steps):
+        engine.backward(engine(torch.randint(0, 64, (2, 16))).float().pow(2).mean())
+        engine.step()
+    return seen
 
 
 def test_ssd_on_zeros_drive_pauses_its_writes_during_the_step(tmp_path) -> None:
     """The SSD tier on the drive of ZeRO's nvme_path (a directory DeepSpeed has not made yet): activation writes
     wait while engine.step() runs (the "ssd" gate is shut inside around_step), and only then."""
-    sched = Scheduler(SchedulerConfig(io_workers=2))
-    model = TinyGPT()
-    runtime = SimpleNamespace(config=DsxConfig(activation_offload=_section(tmp_path)), scheduler=sched)
-    engine = _engine(model, str(tmp_path / "nvme" / "not-yet"))
-    assert _nvme_path(engine) == str(tmp_path / "nvme" / "not-yet")
-    feature = attach(engine, runtime)
+    engine = _engine(tmp_path, str(tmp_path / "nvme" / "not-yet"))
+    sched = engine.dsx.scheduler
     try:
+        assert _nvme_path(engine) == str(tmp_path / "nvme" / "not-yet")
+        feature = engine.dsx.features["activation_offload"]
         assert feature.offload.shared_ssd
-        assert [_step(feature, model, sched) for _ in range(2)] == [False, False]
+        assert _gate_during_steps(engine, 2) == [False, False]
         assert sched.gate("ssd").is_set() and sched.gate_pauses["ssd"] == 2
         # after_step ends no scheduler step of its own: the engine ends each one once
         assert feature.offload.step == 2 and sched.telemetry.steps == 2
     finally:
-        feature.close()
-        sched.close()
+        engine.dsx.close()
     assert not any((tmp_path / "ssd").iterdir())
 
 
 def test_without_a_shared_drive_the_step_runs_with_the_gate_open(tmp_path) -> None:
-    sched = Scheduler(SchedulerConfig(io_workers=2))
-    model = TinyGPT()
-    runtime = SimpleNamespace(config=DsxConfig(activation_offload=_section(tmp_path)), scheduler=sched)
-    feature = attach(_engine(model, None), runtime)
+    engine = _engine(tmp_path, None)
     try:
-        assert not feature.offload.shared_ssd
-        assert _step(feature, model, sched) and "ssd" not in sched.gate_pauses
+        assert not engine.dsx.features["activation_offload"].offload.shared_ssd
+        assert _gate_during_steps(engine, 1) == [True] and "ssd" not in engine.dsx.scheduler.gate_pauses
     finally:
-        feature.close()
-        sched.close()
+        engine.dsx.close()
+
+
+def test_an_io_backend_this_machine_lacks_fails_before_deepspeed_starts(tmp_path) -> None:
+    from dsx.offload.io import describe_backends
+
+    missing = [name for name, info in describe_backends().items() if not info["available"]]
+    if not missing:
+        pytest.skip("every SSD backend is available here")
+    with pytest.raises(
+        DsxConfigError, match=rf"dsx\.activation_offload\.io_backend: \"{missing[0]}\" is not available"
+    ):
+        _engine(tmp_path, None, io_backend=missing[0])
+    assert not any((tmp_path / "ssd").iterdir())
+
+
+def test_a_host_pool_this_machine_cannot_hold_is_a_clear_error_at_start(tmp_path) -> None:
+    from dsx.offload.store import HostPool
+
+    pool = HostPool(1 << 62, pin=False)  # a real allocation that fails
+    with pytest.raises(DsxConfigError, match=r"dsx\.activation_offload\.host_pool_gb: could not allocate"):
+        pool.allocate()
 
 
 def test_end_step_is_after_step_and_the_schedulers_step_end(tmp_path) -> None:
