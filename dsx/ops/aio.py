@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 
-from dsx.ops.notice import is_cached
+from dsx.ops.cache import is_cached
 
 __all__ = ["async_io_status"]
 

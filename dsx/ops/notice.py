@@ -12,16 +12,16 @@ import os
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
+
+from dsx.ops.aio import async_io_status
+from dsx.ops.cache import extensions_root, is_cached
 
 __all__ = [
     "OpBuild",
     "announce",
     "announce_builds",
     "announce_comm_build",
-    "extensions_root",
-    "is_cached",
     "op_build",
     "pending_builds",
 ]
@@ -51,59 +51,6 @@ GATHER_OP = "dsx_unified_gather"  # UnifiedGatherBuilder.NAME, without importing
 _announced: set[str] = set()  # ops already named in this process: one line per op and process at most
 
 
-def extensions_root() -> Path:
-    """Torch's JIT extension cache: ``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions/py<v>_<cu|cpu>``.
-
-    The same rule as ``torch.utils.cpp_extension._get_build_directory``, without creating anything.
-    """
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        return Path(root)
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
-
-    if torch.version.hip is not None:
-        accel = f"rocm{torch.version.hip.replace('.', '')}"
-    elif torch.version.cuda is not None:
-        accel = f"cu{torch.version.cuda.replace('.', '')}"
-    else:
-        accel = "cpu"
-    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{py}_{accel}"
-
-
-def _prebuilt(name: str) -> bool:
-    """Whether DeepSpeed was installed with this op compiled in (``DS_BUILD_*=1``): then nothing is built."""
-    try:
-        from deepspeed.git_version_info import installed_ops
-    except ImportError:
-        return False
-    return bool(installed_ops.get(name, False))
-
-
-def _built_for_this_torch(build_dir: Path) -> bool:
-    """Whether the cached build was made against this torch installation.
-
-    torch's JIT load re-runs ninja, which recompiles everything when the compile flags changed: a cache
-    filled by another environment (another venv's torch include paths) is rebuilt, not loaded.
-    """
-    try:
-        ninja = (build_dir / "build.ninja").read_text()
-    except OSError:
-        return True  # built without torch's JIT (no build file): nothing tells it apart, trust the .so
-    import torch
-
-    return os.path.join(os.path.dirname(torch.__file__), "include") in ninja
-
-
-def is_cached(name: str) -> bool:
-    """Whether the op ``name`` loads without compiling: prebuilt into DeepSpeed, or built for this torch."""
-    if _prebuilt(name):
-        return True
-    build_dir = extensions_root() / name
-    return (build_dir / f"{name}.so").is_file() and _built_for_this_torch(build_dir)
-
-
 def _device(section: Any) -> str:
     return str(section.get("device") or "none").lower() if isinstance(section, Mapping) else "none"
 
@@ -126,8 +73,6 @@ def _optimizer_op(ds_config: Mapping[str, Any]) -> str | None:
 
 
 def _async_io_compatible() -> bool:
-    from dsx.ops.aio import async_io_status  # (it imports this module)
-
     return async_io_status()[0]
 
 

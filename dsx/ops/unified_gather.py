@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder
 
-from dsx.ops.notice import announce, is_cached, op_build
+from dsx.ops.cache import is_cached
+from dsx.ops.notice import announce, op_build
 
 __all__ = ["UnifiedGatherBuilder", "build_ops", "csrc_dir", "load_unified_gather"]
 
