@@ -2,7 +2,7 @@
 
 This is the one way a feature gets its settings. Inside a DeepSpeed engine built by :func:`dsx.initialize`,
 the ``"dsx"`` sections the config enables and the engine's scheduler are installed here for the engine's
-lifetime (``engine.dsx.close()`` restores what was before). Without an engine — a relational layer in a plain
+lifetime (``engine.dsx.close()`` removes them again; engines may close in any order). Without an engine — a relational layer in a plain
 training loop, :func:`dsx.unified` in a notebook, a loader in a test — they come from the process defaults,
 which :func:`set` changes for the process or, used as a context manager, for a ``with`` block::
 
@@ -33,23 +33,33 @@ __all__ = ["SECTIONS", "Restore", "get", "install", "reset", "scheduler", "set"]
 SECTIONS = tuple(DsxConfig.model_fields)
 
 _lock = threading.RLock()
-_config = DsxConfig()
-_scheduler: Scheduler | None = None  # the engine's while one is attached, else the process's own
+_base = DsxConfig()  # the process's own defaults: what set() changes
+_engines: list[_Layer] = []  # engines' installs, oldest first: the newest that has a section wins
 _own_scheduler: Scheduler | None = None
 
 
-class Restore:
-    """Puts back the defaults (and scheduler) that were current when it was made: on ``restore()`` or at the
-    end of a ``with`` block. Returned by :func:`set` and :func:`install`."""
+class _Layer:
+    """What one engine installed: its sections (the enabled ones, and its scheduler's) and its scheduler."""
 
-    def __init__(self, config: DsxConfig, sched: Scheduler | None) -> None:
-        self._config, self._sched, self._done = config, sched, False
+    def __init__(self, sections: dict[str, Any], sched: Scheduler) -> None:
+        self.sections, self.sched = sections, sched
+
+
+class Restore:
+    """Undoes one :func:`set` or :func:`install`: on ``restore()`` or at the end of a ``with`` block.
+
+    A :func:`set` token puts back the sections it changed as they were before it; an :func:`install` token
+    removes that engine's layer, wherever it is among the engines installed since (engines may close in any
+    order). Restoring twice does nothing."""
+
+    def __init__(self, undo: Any) -> None:
+        self._undo, self._done = undo, False
 
     def restore(self) -> None:
-        global _config, _scheduler
         with _lock:
             if not self._done:
-                _config, _scheduler, self._done = self._config, self._sched, True
+                self._done = True
+                self._undo()
 
     def __enter__(self) -> Restore:
         return self
@@ -69,7 +79,10 @@ def get(section: str) -> Any:
     a validated config model; treat it as read-only and change it with :func:`set`."""
     _check_section(section)
     with _lock:
-        return getattr(_config, section)
+        for layer in reversed(_engines):
+            if section in layer.sections:
+                return layer.sections[section]
+        return getattr(_base, section)
 
 
 def set(
@@ -90,35 +103,47 @@ def set(
         if isinstance(value, BaseModel):
             value = value.model_dump(exclude_unset=True)
         updates = {section: (dict(value), True) if value is not None else (changes, False)}
-    global _config
+    global _base
     with _lock:
-        raw = _config.model_dump(exclude_unset=True)
+        raw = _base.model_dump(exclude_unset=True)
         for name, (keys, replace) in updates.items():
             _check_section(name)
             raw[name] = keys if replace else {**raw.get(name, {}), **keys}
         new = parse_dsx_config(raw)
-        token = Restore(_config, _scheduler)
-        _config = new
-        return token
+        before = {name: getattr(_base, name) for name in updates}
+        _base = new
+
+        def undo() -> None:
+            global _base
+            _base = _base.model_copy(update=before)
+
+        return Restore(undo)
 
 
 def reset() -> None:
-    """Back to the built-in defaults (every section as ``DsxConfig()`` has it) and the process scheduler."""
-    global _config, _scheduler
+    """Back to the built-in defaults (every section as ``DsxConfig()`` has it), no engine installed, and the
+    process scheduler."""
+    global _base
     with _lock:
-        _config, _scheduler = DsxConfig(), None
+        _base = DsxConfig()
+        _engines.clear()
 
 
 def install(config: DsxConfig, sched: Scheduler) -> Restore:
-    """Make ``config``'s enabled sections and ``sched`` the process defaults (what :func:`dsx.initialize`
-    does for an engine's lifetime); the returned :class:`Restore` undoes it."""
-    global _config, _scheduler
+    """Make ``config``'s enabled sections, its scheduler section (which ``sched`` runs with, enabled or not) and
+    ``sched`` the defaults while the engine lives (what :func:`dsx.initialize` does); later installs take
+    precedence. The returned :class:`Restore` removes this install, whatever was installed since."""
+    sections = {name: getattr(config, name) for name in SECTIONS if getattr(config, name).enabled}
+    sections["scheduler"] = sched.config
+    layer = _Layer(sections, sched)
     with _lock:
-        token = Restore(_config, _scheduler)
-        enabled = {name: getattr(config, name) for name in SECTIONS if getattr(config, name).enabled}
-        _config = _config.model_copy(update=enabled)
-        _scheduler = sched
-        return token
+        _engines.append(layer)
+
+    def undo() -> None:
+        if layer in _engines:
+            _engines.remove(layer)
+
+    return Restore(undo)
 
 
 def scheduler() -> Scheduler:
@@ -126,8 +151,8 @@ def scheduler() -> Scheduler:
     (created on first use from the ``"scheduler"`` defaults of that moment)."""
     global _own_scheduler
     with _lock:
-        if _scheduler is not None:
-            return _scheduler
-        if _own_scheduler is None:
-            _own_scheduler = Scheduler(_config.scheduler)
+        if _engines:
+            return _engines[-1].sched
+        if _own_scheduler is None or _own_scheduler.closed:
+            _own_scheduler = Scheduler(_base.scheduler)
         return _own_scheduler

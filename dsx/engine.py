@@ -56,19 +56,19 @@ class DsxRuntime:
         """Detach features (hooks, files, shared segments), stop the threads, write the trace; restore the
         process defaults that were current before :func:`initialize`."""
         errors: list[BaseException] = []
-        if self._step is not None:
-            self._step.close()
-            self._step = None
-        for handle in reversed(list(self.features.values())):
-            try:
-                handle.close()
-            except BaseException as exc:  # keep closing the rest, then re-raise the first
-                errors.append(exc)
-        self.features.clear()
-        self.scheduler.close()
+        # first: nothing made from now on (a loader, a unified tensor) picks up this engine's scheduler
         if self._defaults is not None:
             self._defaults.restore()
             self._defaults = None
+        if self._step is not None:
+            self._step.close()
+            self._step = None
+        for close in [h.close for h in reversed(list(self.features.values()))] + [self.scheduler.close]:
+            try:
+                close()
+            except BaseException as exc:  # keep closing the rest, then re-raise the first
+                errors.append(exc)
+        self.features.clear()
         if errors:
             raise errors[0]
 
@@ -241,6 +241,9 @@ def attach(engine: Any, dsx_config: DsxConfig) -> DsxRuntime:
         _add_sinks(engine, runtime.scheduler)
         runtime._step = _StepDriver(engine, runtime)
     except BaseException:
-        runtime.close()
+        try:
+            runtime.close()
+        except BaseException:  # the attach error is the one to see; the close error only goes to the log
+            logger.exception("dsx: closing after a failed attach failed too")
         raise
     return runtime

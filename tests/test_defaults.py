@@ -77,3 +77,46 @@ def test_scheduler_is_the_installed_one_then_the_process_one() -> None:
     token.restore()
     assert defaults.scheduler() is own and defaults.get("rgnn").precision == "fp32"
     engine_sched.close()
+
+
+def test_engines_may_close_in_any_order() -> None:
+    from dsx.runtime.scheduler import Scheduler
+
+    a_sched, b_sched = Scheduler(), Scheduler()
+    a = defaults.install(DsxConfig.model_validate({"rgnn": {"enabled": True, "precision": "tf32"}}), a_sched)
+    b = defaults.install(DsxConfig.model_validate({"rgnn": {"enabled": True, "precision": "bf16"}}), b_sched)
+    assert defaults.get("rgnn").precision == "bf16" and defaults.scheduler() is b_sched
+    a.restore()  # the older engine closes first: the newer one's sections and scheduler stay
+    assert defaults.get("rgnn").precision == "bf16" and defaults.scheduler() is b_sched
+    a_sched.close()
+    b.restore()
+    assert defaults.get("rgnn").precision == "fp32"
+    own = defaults.scheduler()
+    assert own is not a_sched and own is not b_sched and not own.closed
+    b_sched.close()
+
+
+def test_a_set_undone_while_an_engine_lives_leaves_the_engine_alone() -> None:
+    from dsx.runtime.scheduler import Scheduler
+
+    token = defaults.set("unified", max_gather_sms=8)
+    sched = Scheduler()
+    engine = defaults.install(
+        DsxConfig.model_validate({"unified": {"enabled": True, "max_gather_sms": 2}}), sched
+    )
+    token.restore()
+    assert defaults.get("unified").max_gather_sms == 2 and defaults.scheduler() is sched
+    engine.restore()
+    assert defaults.get("unified").max_gather_sms == 16  # the set was undone, the engine is gone
+    sched.close()
+
+
+def test_the_engines_scheduler_section_is_installed_with_its_scheduler() -> None:
+    from dsx.config import SchedulerConfig
+    from dsx.runtime.scheduler import Scheduler
+
+    sched = Scheduler(SchedulerConfig(io_workers=3))  # not "enabled": no telemetry sinks, but it runs
+    with defaults.install(DsxConfig(), sched):
+        assert defaults.get("scheduler").io_workers == 3
+    assert defaults.get("scheduler").io_workers == 4
+    sched.close()

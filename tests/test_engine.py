@@ -95,3 +95,24 @@ def test_a_moved_key_says_where_it_went() -> None:
         match=r"activation_offload\.io_threads: this key moved: use dsx\.scheduler\.io_workers",
     ):
         dsx.initialize(model=_model(), config=cfg)
+
+
+def test_close_restores_the_defaults_even_when_closing_the_scheduler_fails() -> None:
+    from dsx import defaults
+
+    class BrokenSink:
+        def on_step(self, record) -> None:
+            pass
+
+        def close(self) -> None:
+            raise OSError("the trace's disk went away")
+
+    model = _model()
+    cfg = {**BASE, "dsx": {"scheduler": {"enabled": True}}}
+    engine, _, _, _ = dsx.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    rt = dsx.runtime_of(engine)
+    rt.scheduler.add_sink(BrokenSink())
+    with pytest.raises(OSError, match="disk went away"):
+        rt.close()
+    assert defaults.scheduler() is not rt.scheduler and rt.scheduler.closed
+    assert engine.step.__func__ is type(engine).step

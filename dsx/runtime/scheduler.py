@@ -70,6 +70,11 @@ class Scheduler:
         # how I/O threads wait for the side streams' events (CUDA only: on CPU, copies run on the threads)
         self.waiter = EventWaiter(self.config.event_wait) if self.device.type == "cuda" else None
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (a closed scheduler takes no work)."""
+        return self._closed
+
     # ------------------------------------------------------------------------------------------ streams
     def stream(self, name: str) -> torch.cuda.Stream | None:
         """A named side stream on this rank's GPU (created once), or None on CPU."""
