@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["GIB", "MAX_GB", "check_dir", "check_path_length", "physical_memory"]
+__all__ = ["GIB", "MAX_GB", "check_creatable", "check_dir", "check_path_length", "physical_memory"]
 
 GIB = 1 << 30
 # Upper bound of every size in GB: more than any machine holds, and small enough that the byte counts derived
@@ -76,6 +76,21 @@ def check_dir(value: str | None, key: str) -> str | None:
             "directory this user can write"
         )
     return str(path)
+
+
+def check_creatable(value: str, key: str) -> None:
+    """A file dsx creates, with the directories above it that do not exist yet: the nearest existing one must
+    be a writable directory (the messages complete ``<key>: "<value>" ...``)."""
+    parent = Path(value).expanduser().absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"is below {str(parent)!r}, which is not a directory: point {key} elsewhere")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"would be created below {str(parent)!r}, which this user (uid {os.getuid()}) cannot write: "
+            f"change its permissions, or point {key} at a directory this user can write"
+        )
 
 
 def physical_memory() -> int:

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from dsx.config.checks import GIB, MAX_GB, check_dir, check_path_length, physical_memory
+from dsx.config.checks import GIB, MAX_GB, check_creatable, check_dir, check_path_length, physical_memory
 
 __all__ = ["ActivationOffloadConfig", "DsxConfig", "RGNNConfig", "SchedulerConfig", "UnifiedConfig"]
 
@@ -188,8 +188,8 @@ class SchedulerConfig(_Section):
     @field_validator("trace_path")
     @classmethod
     def _trace_path(cls, v: str | None, info: ValidationInfo) -> str | None:
-        """A trace file name whose directory exists and is writable, checked at start-up rather than when
-        the first trace is written (at close, or after ``log_interval`` steps)."""
+        """A trace file name that can be created (its directory, made if missing, below a writable one),
+        checked at start-up rather than when the first trace is written (after ``log_interval`` steps)."""
         if v is None:
             return None
         if not v.strip():
@@ -197,12 +197,8 @@ class SchedulerConfig(_Section):
         path = check_path_length(v, "trace_path")
         if path.is_dir():
             raise ValueError("is a directory: give trace_path a file name in it, e.g. trace.json")
-        # a disabled scheduler writes no trace: its directory may be absent
-        if info.data.get("enabled", False):
-            try:
-                check_dir(str(path.parent), "trace_path")
-            except ValueError as exc:
-                raise ValueError(f"is in {str(path.parent)!r}, which {exc}") from None
+        if info.data.get("enabled", False):  # a disabled scheduler writes no trace
+            check_creatable(str(path), "trace_path")
         return str(path)
 
 
