@@ -101,24 +101,32 @@ class ActivationOffload:
         # checked before any hook, file or buffer exists: a bad name leaves the model as it was
         self.layers, self._subs = layers_and_subs(model, cfg)
         self.host = HostPool(int(cfg.host_pool_gb * GB), pin=self.device.type == "cuda")
-        if cfg.policy in (
-            "auto",
-            "offload_all",
-        ):  # the policies that move bytes: the pool, now, or a clear error
-            self.host.allocate()
-        self.run_dir: RunDir | None = None
-        self.ssd: SsdFile | None = None
         self.wear: WearWatch | None = None  # ssd_endurance_tbw given: warns when the drive would wear out
         # the SSD tier shares a drive with another writer (ZeRO's nvme_path: set by dsx.offload.deepspeed);
         # activation writes then pause while that writer runs
         self.shared_ssd = False
+        # what close() undoes, so that a constructor that raises can undo what it had done so far
+        self.run_dir: RunDir | None = None
+        self.ssd: SsdFile | None = None
+        self.mover: Mover | None = None
+        self.hooks: LayerHooks | None = None
+        self.calibration: Calibration | None = None
+        self._orig_forward: dict[int, Any] = {}
+        self._orig_sub_forward: dict[int, Any] = {}
+        self._expandable_before: bool | None = None  # the allocator setting to restore at close
+        try:
+            self._start(model, cfg, scheduler)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, model: nn.Module, cfg: ActivationOffloadConfig, scheduler: Scheduler) -> None:
+        """The rest of the constructor: tiers, bandwidth probe, mover, hooks, and the policy's first actions."""
+        if cfg.policy == "offload_all":  # it moves bytes from the first step: the pool now, or a clear error
+            self.host.allocate()
         if "ssd" in cfg.tiers and cfg.policy != "none":
             self.run_dir = RunDir(cfg.ssd_path, rank())
-            try:
-                self.ssd = SsdFile(self.run_dir, int(cfg.ssd_capacity_gb * GB), cfg.io_backend, scheduler)
-            except BaseException:  # (an unavailable io_backend): a failed start leaves no directory behind
-                self.run_dir.remove()
-                raise
+            self.ssd = SsdFile(self.run_dir, int(cfg.ssd_capacity_gb * GB), cfg.io_backend, scheduler)
             logger.info(
                 "dsx activation offload: SSD file %s, backend %s, %s",
                 self.ssd.path,
@@ -134,7 +142,6 @@ class ActivationOffload:
             self._bws = measure_tier_bandwidth(
                 cfg.tiers, self.run_dir.path if self.run_dir else None, mb=scheduler.config.bandwidth_probe_mb
             )
-        self._expandable_before: bool | None = None  # the allocator setting to restore at close
         self.mover = Mover(
             self.device,
             scheduler,
@@ -144,8 +151,6 @@ class ActivationOffload:
             read_pool=cfg.resolved("read_pool"),
         )
         self.hooks = LayerHooks(model, self.layers, self.mover, cfg.min_tensor_bytes)
-        self._orig_forward: dict[int, Any] = {}
-        self._orig_sub_forward: dict[int, Any] = {}
         self.plan: Plan | None = None
         # the planned steps' measured peaks (its forward start is where a step's activation memory counts from)
         self.calibration = Calibration(cfg, model, self.device)
@@ -269,6 +274,10 @@ class ActivationOffload:
         return make_plan(self.plan.profiles, self._bws, cfg, outside_s=self._outside_s)
 
     def _install(self, plan: Plan) -> None:
+        if any(
+            a.moved for a in plan.actions
+        ):  # the first plan that moves bytes: the pool now, or a clear error
+            self.host.allocate()
         self.plan = plan
         if rank() == 0:
             how = "every layer recomputed" if self._profile_rc else "everything kept"
@@ -294,11 +303,14 @@ class ActivationOffload:
         if self._closed:
             return
         self._closed = True
-        self.calibration.meter.close()
+        if self.calibration is not None:
+            self.calibration.meter.close()
         try:
-            self.mover.drain()
+            if self.mover is not None:
+                self.mover.drain()
         finally:
-            self.hooks.remove()
+            if self.hooks is not None:
+                self.hooks.remove()
             self._uncheckpoint_layers()
             for sub in [s for subs in self._subs for s in subs]:
                 checkpointed(sub, False, id(sub), self._orig_sub_forward)

@@ -41,7 +41,7 @@ class Entry:
     # failed); an SSD entry is set before its file write, which needs only the host slot
     off_device: threading.Event = field(default_factory=threading.Event)
     copied: Any = None  # CUDA: the event after the device-to-host copy on the offload stream
-    # written without an I/O thread (CUDA, host tier, not verified): poll_writes() also finishes the write
+    # written without an I/O thread (CUDA, host tier): poll_writes() also finishes the write
     inline: bool = False
     # released after a read was issued (CUDA): the slots go back once that read's copy has run (poll_writes)
     frees_after_read: bool = False

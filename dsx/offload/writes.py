@@ -84,7 +84,7 @@ class WritePath:
             # nothing to do on the host once the copy ends but drop src for a host-tier write: no I/O thread
             # waits for it (threads spinning in cudaEventSynchronize slowed the thread queueing the forward's
             # kernels many times over at times, and kept a core busy each)
-            e.inline = e.tier == "host" and e.checksum is None
+            e.inline = e.tier == "host"  # (a verified entry's checksum is queued on the GPU with its copy)
             with self._in_flight_lock:  # (every copy: src goes when it ends, whatever the I/O threads do)
                 self._in_flight.append((e, t0))
             if not e.inline:

@@ -280,9 +280,10 @@ def test_gpu_dropped_graph_gives_read_buffers_back(tmp_path):
 
 
 def test_gpu_host_writes_need_no_io_thread(tmp_path):
-    """Host-tier writes without ``verify`` finish on the threads that queue the GPU's work (an event query at
-    each hook): no I/O thread is started, none spins in ``cudaEventSynchronize``, and the gradients are those
-    of a run without offload. With ``verify`` (a checksum of the host bytes) the writes go to I/O threads."""
+    """Host-tier writes finish on the threads that queue the GPU's work (an event query at each hook): without
+    ``verify`` no I/O thread is started, none spins in ``cudaEventSynchronize``, and the gradients are those of
+    a run without offload. With ``verify`` the writes still need none (their checksums are queued on the GPU
+    with the copies), but each read is checked on an I/O thread, which waits for its copy back."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
 

@@ -154,3 +154,29 @@ def test_ssd_runs_with_an_endurance_warn_when_it_would_wear_out(tmp_path, caplog
     warnings = [r.getMessage() for r in caplog.records if "SSD wear" in r.getMessage()]
     assert len(warnings) == 1 and "2 rank(s)" in warnings[0] and str(tmp_path / "ssd") in warnings[0]
     assert off.wear.ranks == 2 and off.wear.years < 1e-3
+
+
+def test_a_constructor_that_fails_late_leaves_no_file_and_no_hook(tmp_path, monkeypatch):
+    """A failure after the SSD file exists (here the start-up bandwidth probe) undoes what was set up: no run
+    directory stays on the drive, and the model runs as it did."""
+    import dsx.offload.controller as controller
+
+    def probe_fails(*args, **kwargs):
+        raise OSError("the probe's drive went away")
+
+    monkeypatch.setattr(controller, "measure_tier_bandwidth", probe_fails)
+    (tmp_path / "ssd").mkdir()
+    model = TinyGPT()
+    forwards = [blk.forward for blk in model.blocks]
+    hooks_before = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    cfg = ActivationOffloadConfig(enabled=True, tiers=["host", "ssd"], ssd_path=str(tmp_path / "ssd"),
+                                  policy="offload_all", host_pool_gb=0.01, ssd_capacity_gb=0.01)  # fmt: skip
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    try:
+        with pytest.raises(OSError, match="went away"):
+            ActivationOffload(model, cfg, sched)
+    finally:
+        sched.close()
+    assert list((tmp_path / "ssd").iterdir()) == []
+    assert [blk.forward for blk in model.blocks] == forwards
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == hooks_before
