@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ import torch
 from dsx.config import DsxConfigError
 from dsx.offload.align import ALIGN, align_up
 from dsx.offload.io import IOBackend, select_backend
-from dsx.runtime.process import owner_gone, owner_record
+from dsx.runtime.process import judge, owner_record
 from dsx.runtime.scheduler import Scheduler
 
 __all__ = ["Arena", "HostPool", "RunDir", "SsdFile", "SsdFull", "clean_stale_runs"]
@@ -121,35 +122,41 @@ class HostPool:
 
 
 # ------------------------------------------------------------------------------------------- run dirs
-def clean_stale_runs(root: str) -> list[str]:
-    """Remove ``root/dsx-*`` run directories whose owner (``owner.json``) has ended, here or before a reboot.
+def _prefix() -> str:
+    """The start of this user's run directories' names (another user's are never judged or touched)."""
+    return f"dsx-u{os.getuid()}-"
 
-    Directories of other machines or other containers' pid namespaces (an ``ssd_path`` on a shared drive) are
-    left alone: their pids mean nothing here, and removing a live run's file would lose its activations.
+
+def clean_stale_runs(root: str) -> list[str]:
+    """Remove this user's ``root/dsx-u<uid>-*`` run directories that :func:`~dsx.runtime.process.judge` proves
+    stale from their ``owner.json`` (their owner ended, here or before a reboot).
+
+    A live run holds a lock on its owner record, so no sweep from any container takes it; directories of
+    other machines or other containers' pid namespaces (an ``ssd_path`` on a shared drive) are left alone:
+    their pids mean nothing here, and removing a live run's file would lose its activations.
     """
     removed = []
     if not os.path.isdir(root):
         return removed
-    foreign = 0
+    kept: list[str] = []
     for name in os.listdir(root):
         d = os.path.join(root, name)
-        if not name.startswith("dsx-") or not os.path.isdir(d):
+        if not name.startswith(_prefix()) or not os.path.isdir(d):
             continue
+        record_path = os.path.join(d, OWNER)
         try:
-            with open(os.path.join(d, OWNER)) as f:
+            with open(record_path) as f:
                 record = json.load(f)
-            gone = owner_gone(record)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not ours, or being created right now
-        if gone:
+        except (OSError, ValueError):
+            continue  # being created right now, or not dsx's
+        stale, why = judge(record if isinstance(record, dict) else None, record_path)
+        if stale:
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
-        elif gone is None:
-            foreign += 1
-    if foreign:
-        logger.info(
-            "dsx: %d run dir(s) under %s belong to other machines or containers; left alone", foreign, root
-        )
+        elif "runs" not in why:
+            kept.append(f"{name} ({why})")
+    if kept:
+        logger.info("dsx: run dir(s) under %s left alone: %s", root, "; ".join(kept))
     return removed
 
 
@@ -161,14 +168,19 @@ class RunDir:
         stale = clean_stale_runs(root)
         if stale:
             logger.warning("dsx: removed %d leftover offload dir(s) of crashed runs: %s", len(stale), stale)
-        self.path = os.path.join(root, f"dsx-{os.getpid()}-r{rank}-{uuid.uuid4().hex[:8]}")
+        self.path = os.path.join(root, f"{_prefix()}{os.getpid()}-r{rank}-{uuid.uuid4().hex[:8]}")
         os.mkdir(self.path, 0o700)
-        with open(os.path.join(self.path, OWNER), "w") as f:
-            json.dump(owner_record(), f)
+        # the owner record, created exclusively and held locked while the run lives
+        self._lock = os.open(os.path.join(self.path, OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        os.write(self._lock, json.dumps(owner_record()).encode())
         atexit.register(self.remove)
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
         atexit.unregister(self.remove)
 
 
@@ -188,16 +200,20 @@ class SsdFile:
     ) -> None:
         self.path = os.path.join(run_dir.path, "activations.bin")
         self.arena = Arena(capacity)
-        flags = os.O_RDWR | os.O_CREAT
+        # created exclusively (never a file someone else made), readable by this user only
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         self.direct, self.direct_reason = False, "O_DIRECT unavailable on this platform"
         if hasattr(os, "O_DIRECT"):
             try:
                 self.fd = os.open(self.path, flags | os.O_DIRECT, 0o600)
                 self.direct, self.direct_reason = True, "O_DIRECT"
             except OSError as exc:  # tmpfs and some overlay filesystems reject O_DIRECT with EINVAL
+                if exc.errno == errno.EEXIST:
+                    raise
                 self.direct_reason = f"buffered I/O: O_DIRECT open failed ({os.strerror(exc.errno or 0)})"
         if not self.direct:
-            self.fd = os.open(self.path, flags, 0o600)
+            # (the refused O_DIRECT open may have created the file already, in this run's private directory)
+            self.fd = os.open(self.path, os.O_RDWR if os.path.exists(self.path) else flags, 0o600)
         self._allocated = 0
         self._lock = threading.Lock()
         try:

@@ -21,6 +21,7 @@ __all__ = [
     "exit_distributed",
     "hold_deepspeed_shm",
     "is_locked",
+    "judge",
     "owner_gone",
     "owner_record",
     "owner_tag",
@@ -29,6 +30,7 @@ __all__ = [
     "release_deepspeed_shm",
     "release_deepspeed_shm_at_exit",
     "scan_deepspeed_shm",
+    "sees_every_process",
     "shm_prefix",
     "single_process_env",
     "stale_deepspeed_shm_buffers",
@@ -260,6 +262,43 @@ def _mapped_paths() -> dict[str, int]:
     return mapped
 
 
+INIT_PID_NAMESPACE = "pid:[4026531836]"  # the kernel's initial pid namespace (PROC_PID_INIT_INO)
+
+
+def sees_every_process() -> bool:
+    """Whether this process runs in the initial pid namespace, where ``/proc`` lists every process of the
+    machine, those of containers included (in a container's namespace, other containers are invisible)."""
+    return _pid_namespace() == INIT_PID_NAMESPACE
+
+
+def judge(
+    owner: dict[str, Any] | None, path: str | os.PathLike[str], min_age_s: float = 0.0
+) -> tuple[bool, str]:
+    """Whether what ``path`` names (a file, or a directory whose owner record it is) is proven stale, and why or
+    why not: the one liveness test for everything dsx leaves on shared storage.
+
+    Kept: a file some process holds locked (dsx's owners lock what they make: seen from every container),
+    one younger than ``min_age_s``, one without an owner record, one whose owner runs, and one whose owner ran
+    in another pid namespace or machine (its pid means nothing here). Stale: its owner is proven ended.
+    """
+    if is_locked(path):
+        return False, "in use: its owner holds a lock on it"
+    try:
+        age = time.time() - os.stat(path).st_mtime
+    except OSError:
+        return False, "gone"
+    if age < min_age_s:
+        return False, f"younger than {min_age_s:g} s"
+    if owner is None:
+        return False, "no owner record: cannot tell whether its owner runs"
+    gone = owner_gone(owner)
+    if gone:
+        return True, f"its owner (pid {owner['pid']}) has ended"
+    if gone is None:
+        return False, "made in another pid namespace or machine: cannot tell whether its owner runs"
+    return False, f"its owner (pid {owner['pid']}) runs"
+
+
 def scan_deepspeed_shm(min_age_s: float = 60.0) -> list[ShmFinding]:
     """This user's DeepSpeed CPU all-reduce buffers in ``/dev/shm``, each judged stale or kept.
 
@@ -267,9 +306,10 @@ def scan_deepspeed_shm(min_age_s: float = 60.0) -> list[ShmFinding]:
     every container sharing ``/dev/shm``), one younger than ``min_age_s`` (a rank maps its buffer a moment
     after creating it, and peers open it by name during setup). The rest is what jobs left behind: DeepSpeed
     never unlinks them, a killed rank cannot, and no job uses another job's buffer (each has its port).
-    A DeepSpeed job started without dsx in another container is invisible here: run the command in that
-    container, or leave ``min_age_s`` above its run time."""
+    The rest is stale only where this process sees every process (the initial pid namespace): from inside a
+    container, a job in another container sharing ``/dev/shm`` could map it unseen, so it is kept there."""
     mapped = _mapped_paths()
+    everyone = sees_every_process()
     now = time.time()
     out = []
     for path in sorted(SHM_DIR.glob(f"{shm_prefix()}*")):
@@ -285,6 +325,9 @@ def scan_deepspeed_shm(min_age_s: float = 60.0) -> list[ShmFinding]:
             out.append(
                 ShmFinding(path, st.st_size, False, f"younger than {min_age_s:g} s: a job may be starting")
             )
+        elif not everyone:
+            out.append(ShmFinding(path, st.st_size, False, "no process here maps it, but this runs in a container's "
+                                  "pid namespace, where another container's job would be invisible"))  # fmt: skip
         else:
             out.append(ShmFinding(path, st.st_size, True, "no running process maps or holds it"))
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import fcntl
 import json
 import logging
 import os
@@ -16,8 +17,8 @@ import torch
 
 from dsx.config import ActivationOffloadConfig, SchedulerConfig
 from dsx.offload import ActivationOffload
-from dsx.offload.store import OWNER, RunDir, clean_stale_runs
-from dsx.runtime.process import owner_record
+from dsx.offload.store import OWNER, RunDir, SsdFile, clean_stale_runs
+from dsx.runtime.process import is_locked, owner_record
 from dsx.runtime.scheduler import Scheduler
 from tests.offload._offload_models import OddModel
 
@@ -135,13 +136,22 @@ def test_host_pool_full_keeps_on_device(tmp_path, caplog):
 def test_run_dir_is_private_and_removed(tmp_path):
     d = RunDir(str(tmp_path), rank=3)
     assert os.stat(d.path).st_mode & 0o777 == 0o700
+    assert os.path.basename(d.path).startswith(f"dsx-u{os.getuid()}-")  # named per user
+    owner = os.path.join(d.path, OWNER)
+    assert os.stat(owner).st_mode & 0o777 == 0o600 and is_locked(owner)  # held while the run lives
+    ssd = SsdFile(d, 1 << 20, "posix")
+    assert os.stat(ssd.path).st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):  # created exclusively: never a file someone else put there
+        SsdFile(d, 1 << 20, "posix")
+    ssd.close()
     d.remove()
     assert not os.path.exists(d.path)
 
 
 def test_stale_runs_are_judged_only_where_their_owner_can_be(tmp_path):
     """A shared ssd_path: run dirs of other machines or other containers' pid namespaces stay, whatever their
-    pid means here; dead owners, owners from before this machine rebooted and reused pids go."""
+    pid means here; dead owners, owners from before this machine rebooted and reused pids go; a run whose
+    owner record is locked (its owner runs, in whatever namespace) stays; another user's is not looked at."""
     me = owner_record()
     dead = 2**22 + 12345  # above pid_max's default: no such process
     owners = {
@@ -150,18 +160,30 @@ def test_stale_runs_are_judged_only_where_their_owner_can_be(tmp_path):
         "rebooted": dict(me, pid=dead, boot="an earlier boot"),
         "other-machine": dict(me, pid=dead, boot="another boot", host="another-host"),
         "other-container": dict(me, pid=dead, pidns="pid:[1]"),
+        "locked": dict(me, pid=dead),  # a dead pid, but its owner record is held: in use
         "live": me,
     }
+    prefix = f"dsx-u{os.getuid()}-"
     for name, rec in owners.items():
-        os.mkdir(tmp_path / f"dsx-{name}")
-        (tmp_path / f"dsx-{name}" / OWNER).write_text(json.dumps(rec))
-    removed = sorted(os.path.basename(d) for d in clean_stale_runs(str(tmp_path)))
+        os.mkdir(tmp_path / f"{prefix}{name}")
+        (tmp_path / f"{prefix}{name}" / OWNER).write_text(json.dumps(rec))
+    other_user = tmp_path / f"dsx-u{os.getuid() + 1}-dead"
+    other_user.mkdir()
+    (other_user / OWNER).write_text(json.dumps(owners["dead"]))
+    holder = os.open(tmp_path / f"{prefix}locked" / OWNER, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_SH)
+    try:
+        removed = sorted(os.path.basename(d) for d in clean_stale_runs(str(tmp_path)))
+    finally:
+        os.close(holder)
     # where /proc does not tell a start time, a boot id or a pid namespace, the pid alone decides
-    want = ["dsx-dead", "dsx-rebooted"] + (["dsx-reused-pid"] if me["start"] is not None else [])
-    want += [] if me["boot"] else ["dsx-other-machine"]
-    want += [] if me["pidns"] else ["dsx-other-container"]
-    assert removed == sorted(want)
-    assert sorted(os.listdir(tmp_path)) == sorted({f"dsx-{n}" for n in owners} - set(want))
+    want = ["dead", "rebooted"] + (["reused-pid"] if me["start"] is not None else [])
+    want += [] if me["boot"] else ["other-machine"]
+    want += [] if me["pidns"] else ["other-container"]
+    assert removed == sorted(f"{prefix}{n}" for n in want)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        {f"{prefix}{n}" for n in owners if n not in want} | {other_user.name}
+    )
 
 
 @pytest.mark.slow

@@ -67,3 +67,31 @@ def test_clean_shm_lists_then_removes_only_stale_buffers(capsys) -> None:
         os.close(holder)
         for p in (old, mapped, young, held):
             p.unlink(missing_ok=True)
+
+
+def test_from_a_containers_pid_namespace_an_unmapped_buffer_is_kept() -> None:
+    """Run from a pid namespace other than the machine's first, /proc hides other containers' processes: a
+    buffer no visible process maps could be another container's, so clean-shm keeps it and says why."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from dsx.runtime.process import SHM_DIR, sees_every_process
+
+    unshare = shutil.which("unshare")
+    if not SHM_DIR.is_dir() or unshare is None or not sees_every_process():
+        pytest.skip("needs /dev/shm, unshare and the initial pid namespace")
+    if subprocess.run([unshare, "--pid", "--fork", "--mount-proc", "true"]).returncode != 0:
+        pytest.skip("cannot make a pid namespace here (unshare needs root)")
+    old = SHM_DIR / f"deepspeed_allreduce_buffer_{os.getuid()}_test.invalid_{os.getpid()}_ns"
+    old.write_bytes(os.urandom(4096))
+    os.utime(old, (time.time() - 3600,) * 2)
+    try:
+        r = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-m", "dsx.cli",
+                            "clean-shm", "--remove"], capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert old.exists() and f"kept     {old}: " in r.stdout and "container's pid namespace" in r.stdout
+    finally:
+        old.unlink(missing_ok=True)
