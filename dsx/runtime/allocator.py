@@ -1,11 +1,10 @@
 """The CUDA caching allocator's expandable segments, switched while the process runs.
 
-Under a tight activation budget, blocks of very different sizes share the allocator's fixed-size segments:
-at hidden 4096 with ZeRO-2 CPU offload and micro-batch 20, 10 GiB fp32 softmax blocks beside 1-5 GiB read
-buffers. Once smaller blocks sit in a freed large segment, the next large request finds no segment that
-holds it and fails with tens of GiB reserved but unallocated (H100: 25.9 GiB, in one of four runs of the
-same plan; the other three peaked 57.0 GB, docs/offload.md). Expandable segments map physical memory in
-2 MiB pages on demand, so pages freed anywhere serve any request.
+Under a tight activation budget, blocks of very different sizes share the allocator's fixed-size segments
+(large fp32 softmax blocks beside read buffers of a few GiB). Once smaller blocks sit in a freed large segment,
+the next large request finds no segment that holds it and fails with tens of GiB reserved but unallocated, in
+some runs of a plan and not others (docs/offload.md, "Budget calibration and the allocator"). Expandable
+segments map physical memory in 2 MiB pages on demand, so pages freed anywhere serve any request.
 
 The setting is process-wide. PyTorch reads it at segment creation, so segments cached before the switch are
 released (``empty_cache``) and later ones follow it. ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``)

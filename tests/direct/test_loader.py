@@ -4,7 +4,6 @@ never changes which batches come out."""
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from types import SimpleNamespace
@@ -16,7 +15,6 @@ from dsx import defaults
 from dsx.config import DsxConfig, SchedulerConfig, UnifiedConfig
 from dsx.data.rmat import rmat_graph
 from dsx.direct import NeighborLoader
-from dsx.direct import loader as loader_mod
 from dsx.runtime.scheduler import Scheduler
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
@@ -117,8 +115,6 @@ def test_a_slow_batch_is_the_loaders_stall_in_the_telemetry(monkeypatch, data, t
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_the_loader_creates_no_thread_or_stream_of_its_own(monkeypatch, data, device) -> None:
-    src = inspect.getsource(loader_mod)
-    assert "threading.Thread(" not in src and "torch.cuda.Stream(" not in src
     made_streams: list[object] = []
     real_stream = torch.cuda.Stream
 

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -249,31 +248,29 @@ def test_two_gpu_ranks_register_and_gather_the_shared_copy(tmp_path) -> None:
     _two_rank_job(tmp_path, "cuda")  # the worker also gathers on its own GPU from the shared pages
 
 
-def test_attach_installs_section_defaults(tmp_path) -> None:
-    """What dsx.initialize does for an enabled "unified" section: the engine installs it as the process
-    default (dsx.defaults), attach() returns the feature's handle; closing restores the defaults."""
+def test_an_engine_installs_its_section_as_the_defaults(tmp_path) -> None:
+    """dsx.initialize with an enabled "unified" section: the engine's section is the process default while the
+    engine lives (a unified tensor made then follows it); closing the engine restores the defaults."""
+    import dsx
     from dsx import defaults
-    from dsx.config import parse_dsx_config
-    from dsx.direct.deepspeed import attach
-    from dsx.runtime.scheduler import Scheduler
 
-    config = parse_dsx_config({"unified": {"enabled": True, "shared": "off", "sort_indices": False,
-                                           "shared_memory_dir": str(tmp_path), "backend": "torch"}})  # fmt: skip
-    section = config.unified
-    runtime = SimpleNamespace(config=config, scheduler=Scheduler(config.scheduler))
-    restore = defaults.install(config, runtime.scheduler)
-    handle = attach(None, runtime)
+    section = {"enabled": True, "shared": "off", "sort_indices": False, "shared_memory_dir": str(tmp_path),
+               "backend": "torch"}  # fmt: skip
+    model = torch.nn.Linear(4, 4)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"torch_adam": True}},
+              "dsx": {"unified": section}}  # fmt: skip
+    engine, _, _, _ = dsx.initialize(model=model, model_parameters=model.parameters(), config=config)
+    runtime = dsx.runtime_of(engine)
     try:
-        assert handle.section is section
+        feature = runtime.features["unified"]
+        assert feature.section is runtime.config.unified is defaults.get("unified")
         ut = unified(_table(30, (5,), torch.float32, 8))
-        assert ut.config is section and not ut.shared
+        assert ut.config is runtime.config.unified and not ut.shared and not ut.config.sort_indices
         idx = torch.tensor([4, 4, 29, 0])
         assert torch.equal(ut[idx], ut.tensor[idx])
     finally:
-        handle.close()
-        restore.restore()
-        runtime.scheduler.close()
-    assert defaults.get("unified") is not section
+        runtime.close()
+    assert defaults.get("unified") is not runtime.config.unified
     assert ut.config is defaults.get("unified")  # no config of its own: it follows the defaults
 
 

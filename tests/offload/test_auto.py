@@ -128,17 +128,26 @@ def test_profiler_times_backward_of_keyword_called_layers(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute"])
-def test_profile_measures_the_step_outside_the_layers(tmp_path, mode):
-    """The printed prediction covers the whole step: the profiling step's time outside the layers (here a
-    0.2 s sleep where the optimizer runs) is measured and added; the layers' own time, their recomputation
-    under profile_mode recompute included (a 0.25 s sleep in each attention, which the recomputation runs
-    again), is not counted outside."""
-    import time
+def test_profile_measures_the_step_outside_the_layers(tmp_path, mode, monkeypatch):
+    """The printed prediction covers the whole step: the profiling step's time outside the layers (here 0.2 s
+    where the optimizer runs) is measured and added; the layers' own time, their recomputation under
+    profile_mode recompute included (0.25 s in each attention, which the recomputation runs again), is not
+    counted outside. Time is a clock the test advances, so the figures are exact on any machine."""
+    import dsx.offload.profile as profile
+
+    clock = [1000.0]
+    monkeypatch.setattr(profile.Profiler, "_now", lambda self: clock[0])
+
+    def advance(s: float):
+        def hook(*_):
+            clock[0] += s
+
+        return hook
 
     torch.manual_seed(11)
     model = TinyGPT(by_keyword=True)
     for b in model.blocks:
-        b.attn.register_forward_pre_hook(lambda *_: time.sleep(0.25))
+        b.attn.register_forward_pre_hook(advance(0.25))
     sched = Scheduler()
     cfg = _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0, profile_mode=mode)
     off = ActivationOffload(model, cfg, sched)
@@ -147,14 +156,14 @@ def test_profile_measures_the_step_outside_the_layers(tmp_path, mode):
         for x in _batches("gpt", 2):
             opt.zero_grad()
             model(x).float().pow(2).mean().backward()
-            time.sleep(0.2)
+            clock[0] += 0.2  # the optimizer's part of the step, outside every layer
             opt.step()
             off.end_step()
         plan = off.plan
     finally:
         off.close()
         sched.close()
-    assert 0.2 <= plan.outside_s < 0.2 + 0.25, plan.outside_s
+    assert plan.outside_s == pytest.approx(0.2)
     assert plan.predicted_total_step_s == pytest.approx(plan.predicted_step_s + plan.outside_s)
     assert plan.predicted_step_s >= 0.25 * len(model.blocks)  # each layer's forward, once
     text = plan.describe()

@@ -25,7 +25,10 @@ GB = 1e9  # the unit the measured rows report memory in
 
 
 def lower_bound(
-    measured: dict[str, dict[str, Any]], profiles: list[LayerProfile], bandwidths: list[TierBandwidth]
+    measured: dict[str, dict[str, Any]],
+    profiles: list[LayerProfile],
+    bandwidths: list[TierBandwidth],
+    speedup: float = 1.15,
 ) -> dict[str, Any] | None:
     """A step time no plan of per-layer and per-module choices (keep, move to a tier, recompute the layer or
     its ``recompute_modules``) goes under at each activation budget, on the model's own kernels and the run's
@@ -43,9 +46,9 @@ def lower_bound(
 
     Two windows ``W0``: ``"until_peak"``, the no-offload step less the other layers' backward times (the
     bound), and ``"forward"``, the layers' forward times: the design's "hideable bytes = bandwidth x forward
-    time", a model, not a bound (copies can go on past the forward). ``window_s_for_1.15x`` is the ``W0`` at
-    which the bound would allow 1.15x full recompute at its peak: a peak that late in no offload's step, or
-    the target is out of reach.
+    time", a model, not a bound (copies can go on past the forward). ``window_s_for_speedup`` is the ``W0`` at
+    which the bound would allow ``speedup`` times full recompute's throughput at its peak: a peak that late in
+    no offload's step, or that speed-up is out of reach.
 
     Returns the cost per GB dropped of each way measured (``cost_s_per_gb``) and the ``cheapest``; per window
     its ``movable_gb`` and the bound's ``curve`` over budgets, and the bound at full recompute's and
@@ -87,9 +90,10 @@ def lower_bound(
     rc, soc = measured.get("recompute"), measured.get("save_on_cpu")
     c, bw = out["cost_s_per_gb"][cheapest], out["write_GBps"]
     if rc is not None:
-        added = max(0.0, rc["step_s"] / 1.15 - t_none)
+        added = max(0.0, rc["step_s"] / speedup - t_none)
         removed = out["no_offload_peak_gb"] - rc["activation_peak_gb"]
-        out["window_s_for_1.15x"] = max(0.0, removed - added * (1 + c * bw) / c) / bw if bw else None
+        out["speedup"] = speedup
+        out["window_s_for_speedup"] = max(0.0, removed - added * (1 + c * bw) / c) / bw if bw else None
     for key, w in out["windows"].items():
         w["curve"] = [{"budget_gb": g, "step_s": bound_step_s(out, key, g)}
                       for g in (out["no_offload_peak_gb"] * k / 40 for k in range(41))]  # fmt: skip
