@@ -16,7 +16,7 @@ import torch
 from dsx import defaults
 from dsx.config import DsxConfig, DsxConfigError, split_config
 from dsx.runtime.monitor import MonitorSink
-from dsx.runtime.process import release_deepspeed_shm_at_exit, single_process_env
+from dsx.runtime.process import rank_and_world, release_deepspeed_shm_at_exit, single_process_env
 from dsx.runtime.scheduler import Scheduler
 from dsx.runtime.trace import TraceWriter
 
@@ -102,12 +102,6 @@ class _StepDriver:
         self.engine.step = self._inner
 
 
-def _rank_and_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def _add_sinks(engine: Any, scheduler: Scheduler) -> None:
     """The monitor and trace sinks the ``scheduler`` section asks for (only when it is enabled)."""
     cfg = scheduler.config
@@ -115,7 +109,7 @@ def _add_sinks(engine: Any, scheduler: Scheduler) -> None:
         if cfg.trace_path is not None:
             logger.warning("dsx: scheduler.trace_path is set but scheduler.enabled is false: no trace")
         return
-    rank, world = _rank_and_world()
+    rank, world = rank_and_world()
     monitor = getattr(engine, "monitor", None)
     if rank == 0 and monitor is not None and monitor.enabled:
         scheduler.add_sink(MonitorSink(engine, cfg.log_interval))

@@ -12,21 +12,11 @@ way. Ranks with another number of layers (pipeline stages) agree among themselve
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
-
-import torch
 
 from dsx.runtime.process import all_gather
 
-__all__ = ["agree_peak", "agree_profiles", "rank"]
-
-
-def rank() -> int:
-    """This process's rank: the process group's, or the launcher's ``RANK`` before the group exists."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
+__all__ = ["agree_peak", "agree_profiles"]
 
 
 def _merge(rows: list[Any]) -> Any:

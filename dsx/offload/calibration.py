@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from dsx.config import ActivationOffloadConfig
-from dsx.offload.agree import rank
 from dsx.offload.plan import Plan, PlanError
+from dsx.runtime.process import rank_and_world
 
 __all__ = ["MAX_CALIBRATIONS", "Calibration", "PeakMeter"]
 
@@ -133,7 +133,7 @@ class Calibration:
                 exc,
             )
             return
-        if rank() == 0:
+        if rank_and_world()[0] == 0:
             logger.warning(
                 "dsx activation offload: the planned step peaked at %.2f GiB against a budget of %.2f GiB "
                 "(predicted %.2f GiB); planning again against %.2f GiB",

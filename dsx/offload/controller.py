@@ -16,7 +16,7 @@ from torch import nn
 
 from dsx import defaults
 from dsx.config import ActivationOffloadConfig
-from dsx.offload.agree import agree_peak, agree_profiles, rank
+from dsx.offload.agree import agree_peak, agree_profiles
 from dsx.offload.calibration import Calibration
 from dsx.offload.checkpointing import checkpointed, layers_and_subs
 from dsx.offload.hooks import LayerHooks
@@ -27,6 +27,7 @@ from dsx.offload.transfer import Mover
 from dsx.offload.wear import WearWatch
 from dsx.runtime import allocator
 from dsx.runtime.bandwidth import measure_tier_bandwidth
+from dsx.runtime.process import rank_and_world
 from dsx.runtime.scheduler import Scheduler
 
 __all__ = ["ActivationOffload"]
@@ -52,7 +53,7 @@ def _warn_unused_auto_settings(cfg: ActivationOffloadConfig) -> None:
         and getattr(cfg, k) != type(cfg).model_fields[k].default
         and cfg.policy not in readers
     ]
-    if set_keys and rank() == 0:
+    if set_keys and rank_and_world()[0] == 0:
         logger.warning(
             "dsx activation offload: policy %r ignores %s",
             cfg.policy,
@@ -125,7 +126,7 @@ class ActivationOffload:
         if cfg.policy == "offload_all":  # it moves bytes from the first step: the pool now, or a clear error
             self.host.allocate()
         if "ssd" in cfg.tiers and cfg.policy != "none":
-            self.run_dir = RunDir(cfg.ssd_path, rank())
+            self.run_dir = RunDir(cfg.ssd_path, rank_and_world()[0])
             self.ssd = SsdFile(self.run_dir, int(cfg.ssd_capacity_gb * GB), cfg.io_backend, scheduler)
             logger.info(
                 "dsx activation offload: SSD file %s, backend %s, %s",
@@ -246,7 +247,9 @@ class ActivationOffload:
             # every rank plans from the same numbers, so that all recompute the same layers (a collective)
             profiles, self._outside_s = agree_profiles(self.profiler.finish(), self.profiler.outside_s)
             self.profiler = None
-            if rank() == 0 and len(profiles) > 16:  # the search grows about as n^3 (make_plan's notes)
+            if (
+                rank_and_world()[0] == 0 and len(profiles) > 16
+            ):  # the search grows about as n^3 (make_plan's notes)
                 logger.warning("dsx activation offload: planning %d layers ...", len(profiles))
             self._uncheckpoint_layers()  # the profiler's wrappers go; the plan checkpoints what it recomputes
             self._install(
@@ -279,7 +282,7 @@ class ActivationOffload:
         ):  # the first plan that moves bytes: the pool now, or a clear error
             self.host.allocate()
         self.plan = plan
-        if rank() == 0:
+        if rank_and_world()[0] == 0:
             how = "every layer recomputed" if self._profile_rc else "everything kept"
             logger.warning(
                 "dsx activation offload plan (profiled with %s; reads into the %s stream's allocator pool%s):\n%s",

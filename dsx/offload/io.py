@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dsx import defaults
-from dsx.offload.align import ALIGN
+from dsx.offload.align import ALIGN, aligned_empty
 from dsx.ops.aio import async_io_status
 from dsx.runtime.scheduler import Scheduler
 
@@ -152,11 +152,10 @@ class AioBackend(IOBackend):
         flag with the GIL held, and the first can never log: both hang (seen in CI with two I/O threads).
         Once the flag is set, the warning is skipped and the threads never meet there.
         """
-        raw = torch.zeros(2 * 4096, dtype=torch.uint8)
-        start = -raw.data_ptr() % 4096  # O_DIRECT: buffer, offset and length 4 KiB-aligned
+        block = aligned_empty(ALIGN).zero_()  # O_DIRECT: buffer, offset and length 4 KiB-aligned
         scratch = f"{self.path}.aio-warmup"
         try:
-            self._handle().sync_pwrite(raw[start : start + 4096], scratch, 0)
+            self._handle().sync_pwrite(block, scratch, 0)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(scratch)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dsx.offload.align import align_up
+from dsx.offload.align import align_up, aligned_empty
 from dsx.offload.checksum import checksum, mismatch
 from dsx.offload.entry import Entry, OffloadIntegrityError
 
@@ -139,7 +139,7 @@ class ReadPath:
             if tier == "ssd":
                 size = align_up(e.nbytes)
                 tmp = self.host.alloc(size)
-                buf = tmp[1] if tmp is not None else _aligned_host(size, self._cuda)
+                buf = tmp[1] if tmp is not None else aligned_empty(size, self._cuda)
                 self.ssd.io.pread(buf, ssd_off).result()
             else:
                 buf = host[1]
@@ -203,9 +203,3 @@ class ReadPath:
 
 class _Dropped(RuntimeError):
     """A read found its entry released (the graph was dropped before the read ran)."""
-
-
-def _aligned_host(size: int, pin: bool) -> torch.Tensor:
-    raw = torch.empty(size + 4096, dtype=torch.uint8, pin_memory=pin)
-    skip = (-raw.data_ptr()) % 4096
-    return raw[skip : skip + size]

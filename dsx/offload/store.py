@@ -22,7 +22,7 @@ import uuid
 import torch
 
 from dsx.config import DsxConfigError
-from dsx.offload.align import ALIGN, align_up
+from dsx.offload.align import ALIGN, align_up, aligned_empty
 from dsx.offload.io import IOBackend, select_backend
 from dsx.runtime.process import judge, owner_record
 from dsx.runtime.scheduler import Scheduler
@@ -106,9 +106,7 @@ class HostPool:
 
     def _buffer(self) -> torch.Tensor:
         if self._buf is None:
-            raw = torch.empty(self.arena.capacity + ALIGN, dtype=torch.uint8, pin_memory=self._pin)
-            skip = (-raw.data_ptr()) % ALIGN
-            self._buf = raw[skip : skip + self.arena.capacity]
+            self._buf = aligned_empty(self.arena.capacity, self._pin)
         return self._buf
 
     def alloc(self, nbytes: int) -> tuple[int, torch.Tensor] | None:

@@ -27,6 +27,7 @@ __all__ = [
     "owner_tag",
     "parse_owner_tag",
     "pid_alive",
+    "rank_and_world",
     "release_deepspeed_shm",
     "release_deepspeed_shm_at_exit",
     "scan_deepspeed_shm",
@@ -48,6 +49,16 @@ def all_gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size: the process group's, or the launcher's ``RANK`` and
+    ``WORLD_SIZE`` before the group exists (rank 0 of 1 without a launcher)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 def shm_prefix() -> str:
