@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 PY=${PYTHON:-python3}
 if [[ ! -x .venv/bin/python ]]; then
-  "$PY" -m venv .venv
+  "$PY" -m venv .venv || { echo "setup: '$PY -m venv' failed: install the venv module (Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }
 fi
 . .venv/bin/activate
 # setuptools: the build backend pyproject.toml names, also for builds without isolation (the wheel test)
@@ -22,7 +22,8 @@ if ! python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     pip install -q "torch>=2.11,<2.14"          # CUDA build from the package index
   else
-    pip install -q torch==2.13.0                # the CPU build (on this project's CPU machines it is on local disk)
+    # the CPU build: PyPI's Linux wheel is the CUDA one, several GB (this project's CPU machines have it on disk)
+    pip install -q --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 || pip install -q torch==2.13.0
   fi
 fi
 pip install -q -e ".[test,gnn]"
