@@ -502,6 +502,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "(e.g. none=14,15,16 recompute=32,48): the largest that trains without dsx against the "
                         "largest dsx makes room for")  # fmt: skip
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every config, interleaved (the JSON gives each config's median and spread)")  # fmt: skip
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--name", default="bench_offload", help="JSON/PNG file name (several runs side by side)")
     p.add_argument("--pool-gb", type=float, default=40.0, help="host pool and SSD file size per config")
@@ -553,8 +555,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.in_process:
             _init_distributed()
         sizes = _micro_batches(args)
+        # --repeats interleaves: every config once, then every config again, so that a drift of the machine
+        # over the run falls on all of them alike
         runs = [
             (name, scale, mb)
+            for _ in range(args.repeats)
             for name in args.configs
             for mb in sizes[name]
             for scale in (args.budget_scales if name in NEEDS_BUDGET else [1.0])
@@ -643,9 +648,22 @@ def _largest_micro_batch(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per config, its run of median step time, with every run's step time beside it (``step_s_runs``,
+    sorted: the spread); a config run once is that run."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(r["config"], []).append(r)
+    out = {}
+    for name, runs in by.items():
+        runs = sorted(runs, key=lambda r: r["step_s"])
+        out[name] = {**runs[(len(runs) - 1) // 2], "step_s_runs": [r["step_s"] for r in runs]}
+    return out
+
+
 def _write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     """The JSON of the results so far, with the throughput ratios the targets are stated in."""
-    ok = {r["config"]: r for r in results if "error" not in r}
+    ok = _medians([r for r in results if "error" not in r])
     ratios: dict[str, Any] = {}
     for a, b in [("dsx_auto_budget", "recompute"), ("dsx_host_sel", "ds_cpu_ckpt"), ("dsx_auto_budget_sel", "recompute"),
                  ("dsx_auto_budget_sel", "megatron_selective"), ("dsx_auto_hide", "none"),
@@ -686,7 +704,14 @@ def _write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         written = statistics.median(ssd["telemetry"]["written_gb_per_measured_step"])
         device_s = 2 * written / ssd["checksum_GBps"]
         ratios["verify"] = {"verified_gb_per_step": written, "checksum_GBps": ssd["checksum_GBps"],
-                            "checksum_device_s_per_step": device_s, "fraction_of_step": device_s / ssd["step_s"]}  # fmt: skip
+                            "checksum_device_s_per_step": device_s, "fraction_of_step": device_s / ssd["step_s"],
+                            "step_s_runs_verified": ssd["step_s_runs"]}  # fmt: skip
+        off = ok.get("dsx_ssd_noverify")
+        if (
+            off
+        ):  # the same config without the check, interleaved with it: the measured difference and its spread
+            ratios["verify"]["step_s_runs_unverified"] = off["step_s_runs"]
+            ratios["verify"]["median_step_ratio"] = ssd["step_s"] / off["step_s"]
     out = {"name": "bench_offload", "env": environment(), "config": vars(args),
            "model": "megatron-core GPTModel" if _megatron(args) else "dsx torch GPT",
            "results": results, "ratios": ratios}  # fmt: skip

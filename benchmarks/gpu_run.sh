@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # dsx's checks on a GPU machine, as named suites; each fits one 10-minute command on one H100.
-#   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | offload | main | wheel
+#   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | offload | offload-ssd | main | wheel
 # Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
 # docs/performance.md cites) and a copy to $OUT/results/. docs/performance.md, "GPU suites", says what each runs.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|offload|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|offload|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
+failed=0  # the script's exit status: 1 if any step failed or had no time left
 log() { echo "=== $(date -u +%T) $*" | tee -a "$OUT/suites.log"; }
 run() {  # run NAME SECONDS CMD...: CMD's output to $OUT/NAME.log, its exit status to suites.log
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$2 rc; shift 2
   [ $((end - SECONDS)) -lt "$limit" ] && limit=$((end - SECONDS))
-  [ "$limit" -le 0 ] && { log "$name skipped: no time left"; return; }
-  log "$name (limit ${limit}s)"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; log "$name rc=$?"
+  [ "$limit" -le 0 ] && { log "$name skipped: no time left"; failed=1; return; }
+  log "$name (limit ${limit}s)"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
+  log "$name rc=$rc"; [ "$rc" -eq 0 ] || failed=1
 }
 keep() { for n in "$@"; do cp "$RES/$n.json" "$RES/$n.png" "$OUT/results/" 2>/dev/null; done; }
 case $suite in
@@ -45,6 +47,10 @@ case $suite in
     run plan-frontier 60 python benchmarks/plan_frontier.py "$RES/bench_offload.json" --config dsx_auto_hide_sel \
       --name plan_frontier --out "$RES"
     keep bench_offload plan_frontier ;;
+  offload-ssd)  # the SSD tier at the same shape with its default integrity check and without, 3 interleaved runs each
+    run bench-offload-ssd 560 python benchmarks/bench_offload.py --warmup 1 --steps 2 --pool-gb 20 --child-timeout 100 \
+      --configs dsx_ssd dsx_ssd_noverify --repeats 3 --name bench_offload_ssd --out "$RES"
+    keep bench_offload_ssd ;;
   main)  # the main job with megatron-core; on 2+ GPUs also ZeRO-3 + NVMe optimizer offload (+ SSD activations)
     run main-1gpu 200 deepspeed --num_gpus 1 examples/gpt/train.py --deepspeed_config configs/gpt_megatron_bf16.json \
       --model megatron --layers 8 --hidden 1024 --heads 16 --seq-len 1024 --steps 100 --no-progress \
@@ -79,4 +85,5 @@ assert ok'
     for f in "$OUT"/wheel-*.log; do echo "--- $f"; cat "$f"; done ;;
   *) echo "unknown suite $suite" >&2; exit 2 ;;
 esac
-log done
+log "done (failed=$failed)"
+exit $failed
