@@ -4,6 +4,8 @@ Re-exports only. The DeepSpeed glue of the ``"dsx"."unified"`` section is :mod:`
 """
 
 from dsx.direct.gather import IndexOutOfRangeError
+from dsx.direct.hetero_loader import DistributedHeteroNeighborLoader, HeteroNeighborLoader
+from dsx.direct.hetero_sampler import HeteroNeighborSampler, HeteroSampledSubgraph
 from dsx.direct.loader import DistributedNeighborLoader, NeighborLoader
 from dsx.direct.pinning import PinningError
 from dsx.direct.sampler import NeighborSampler, SampledSubgraph, to_csr
@@ -11,7 +13,11 @@ from dsx.direct.shm import SharedMemoryError
 from dsx.direct.unified import UnifiedTensor, unified
 
 __all__ = [
+    "DistributedHeteroNeighborLoader",
     "DistributedNeighborLoader",
+    "HeteroNeighborLoader",
+    "HeteroNeighborSampler",
+    "HeteroSampledSubgraph",
     "IndexOutOfRangeError",
     "NeighborLoader",
     "NeighborSampler",

@@ -22,7 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NeighborSampler", "SampledSubgraph", "to_csr"]
+__all__ = [
+    "NeighborSampler",
+    "SampledSubgraph",
+    "claim_nodes",
+    "fanout_take",
+    "floyd",
+    "new_node_ids",
+    "sample_positions",
+    "to_csr",
+]
 
 
 @dataclass
@@ -92,43 +101,14 @@ class NeighborSampler:
 
     def _take(self, nodes: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(CSR start, edges taken) of ``nodes`` at fanout ``k``."""
-        start = self.rowptr[nodes]
-        deg = self.rowptr[nodes + 1] - start
-        return start, (deg if k < 0 else deg.clamp(max=k))
-
-    def _floyd(self, deg: torch.Tensor, k: int) -> torch.Tensor:
-        """``[n, k]`` distinct positions in ``[0, deg)`` per row, a uniform ``k``-subset (rows with
-        ``deg <= k`` hold ``0 .. k-1``; callers use only the first ``deg`` of those)."""
-        n = deg.numel()
-        u = torch.rand(n, k, device=self.device, generator=self.generator, dtype=torch.float64)
-        # Step t draws r uniform in [0, j_t], j_t = base + t. The draws do not depend on earlier choices (only
-        # the collision rule does), so all k of them are made at once; the loop only resolves collisions.
-        # Rows with deg <= k: base 0, j_t = t, and every r < t is taken already: the result is 0 .. k-1.
-        jj = (deg - k).clamp(min=0).unsqueeze(1) + torch.arange(k, device=self.device)
-        rr = torch.minimum((u * (jj + 1)).long(), jj)
-        chosen = rr.clone()  # column t is final once the collisions of columns < t are resolved
-        for t in range(1, k):
-            hit = (chosen[:, :t] == rr[:, t : t + 1]).any(1)
-            chosen[:, t] = torch.where(hit, jj[:, t], rr[:, t])
-        return chosen
+        return fanout_take(self.rowptr, nodes, k)
 
     def sample_positions(
         self, nodes: torch.Tensor, k: int, total: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """For frontier ``nodes``: (owner index into ``nodes``, CSR edge position) of every sampled edge,
         grouped by owner. ``total`` (the number of sampled edges, if known) saves a host synchronisation."""
-        start, take = self._take(nodes, k)
-        if total is None:
-            total = int(take.sum())
-        ar = torch.arange(nodes.numel(), device=self.device)
-        owner = torch.repeat_interleave(ar, take, output_size=total)
-        first = torch.cumsum(take, 0) - take
-        slot = torch.arange(total, device=self.device) - first[owner]  # 0 .. take-1 within each node
-        if k < 0:
-            return owner, start[owner] + slot
-        deg = self.rowptr[nodes + 1] - start
-        pos = self._floyd(deg, k)[owner, slot]
-        return owner, start[owner] + pos
+        return sample_positions(self.rowptr, nodes, k, total, self.generator)
 
     def sample(self, seeds: torch.Tensor) -> SampledSubgraph:
         """Sample the multi-hop neighborhood of distinct ``seeds`` (global ids; host seeds are range-checked
@@ -151,27 +131,15 @@ class NeighborSampler:
                 owner, epos = self.sample_positions(frontier, k, total)
                 nbr = self.col[epos].long()
                 e = nbr.numel()
-                # Claim every unseen node for the first edge that reached it (scatter-min of -(e+2)+i; seen
-                # nodes keep their id >= 0, unseen ones hold -1 and take the smallest claim).
-                ar = torch.arange(e, device=dev)
                 touched = nbr  # claims written below are undone by the except clause if the hop fails
-                cur = m[nbr]
-                m.scatter_reduce_(0, nbr, torch.where(cur >= 0, cur, ar - (e + 2)), "amin")
-                claim = m[nbr]
-                first = claim == ar - (e + 2)
-                rank = torch.cumsum(first, 0)  # 1-based number of the claim among this hop's new nodes
-                new_of = count + rank - 1
-                local = torch.where(claim >= 0, claim, new_of[(claim + (e + 2)).clamp_(0, max(e - 1, 0))])
-                m[nbr] = local  # every write to one node writes the same value
+                local, first, rank = claim_nodes(m, nbr, count)
                 # One synchronisation: the new nodes' count and, for the next hop, their sampled edges.
                 if h + 1 < len(self.num_neighbors):
                     nxt = torch.where(first, self._take(nbr, self.num_neighbors[h + 1])[1], 0).sum()
                 else:
                     nxt = torch.zeros((), dtype=torch.long, device=dev)
                 n_new, total = (int(v) for v in torch.stack([rank[-1], nxt]).tolist()) if e else (0, 0)
-                new = torch.empty(n_new + 1, dtype=torch.long, device=dev)  # last slot: a dump for non-claims
-                new.index_put_((torch.where(first, rank - 1, n_new),), nbr)
-                new = new[:n_new]
+                new = new_node_ids(nbr, first, rank, n_new)
                 rows.append(local)
                 cols.append(owner + offset)  # the frontier holds local ids offset .. offset + len - 1
                 eids.append(epos if self.edge_id is None else self.edge_id[epos])
@@ -191,6 +159,86 @@ class NeighborSampler:
             torch.stack([torch.cat(rows), torch.cat(cols)]) if rows else torch.empty(2, 0, dtype=torch.long)
         )
         return SampledSubgraph(n_id, edge_index, torch.cat(eids), seeds.numel(), n_nodes, n_edges)
+
+
+def fanout_take(rowptr: torch.Tensor, nodes: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(CSR start, edges taken) of ``nodes`` at fanout ``k`` (``-1``: every edge)."""
+    start = rowptr[nodes]
+    deg = rowptr[nodes + 1] - start
+    return start, (deg if k < 0 else deg.clamp(max=k))
+
+
+def floyd(deg: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``[n, k]`` distinct positions in ``[0, deg)`` per row, a uniform ``k``-subset (rows with ``deg <= k``
+    hold ``0 .. k-1``; callers use only the first ``deg`` of those). Draws on ``deg``'s device."""
+    n, dev = deg.numel(), deg.device
+    u = torch.rand(n, k, device=dev, generator=generator, dtype=torch.float64)
+    # Step t draws r uniform in [0, j_t], j_t = base + t. The draws do not depend on earlier choices (only
+    # the collision rule does), so all k of them are made at once; the loop only resolves collisions.
+    # Rows with deg <= k: base 0, j_t = t, and every r < t is taken already: the result is 0 .. k-1.
+    jj = (deg - k).clamp(min=0).unsqueeze(1) + torch.arange(k, device=dev)
+    rr = torch.minimum((u * (jj + 1)).long(), jj)
+    chosen = rr.clone()  # column t is final once the collisions of columns < t are resolved
+    for t in range(1, k):
+        hit = (chosen[:, :t] == rr[:, t : t + 1]).any(1)
+        chosen[:, t] = torch.where(hit, jj[:, t], rr[:, t])
+    return chosen
+
+
+def sample_positions(
+    rowptr: torch.Tensor,
+    nodes: torch.Tensor,
+    k: int,
+    total: int | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For frontier ``nodes`` of the CSR ``rowptr``: (owner index into ``nodes``, CSR edge position) of every
+    sampled edge, grouped by owner. ``total`` (the number of sampled edges, if known) saves a host
+    synchronisation."""
+    start, take = fanout_take(rowptr, nodes, k)
+    if total is None:
+        total = int(take.sum())
+    dev = rowptr.device
+    ar = torch.arange(nodes.numel(), device=dev)
+    owner = torch.repeat_interleave(ar, take, output_size=total)
+    first = torch.cumsum(take, 0) - take
+    slot = torch.arange(total, device=dev) - first[owner]  # 0 .. take-1 within each node
+    if k < 0:
+        return owner, start[owner] + slot
+    deg = rowptr[nodes + 1] - start
+    pos = floyd(deg, k, generator)[owner, slot]
+    return owner, start[owner] + pos
+
+
+def claim_nodes(
+    node_map: torch.Tensor, nbr: torch.Tensor, count: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Local ids of the non-empty ``nbr`` (global ids) in PyG order: ``(local, first, rank)``.
+
+    ``node_map`` holds each node's local id, or ``-1`` if unseen; ``count`` nodes have local ids already.
+    Every unseen node is claimed by the first entry of ``nbr`` that names it (a scatter-min of
+    ``i - (e + 2)``: seen nodes keep their id >= 0, unseen ones hold -1 and take the smallest claim) and
+    numbered ``count, count + 1, ...`` in order of first appearance. ``first`` marks the claiming entries,
+    ``rank`` (1-based) numbers them; the map holds every node's local id afterwards.
+    """
+    e = nbr.numel()
+    ar = torch.arange(e, device=nbr.device)
+    cur = node_map[nbr]
+    node_map.scatter_reduce_(0, nbr, torch.where(cur >= 0, cur, ar - (e + 2)), "amin")
+    claim = node_map[nbr]
+    first = claim == ar - (e + 2)
+    rank = torch.cumsum(first, 0)  # 1-based number of the claim among the new nodes
+    new_of = count + rank - 1
+    local = torch.where(claim >= 0, claim, new_of[(claim + (e + 2)).clamp_(0, max(e - 1, 0))])
+    node_map[nbr] = local  # every write to one node writes the same value
+    return local, first, rank
+
+
+def new_node_ids(nbr: torch.Tensor, first: torch.Tensor, rank: torch.Tensor, n_new: int) -> torch.Tensor:
+    """The ``n_new`` nodes :func:`claim_nodes` numbered, in their order (``n_new`` read on the host)."""
+    new = torch.empty(n_new + 1, dtype=torch.long, device=nbr.device)  # last slot: a dump for non-claims
+    new.index_put_((torch.where(first, rank - 1, n_new),), nbr)
+    return new[:n_new]
 
 
 def to_csr(edge_index: torch.Tensor, num_nodes: int, device: torch.device | str | None = None):
