@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+import dsx
 from dsx.config import UnifiedConfig
 from dsx.direct import unified
 
@@ -160,8 +161,10 @@ def _measure(
                 if rb <= 512 and (k <= 8 or rb == 512)  # the kernel caps rows < 512 B at 8 SMs
             ),
         ):
-            ut_view.config = cfg
-            record(key, lambda: ut_view.gather(didx, out=dst2), lambda: dst2)
+            with dsx.defaults.set(
+                "unified", cfg
+            ):  # (ut_view has no config of its own: it follows the defaults)
+                record(key, lambda: ut_view.gather(didx, out=dst2), lambda: dst2)
         ut_view.close()
     else:
         ut_view = unified(table, shared="off", config=UnifiedConfig(backend="torch"))

@@ -63,19 +63,23 @@ case $suite in
           --seq-len 1024 --steps ${c#*:} --no-progress --log-json "$OUT/main_job_2gpu_${c%:*}.json"
       done
     fi ;;
-  wheel)  # dsx as a user installs it: a wheel in a fresh venv, used from outside the checkout
+  wheel)  # dsx as a user installs it: a wheel, installed apart from the checkout, its op built from its own sources
     run wheel-build 180 pip wheel --no-deps --no-build-isolation -w "$OUT/wheel" .  # no network: no isolation
-    rm -rf /tmp/dsx-wheel && python -m venv --system-site-packages /tmp/dsx-wheel/venv
-    run wheel-install 120 /tmp/dsx-wheel/venv/bin/pip install --force-reinstall --no-deps --no-index "$OUT"/wheel/dsx-*.whl
-    # the checkout off the path, so that only the installed dsx can be imported
-    PYTHONPATH=$(tr ':' '\n' <<< "${PYTHONPATH:-}" | grep -vxE "$PWD/?|\.?" | paste -sd:) && export PYTHONPATH
+    rm -rf /tmp/dsx-wheel && mkdir -p /tmp/dsx-wheel
+    run wheel-install 120 pip install --no-deps --no-index --target /tmp/dsx-wheel/site "$OUT"/wheel/dsx-*.whl
+    # the checkout off the path, so that only the installed dsx can be imported; a fresh extension cache, so
+    # that the op is compiled from the sources the wheel ships
+    PYTHONPATH=/tmp/dsx-wheel/site:$(tr ':' '\n' <<< "${PYTHONPATH:-}" | grep -vxE "$PWD/?|\.?" | paste -sd:)
+    export PYTHONPATH TORCH_EXTENSIONS_DIR=/tmp/dsx-wheel/ext
     cd /tmp/dsx-wheel || exit 1
-    run wheel-build-ops 240 venv/bin/dsx build-ops
-    run wheel-gather 120 venv/bin/python -c '
+    run wheel-build-ops 240 python -m dsx.cli build-ops
+    run wheel-gather 120 python -c '
 import warnings, torch, dsx
 warnings.filterwarnings("error", message="dsx unified gather")  # a fallback to torch indexing fails here
 print("dsx", dsx.__version__, "from", dsx.__file__)
 assert dsx.__file__.startswith("/tmp/dsx-wheel/"), "dsx was not imported from the wheel"
+from dsx.ops.unified_gather import csrc_dir
+print("kernel sources:", csrc_dir()); assert str(csrc_dir()).startswith("/tmp/dsx-wheel/")
 t = torch.randn(1 << 20, 128)
 idx = torch.randint(0, len(t), (1 << 16,), device="cuda")
 rows = dsx.unified(t)[idx]
