@@ -5,6 +5,9 @@ The examples put this folder on ``sys.path`` and import it as ``_launch``; it is
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+
 import deepspeed
 import torch
 import torch.distributed as dist
@@ -12,7 +15,7 @@ import torch.distributed as dist
 from dsx.ops import announce_comm_build
 from dsx.runtime.process import single_process_env
 
-__all__ = ["init_distributed"]
+__all__ = ["init_distributed", "param_digest"]
 
 
 def init_distributed(local_rank: int) -> tuple[int, int]:
@@ -23,3 +26,17 @@ def init_distributed(local_rank: int) -> tuple[int, int]:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     return dist.get_rank(), dist.get_world_size()
+
+
+def param_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the model's parameters (names and bytes, in order): equal only when training was bitwise
+    equal. A collective under ZeRO-3 (every rank gathers its partitioned parameters)."""
+    params = list(model.named_parameters())
+    gather = any(hasattr(p, "ds_id") for _, p in params)  # ZeRO-3 keeps only a partition on each rank
+    ctx = deepspeed.zero.GatheredParameters([p for _, p in params]) if gather else contextlib.nullcontext()
+    h = hashlib.sha256()
+    with ctx, torch.no_grad():
+        for name, p in params:
+            h.update(name.encode())
+            h.update(p.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

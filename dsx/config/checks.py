@@ -14,8 +14,9 @@ GIB = 1 << 30
 # Upper bound of every size in GB: more than any machine holds, and small enough that the byte counts derived
 # from it stay exact integers far from any C integer's overflow.
 MAX_GB = float(1 << 20)
-# Room dsx's own names take below a directory it is given (run directory, rank file, owner record).
-_NAME_ROOM = 96
+# Room dsx's own names take below a directory it is given (run directory with its owner tag, rank file, owner
+# record).
+_NAME_ROOM = 128
 
 
 def _limits(path: Path) -> tuple[int, int]:

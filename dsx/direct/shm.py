@@ -202,6 +202,15 @@ def _create(path: str) -> tuple[str, int]:
     return path, fd
 
 
+# Test seams (dsx.testing.faults replaces them; no-ops in a normal run): the reservation call, and a hook the
+# leader passes at each named point of the setup, where a fault can stop it.
+_fallocate = os.posix_fallocate
+
+
+def _setup_point(point: str) -> None:
+    """Reached by the node leader at ``"created"``, ``"filled"``, ``"published"`` and ``"before_unlink"``."""
+
+
 def _map(path: str, nbytes: int) -> torch.Tensor:
     # MAP_SHARED mapping owned by the tensor's storage: it outlives the file's name and is unmapped when the
     # last tensor referring to it is freed.
@@ -248,9 +257,10 @@ def share_tensor(
             tag = re.sub(r"[^A-Za-z0-9_.]", "_", name or "tensor")[:40]
             name_ = f"{_user_prefix()}{job}-{owner_tag()}-r{group.rank}-{tag}"
             path, fd = _create(os.path.join(shared_memory_dir, name_))
+            _setup_point("created")
             try:
                 # Reserve tmpfs pages now, not at first touch (at least one byte, so that it maps).
-                os.posix_fallocate(fd, 0, max(nbytes, 1))
+                _fallocate(fd, 0, max(nbytes, 1))
             except OSError as exc:
                 st = os.statvfs(shared_memory_dir)
                 free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
@@ -259,6 +269,7 @@ def share_tensor(
             base = _map(path, max(nbytes, 1))[:nbytes]
             if nbytes:
                 base.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            _setup_point("filled")
             meta = [(path, nbytes, tensor.dtype, tuple(tensor.shape))]
         except Exception as exc:  # published to the other ranks, raised everywhere below
             error = f"{type(exc).__name__}: {exc}"
@@ -275,6 +286,8 @@ def share_tensor(
         r, e = bad[0]
         raise SharedMemoryError(f"rank {r} could not create the shared segment: {e}")
     path, nbytes, dtype, shape = leader_meta  # type: ignore[misc]
+    if group.is_leader:
+        _setup_point("published")
     try:
         if not group.is_leader:
             base = _map(path, max(nbytes, 1))[:nbytes]
@@ -285,6 +298,7 @@ def share_tensor(
         _all_ok(error)  # all local ranks have mapped (or failed)
     finally:
         if group.is_leader and os.path.exists(path):
+            _setup_point("before_unlink")
             os.unlink(path)  # from here on the pages live only as long as the mappings
         if fd >= 0:
             os.close(fd)  # (drops the lock: the name it guarded is gone)

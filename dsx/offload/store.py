@@ -24,7 +24,7 @@ import torch
 from dsx.config import DsxConfigError
 from dsx.offload.align import ALIGN, align_up, aligned_empty
 from dsx.offload.io import IOBackend, select_backend
-from dsx.runtime.process import judge, owner_record
+from dsx.runtime.process import judge, owner_record, owner_tag, parse_owner_tag
 from dsx.runtime.scheduler import Scheduler
 
 __all__ = ["Arena", "HostPool", "RunDir", "SsdFile", "SsdFull", "clean_stale_runs"]
@@ -146,7 +146,11 @@ def clean_stale_runs(root: str) -> list[str]:
             with open(record_path) as f:
                 record = json.load(f)
         except (OSError, ValueError):
-            continue  # being created right now, or not dsx's
+            # no record, or half of one: its owner was killed between making the directory and writing the
+            # record (or is doing so now). The name says who that is; a name without it cannot be judged.
+            record, record_path = parse_owner_tag(name), d
+            if record is None:
+                continue
         stale, why = judge(record if isinstance(record, dict) else None, record_path)
         if stale:
             shutil.rmtree(d, ignore_errors=True)
@@ -166,7 +170,8 @@ class RunDir:
         stale = clean_stale_runs(root)
         if stale:
             logger.warning("dsx: removed %d leftover offload dir(s) of crashed runs: %s", len(stale), stale)
-        self.path = os.path.join(root, f"{_prefix()}{os.getpid()}-r{rank}-{uuid.uuid4().hex[:8]}")
+        # the name carries the owner too: a rank killed before its record is written is still judged
+        self.path = os.path.join(root, f"{_prefix()}{owner_tag()}-r{rank}-{uuid.uuid4().hex[:8]}")
         os.mkdir(self.path, 0o700)
         # the owner record, created exclusively and held locked while the run lives
         self._lock = os.open(os.path.join(self.path, OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

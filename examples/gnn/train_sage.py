@@ -33,7 +33,7 @@ from dsx.data.rmat import rmat_graph
 from dsx.direct import DistributedNeighborLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the start-up the examples share
-from _launch import init_distributed
+from _launch import init_distributed, param_digest
 
 __all__ = ["main", "parse_args"]
 
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if training:
                     engine.backward(loss)
                     engine.step()
+                    losses.append(loss.detach())  # (read at the end: no host sync per step on a GPU)
                 stats += torch.stack([loss.detach() * b.batch_size, (out.argmax(1) == y).sum().float(),
                                       torch.tensor(float(b.batch_size), device=engine.device)])  # fmt: skip
                 bar.update()
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return s[0] / max(s[2], 1), s[1] / max(s[2], 1), dt
 
     history = []
+    losses: list[torch.Tensor] = []  # this rank's loss at each training step
     for epoch in range(args.epochs):
         loss, acc, dt = run(train, True, epoch)
         _, vacc, _ = run(val, False, epoch)
@@ -199,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "nodes": data.num_nodes, "edges": int(data.edge_index.shape[1]), "features": num_features,
         "feature_placement": args.feature_placement, "fanouts": fanouts, "batch_size": bs, "history": history,
         "train_seeds": int(data.train_mask.sum()), "trim": not args.no_trim, "memory_per_rank": mems,
+        "losses": [float(x) for x in losses], "param_digest": param_digest(engine.module),
     }  # fmt: skip
     if rank == 0:
         print(

@@ -34,7 +34,7 @@ from dsx.models.gpt import GPT, GPTConfig
 from dsx.models.megatron_gpt import build_megatron_gpt, megatron_available
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the start-up the examples share
-from _launch import init_distributed
+from _launch import init_distributed, param_digest
 
 __all__ = ["main", "parse_args"]
 
@@ -189,8 +189,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "wall_s": time.perf_counter() - t0,
         "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
     }
+    # what training produced, for comparing runs bitwise (the fault harness: tests/faults)
+    summary["param_digest"] = param_digest(engine.module)
     runtime = dsx.runtime_of(engine)
     if runtime is not None:
+        offload = runtime.features.get("activation_offload")
+        ssd = getattr(getattr(offload, "offload", None), "ssd", None)
+        if ssd is not None:
+            summary["dsx_ssd_bytes_written"] = ssd.bytes_written  # this rank's, over the whole run
         if runtime.scheduler is not None:
             summary["dsx_telemetry"] = runtime.scheduler.telemetry.summary()
             summary["dsx_gate_pauses"] = dict(runtime.scheduler.gate_pauses)

@@ -18,7 +18,7 @@ import torch
 from dsx.config import ActivationOffloadConfig, SchedulerConfig
 from dsx.offload import ActivationOffload
 from dsx.offload.store import OWNER, RunDir, SsdFile, clean_stale_runs
-from dsx.runtime.process import is_locked, owner_record
+from dsx.runtime.process import is_locked, owner_record, owner_tag, parse_owner_tag
 from dsx.runtime.scheduler import Scheduler
 from tests.offload._offload_models import OddModel
 
@@ -184,6 +184,29 @@ def test_stale_runs_are_judged_only_where_their_owner_can_be(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(
         {f"{prefix}{n}" for n in owners if n not in want} | {other_user.name}
     )
+
+
+def test_a_run_dir_killed_before_its_owner_record_is_judged_by_its_name(tmp_path):
+    """A rank killed between making its run directory and writing its owner record (or half way through the
+    write) leaves a directory whose record is missing or empty: its name says who made it, so the next start
+    removes it once that process is proven ended, and keeps a live one's."""
+    made = RunDir(str(tmp_path / "probe"), rank=0)
+    assert parse_owner_tag(os.path.basename(made.path))["pid"] == os.getpid()
+    made.remove()
+    dead_tag = subprocess.run(
+        [sys.executable, "-c", "from dsx.runtime.process import owner_tag; print(owner_tag())"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    prefix = f"dsx-u{os.getuid()}-"
+    no_record = tmp_path / f"{prefix}{dead_tag}-r0-0badc0de"
+    half_record = tmp_path / f"{prefix}{dead_tag}-r1-0badc0df"
+    live = tmp_path / f"{prefix}{owner_tag()}-r2-0badc0e0"
+    for d in (no_record, half_record, live):
+        d.mkdir()
+    (half_record / OWNER).write_text('{"pid": ')
+    removed = sorted(os.path.basename(d) for d in clean_stale_runs(str(tmp_path)))
+    assert removed == [no_record.name, half_record.name]
+    assert live.is_dir()
 
 
 @pytest.mark.slow
