@@ -23,7 +23,6 @@ import math
 import os
 import re
 import socket
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dsx.runtime.process import ShmFinding, all_gather, is_locked, owner_gone, owner_tag, parse_owner_tag
+from dsx.runtime.process import ShmFinding, all_gather, judge, owner_tag, parse_owner_tag
 
 __all__ = [
     "NodeGroup",
@@ -121,36 +120,19 @@ def scan_segments(directory: str, min_age_s: float = 0.0) -> list[ShmFinding]:
         names = sorted(os.listdir(directory))
     except OSError:
         return out
-    now = time.time()
     for name in names:
         if not name.startswith(PREFIX):
             continue
         path = Path(directory, name)
         try:
-            st = path.stat()
+            size = path.stat().st_size
         except OSError:
             continue
-        owner = parse_owner_tag(name) if name.startswith(_user_prefix()) else None
-        if owner is None:
-            why = "another user's" if not name.startswith(_user_prefix()) else "not named by this dsx version"
-            out.append(ShmFinding(path, st.st_size, False, f"{why}: ownership unknown"))
+        if not name.startswith(_user_prefix()):
+            out.append(ShmFinding(path, size, False, "another user's: not judged here"))
             continue
-        if is_locked(path):
-            out.append(
-                ShmFinding(path, st.st_size, False, f"in use: its creator (pid {owner['pid']}) holds it")
-            )
-            continue
-        if now - st.st_mtime < min_age_s:
-            out.append(ShmFinding(path, st.st_size, False, f"younger than {min_age_s:g} s"))
-            continue
-        gone = owner_gone(owner)
-        if gone:
-            out.append(ShmFinding(path, st.st_size, True, f"its creator (pid {owner['pid']}) has ended"))
-        elif gone is None:
-            out.append(ShmFinding(path, st.st_size, False, "made in another pid namespace or machine: "
-                                  "cannot tell whether its creator runs"))  # fmt: skip
-        else:
-            out.append(ShmFinding(path, st.st_size, False, f"its creator (pid {owner['pid']}) runs"))
+        stale, why = judge(parse_owner_tag(name), path, min_age_s)
+        out.append(ShmFinding(path, size, stale, why))
     return out
 
 
