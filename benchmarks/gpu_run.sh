@@ -48,8 +48,7 @@ case $suite in
       --name plan_frontier --out "$RES"
     keep bench_offload plan_frontier ;;
   offload-ssd)  # the SSD tier at the same shape with its default integrity check and without, 3 interleaved runs each
-    run bench-offload-ssd 560 python benchmarks/bench_offload.py --warmup 1 --steps 2 --pool-gb 20 --child-timeout 100 \
-      --configs dsx_ssd dsx_ssd_noverify --repeats 3 --name bench_offload_ssd --out "$RES"
+    run bench-offload-ssd 560 python benchmarks/bench_offload_ssd.py --out "$RES"
     keep bench_offload_ssd ;;
   main)  # the main job with megatron-core; on 2+ GPUs also ZeRO-3 + NVMe optimizer offload (+ SSD activations)
     run main-1gpu 200 deepspeed --num_gpus 1 examples/gpt/train.py --deepspeed_config configs/gpt_megatron_bf16.json \
