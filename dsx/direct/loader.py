@@ -119,7 +119,7 @@ class NeighborLoader(PipelinedLoader):
     def _make(self, input_id: torch.Tensor) -> Any:
         from torch_geometric.data import Data
 
-        out = self.sampler.sample(input_id)  # host ids: range-checked on the host, no device sync
+        out = self.sampler.sample(self.input_nodes[input_id])  # host ids: range-checked on the host
         n_id = out.n_id.to(self.device, non_blocking=True)
         batch = Data(edge_index=out.edge_index.to(self.device, non_blocking=True), num_nodes=n_id.numel())
         batch.n_id, batch.e_id = n_id, out.e_id.to(self.device, non_blocking=True)
@@ -135,8 +135,10 @@ class NeighborLoader(PipelinedLoader):
         return [self._ut] if self._ut is not None else []
 
     def close(self) -> None:
-        """Unregister the features this loader pinned (a UnifiedTensor passed in stays open)."""
+        """Unregister the features this loader pinned (a UnifiedTensor passed in stays open); later epochs gather
+        from the host table with torch indexing."""
         if self._ut is not None and self._own_ut:
+            self.x = self._ut.tensor
             self._ut.close()
         self._ut = None
 

@@ -207,29 +207,33 @@ class PipelinedLoader:
         """Change the shuffle (identical on every rank for the same epoch)."""
         self.epoch = int(epoch)
 
-    def rank_seeds(self) -> torch.Tensor:
-        """This rank's seeds for the current epoch: equal counts on every rank (padded by wrapping, or cut
-        with ``drop_last``)."""
-        ids = self.input_nodes
+    def rank_positions(self) -> torch.Tensor:
+        """This rank's seeds for the current epoch, as positions in ``input_nodes`` (what a batch's
+        ``input_id`` holds, as in PyG): equal counts on every rank, padded by repeating the seeds (however few
+        there are) or cut with ``drop_last``, so that no rank runs a step the others do not."""
+        n = self.input_nodes.numel()
+        pos = torch.arange(n)
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed * 7919 + self.epoch)
-            ids = ids[torch.randperm(ids.numel(), generator=g)]
+            pos = pos[torch.randperm(n, generator=g)]
         if self.world_size > 1:
-            n = ids.numel()
             per = n // self.world_size if self.drop_last else -(-n // self.world_size)
             total = per * self.world_size
             if total > n:
-                ids = torch.cat([ids, ids[: total - n]])
-            ids = ids[:total][self.rank :: self.world_size]
-        return ids
+                pos = pos.repeat(-(-total // n))
+            pos = pos[:total][self.rank :: self.world_size]
+        return pos
+
+    def rank_seeds(self) -> torch.Tensor:
+        """This rank's seed node ids for the current epoch (``input_nodes`` at :meth:`rank_positions`)."""
+        return self.input_nodes[self.rank_positions()]
 
     def __len__(self) -> int:
-        n = self.rank_seeds().numel()
+        n = self.rank_positions().numel()
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def _batches(self) -> list[torch.Tensor]:
-        ids = self.rank_seeds()
-        chunks = list(torch.split(ids, self.batch_size))
+        chunks = list(torch.split(self.rank_positions(), self.batch_size))
         if self.drop_last and chunks and chunks[-1].numel() < self.batch_size:
             chunks.pop()
         return chunks
@@ -237,6 +241,7 @@ class PipelinedLoader:
     # --- batches ---------------------------------------------------------------------------------------------
 
     def _make(self, input_id: torch.Tensor) -> Any:
+        """The batch of the seeds at positions ``input_id`` of ``input_nodes``."""
         raise NotImplementedError
 
     def _unified_tensors(self) -> list[Any]:

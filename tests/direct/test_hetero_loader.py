@@ -80,7 +80,7 @@ def check_batch(
             if key in data[t]:
                 assert torch.equal(batch[t][key].cpu(), data[t][key][ids]), (t, key)
     assert bs == seeds.numel() and torch.equal(n_id[input_type][:bs], seeds)
-    assert torch.equal(batch[input_type].input_id.cpu(), seeds)
+    assert batch[input_type].input_id.numel() == bs  # positions in input_nodes (checked where they are known)
     hop_sources: dict[tuple[str, int], list[torch.Tensor]] = {}
     for et in data.edge_types:
         s, _, d = et
@@ -140,6 +140,9 @@ def test_batches_match_the_brute_force_reference(data, name, device) -> None:
     assert torch.equal(torch.sort(loader.rank_seeds()).values, mask.nonzero().flatten())
     for b, s in zip(batches, seeds, strict=True):
         check_batch(data, b, _fanouts(spec, data), "paper", s)
+        # as in PyG: input_id is the seeds' positions in input_nodes (the mask's nonzero ids), not their ids
+        assert torch.equal(loader.input_nodes[b["paper"].input_id.cpu()], s)
+    assert torch.equal(torch.cat([b["paper"].input_id.cpu() for b in batches]), loader.rank_positions())
     # Hub paper 0 (cited by every paper) is sampled at exactly its fanout when it is a seed.
     hub = HeteroNeighborLoader(data, spec, ("paper", torch.tensor([0])), prefetch=0, device=device)
     b = next(iter(hub))
@@ -210,6 +213,7 @@ def test_seed_inputs_and_types_without_features(data) -> None:
     assert [b["field"].batch_size for b in batches] == [2, 1] and "x" not in batches[0]["field"]
     for b, s in zip(batches, [torch.tensor([4, 0]), torch.tensor([2])]):
         check_batch(plain, b, _fanouts([3, 3], plain), "field", s)
+    assert [b["field"].input_id.tolist() for b in batches] == [[0, 1], [2]]  # positions in input_nodes
     assert len(HeteroNeighborLoader(plain, [1], "field", batch_size=5)) == 3  # a node type: all its nodes
     # x given as a UnifiedTensor: used as is and left open by close().
     with unified(data["author"].x.clone(), shared="off") as ut:

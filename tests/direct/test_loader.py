@@ -48,10 +48,11 @@ def _same(a, b) -> bool:
 def _check_batches(loader, data, batches) -> None:
     """Right seeds in the right order, features and labels of the sampled nodes."""
     assert len(batches) == len(loader)
-    assert torch.equal(torch.cat([b.input_id.cpu() for b in batches]), loader.rank_seeds())
+    assert torch.equal(torch.cat([b.input_id.cpu() for b in batches]), loader.rank_positions())
     for b in batches:
         n_id = b.n_id.cpu()
-        assert torch.equal(n_id[: b.batch_size], b.input_id.cpu())
+        # input_id: the seeds' positions in input_nodes, as PyG's loader gives them
+        assert torch.equal(n_id[: b.batch_size], loader.input_nodes[b.input_id.cpu()])
         assert torch.equal(b.x.cpu(), data.x[n_id]) and torch.equal(b.y.cpu(), data.y[n_id])
 
 
@@ -237,3 +238,28 @@ def test_prefetch_and_scheduler_come_from_the_engine_or_the_defaults(data, sched
     finally:
         other.close()
     _check_batches(ld, data, list(ld))
+
+
+def test_every_rank_gets_as_many_batches_however_few_the_seeds(data) -> None:
+    """Fewer seeds than ranks: the seeds are repeated so that every rank runs the same number of steps (a
+    rank without a batch would leave the others waiting in their collectives)."""
+    for n_seeds in (1, 3):
+        seeds = torch.arange(n_seeds)
+        loaders = [NeighborLoader(data, [2], batch_size=2, input_nodes=seeds, rank=r, world_size=4, prefetch=0)
+                   for r in range(4)]  # fmt: skip
+        assert [len(ld) for ld in loaders] == [1] * 4
+        for ld in loaders:
+            (b,) = list(ld)
+            assert b.batch_size == 1 and torch.equal(ld.input_nodes[b.input_id.cpu()], b.n_id[:1].cpu())
+
+
+@pytest.mark.gpu
+def test_a_closed_loader_still_gives_correct_batches(data) -> None:
+    """close() unregisters the host features the loader pinned; a later epoch indexes the host table."""
+    loader = NeighborLoader(data, [3], batch_size=100, device="cuda", prefetch=0)
+    first = list(loader)
+    loader.close()
+    again = list(loader)
+    assert len(again) == len(first)
+    for b in again:
+        assert torch.equal(b.x.cpu(), data.x[b.n_id.cpu()])

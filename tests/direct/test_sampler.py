@@ -112,7 +112,7 @@ def test_loader_batches_train_pyg_sage():
     for b in loader:
         b = b.cpu()  # (the loader's default device is the GPU where there is one)
         assert torch.equal(b.x, data.x[b.n_id]) and torch.equal(b.y, data.y[b.n_id])
-        assert torch.equal(b.input_id, b.n_id[: b.batch_size])
+        assert torch.equal(loader.input_nodes[b.input_id], b.n_id[: b.batch_size])
         out = model(b.x, b.edge_index, num_sampled_nodes_per_hop=b.num_sampled_nodes,
                     num_sampled_edges_per_hop=b.num_sampled_edges)[: b.batch_size]  # fmt: skip
         ref = model(b.x, b.edge_index)[: b.batch_size]  # trim_to_layer must not change seed outputs
