@@ -260,26 +260,27 @@ def share_tensor(
             if fd >= 0:
                 os.close(fd)
                 fd = -1
-    # Every rank learns every leader's error or path.
-    metas = all_gather((error, meta[0]))
-    _, leader_meta = metas[group.leader]  # type: ignore[misc]
-    bad = [(r, m[0]) for r, m in enumerate(metas) if m[0] is not None]  # type: ignore[index]
-    if bad:
-        r, e = bad[0]
-        raise SharedMemoryError(f"rank {r} could not create the shared segment: {e}")
-    path, nbytes, dtype, shape = leader_meta  # type: ignore[misc]
-    if group.is_leader:
-        _setup_point("published")
     try:
-        if not group.is_leader:
-            base = _map(path, max(nbytes, 1))[:nbytes]
-        error = None
-    except Exception as exc:
-        error = f"{type(exc).__name__}: could not map {path}: {exc}"
-    try:
+        # Every rank learns every leader's error or path; a leader whose segment exists unlinks it below
+        # whatever failed elsewhere (another node's leader, a peer's mapping, the exchange itself).
+        metas = all_gather((error, meta[0]))
+        _, leader_meta = metas[group.leader]  # type: ignore[misc]
+        bad = [(r, m[0]) for r, m in enumerate(metas) if m[0] is not None]  # type: ignore[index]
+        if bad:
+            r, e = bad[0]
+            raise SharedMemoryError(f"rank {r} could not create the shared segment: {e}")
+        path, nbytes, dtype, shape = leader_meta  # type: ignore[misc]
+        if group.is_leader:
+            _setup_point("published")
+        try:
+            if not group.is_leader:
+                base = _map(path, max(nbytes, 1))[:nbytes]
+            error = None
+        except Exception as exc:
+            error = f"{type(exc).__name__}: could not map {path}: {exc}"
         _all_ok(error)  # all local ranks have mapped (or failed)
     finally:
-        if group.is_leader and os.path.exists(path):
+        if group.is_leader and path is not None and os.path.exists(path):
             _setup_point("before_unlink")
             os.unlink(path)  # from here on the pages live only as long as the mappings
         if fd >= 0:

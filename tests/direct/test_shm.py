@@ -111,3 +111,21 @@ def test_a_live_segment_made_in_another_pid_namespace_survives_a_sweep(tmp_path)
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.slow
+def test_a_leader_whose_peer_node_failed_removes_its_segment(tmp_path) -> None:
+    """Two launcher "nodes" of one rank each: node 0's leader makes its segment, node 1's fails. Both raise
+    the same error, and node 0's segment (a whole feature table in shared memory) does not stay behind."""
+    import json
+
+    from tests.harness import REPO, launch_local_multinode
+
+    out, shm_dir = tmp_path / "out", tmp_path / "shm"
+    out.mkdir()
+    shm_dir.mkdir()
+    res = launch_local_multinode(2, REPO / "tests/direct/_shm_leaders_worker.py", [str(out), str(shm_dir)])
+    res.check()
+    errors = [json.loads((out / f"rank{r}.json").read_text())["error"] for r in range(2)]
+    assert all(e and "rank 1 could not create the shared segment" in e for e in errors), errors
+    assert list(shm_dir.iterdir()) == []
