@@ -48,9 +48,9 @@ class _Layer:
 class Restore:
     """Undoes one :func:`set` or :func:`install`: on ``restore()`` or at the end of a ``with`` block.
 
-    A :func:`set` token puts back the sections it changed as they were before it; an :func:`install` token
-    removes that engine's layer, wherever it is among the engines installed since (engines may close in any
-    order). Restoring twice does nothing."""
+    A :func:`set` token puts back the keys it changed that still hold what it set; an :func:`install` token
+    removes that engine's layer, wherever it is among the engines installed since. Either may be undone in
+    any order. Restoring twice does nothing."""
 
     def __init__(self, undo: Any) -> None:
         self._undo, self._done = undo, False
@@ -110,12 +110,24 @@ def set(
             _check_section(name)
             raw[name] = keys if replace else {**raw.get(name, {}), **keys}
         new = parse_dsx_config(raw)
-        before = {name: getattr(_base, name) for name in updates}
+        # per key, (value before, value set): undo puts back only the keys still holding what this call
+        # set, so that calls undone in any order leave what later calls set alone
+        changed = {
+            name: {
+                k: (getattr(getattr(_base, name), k), getattr(getattr(new, name), k))
+                for k in type(getattr(new, name)).model_fields
+                if getattr(getattr(_base, name), k) != getattr(getattr(new, name), k)
+            }
+            for name in updates
+        }
         _base = new
 
         def undo() -> None:
             global _base
-            _base = _base.model_copy(update=before)
+            for name, keys in changed.items():
+                section = getattr(_base, name)
+                back = {k: old for k, (old, set_) in keys.items() if getattr(section, k) == set_}
+                _base = _base.model_copy(update={name: section.model_copy(update=back)})
 
         return Restore(undo)
 

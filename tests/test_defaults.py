@@ -25,9 +25,11 @@ def test_get_gives_the_built_in_defaults() -> None:
 def test_set_changes_keys_for_the_process_and_restore_undoes_it() -> None:
     token = defaults.set("rgnn", precision="bf16", fusion=False)
     assert defaults.get("rgnn").precision == "bf16" and defaults.get("rgnn").fusion is False
-    defaults.set("rgnn", backend="interpreter")  # later changes keep the earlier ones
+    later = defaults.set("rgnn", backend="interpreter")  # later changes keep the earlier ones
     assert defaults.get("rgnn").precision == "bf16" and defaults.get("rgnn").backend == "interpreter"
-    token.restore()
+    token.restore()  # undoes its own keys only: the later call's stays until that call is undone
+    assert defaults.get("rgnn") == RGNNConfig(backend="interpreter")
+    later.restore()
     assert defaults.get("rgnn") == RGNNConfig()
 
 
@@ -120,3 +122,18 @@ def test_the_engines_scheduler_section_is_installed_with_its_scheduler() -> None
         assert defaults.get("scheduler").io_workers == 3
     assert defaults.get("scheduler").io_workers == 4
     sched.close()
+
+
+def test_sets_undone_out_of_order_leave_nothing_behind() -> None:
+    x = defaults.set("rgnn", precision="bf16")
+    y = defaults.set("rgnn", fusion=False)
+    x.restore()
+    assert defaults.get("rgnn").precision == "fp32" and defaults.get("rgnn").fusion is False
+    y.restore()
+    assert defaults.get("rgnn") == RGNNConfig()
+    a = defaults.set("rgnn", precision="bf16")
+    b = defaults.set("rgnn", precision="tf32")  # a later call changed the same key: it keeps it
+    a.restore()
+    assert defaults.get("rgnn").precision == "tf32"
+    b.restore()
+    assert defaults.get("rgnn").precision == "bf16"  # what b found; a's undo already passed
