@@ -131,7 +131,7 @@ def scan_segments(directory: str, min_age_s: float = 0.0) -> list[ShmFinding]:
         if not name.startswith(_user_prefix()):
             out.append(ShmFinding(path, size, False, "another user's: not judged here"))
             continue
-        stale, why = judge(parse_owner_tag(name), path, min_age_s)
+        stale, why = judge(parse_owner_tag(name), path, min_age_s, locked_while_alive=True)
         out.append(ShmFinding(path, size, stale, why))
     return out
 

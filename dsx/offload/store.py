@@ -151,7 +151,7 @@ def clean_stale_runs(root: str) -> list[str]:
             record, record_path = parse_owner_tag(name), d
             if record is None:
                 continue
-        stale, why = judge(record if isinstance(record, dict) else None, record_path)
+        stale, why = judge(record if isinstance(record, dict) else None, record_path, locked_while_alive=True)
         if stale:
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)

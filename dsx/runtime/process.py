@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "LOCK_GRACE_S",
     "ShmFinding",
     "all_gather",
     "deepspeed_shm_buffer",
@@ -282,15 +283,26 @@ def sees_every_process() -> bool:
     return _pid_namespace() == INIT_PID_NAMESPACE
 
 
+# how long a file dsx locks may stand unlocked while its owner is still taking the lock (microseconds, in
+# practice): older and unlocked on this machine, it has no owner, in whatever pid namespace
+LOCK_GRACE_S = 10.0
+
+
 def judge(
-    owner: dict[str, Any] | None, path: str | os.PathLike[str], min_age_s: float = 0.0
+    owner: dict[str, Any] | None,
+    path: str | os.PathLike[str],
+    min_age_s: float = 0.0,
+    locked_while_alive: bool = False,
 ) -> tuple[bool, str]:
     """Whether what ``path`` names (a file, or a directory whose owner record it is) is proven stale, and why or
     why not: the one liveness test for everything dsx leaves on shared storage.
 
-    Kept: a file some process holds locked (dsx's owners lock what they make: seen from every container),
-    one younger than ``min_age_s``, one without an owner record, one whose owner runs, and one whose owner ran
-    in another pid namespace or machine (its pid means nothing here). Stale: its owner is proven ended.
+    Kept: a file some process holds locked (seen from every container), one younger than ``min_age_s``, one
+    without a usable owner record, one whose owner runs, and one whose owner ran in another pid namespace or
+    machine (its pid means nothing here). Stale: its owner is proven ended; or, for what its owner holds
+    locked as long as it lives (``locked_while_alive``: dsx's run directories and segments), no lock on it,
+    made on this machine since its last boot (the kernel keeps locks across pid namespaces, not machines) and
+    older than :data:`LOCK_GRACE_S`.
     """
     if is_locked(path):
         return False, "in use: its owner holds a lock on it"
@@ -300,8 +312,11 @@ def judge(
         return False, "gone"
     if age < min_age_s:
         return False, f"younger than {min_age_s:g} s"
-    if owner is None:
+    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
         return False, "no owner record: cannot tell whether its owner runs"
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    if locked_while_alive and boot and owner.get("boot") == boot and age >= LOCK_GRACE_S:
+        return True, f"its owner (pid {owner['pid']}) holds no lock on it: it has ended"
     gone = owner_gone(owner)
     if gone:
         return True, f"its owner (pid {owner['pid']}) has ended"

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -244,3 +245,27 @@ def test_sigkilled_rank_leftovers_removed_at_next_start(tmp_path):
         assert os.listdir(root) == [os.path.basename(fresh.path)]
     finally:
         fresh.remove()
+
+
+def test_an_unlocked_old_run_from_another_container_on_this_machine_is_stale(tmp_path):
+    """A live run holds a lock on its owner record, and the kernel shows that lock in every pid namespace: a
+    record of this machine's boot, from another container, unlocked and older than the grace period has no
+    owner. The same from another machine (another boot) cannot be judged by a lock here and stays; so does a
+    malformed record."""
+    me = owner_record()
+    if not me["boot"]:
+        pytest.skip("no boot id here")
+    prefix = f"dsx-u{os.getuid()}-"
+    hour_ago = time.time() - 3600
+    cases = {
+        "other-container-dead": dict(me, pidns="pid:[1]"),
+        "other-machine": dict(me, boot="another boot", host="another-host", pidns="pid:[1]"),
+        "no-pid": {"boot": me["boot"]},
+    }
+    for name, rec in cases.items():
+        d = tmp_path / f"{prefix}{name}"
+        d.mkdir()
+        (d / OWNER).write_text(json.dumps(rec))
+        os.utime(d / OWNER, (hour_ago, hour_ago))
+    removed = sorted(os.path.basename(d) for d in clean_stale_runs(str(tmp_path)))
+    assert removed == [f"{prefix}other-container-dead"]
