@@ -78,17 +78,17 @@ def _unshare() -> list[str]:
     return [exe, "--pid", "--fork", "--mount-proc", "--kill-child"]
 
 
-def test_a_live_segment_made_in_another_pid_namespace_survives_a_sweep(tmp_path) -> None:
+def test_segments_made_in_another_pid_namespace_are_judged_by_their_lock(tmp_path) -> None:
     """As two containers sharing /dev/shm: the creator runs in its own pid namespace, under a pid that does
-    not run here. A judge by pid alone removed its segment; the owner record says it cannot be told."""
+    not run here, so its pid tells nothing. While it holds its segment's lock the segment stays, however old;
+    once the creator has ended (the lock went with it) the segment is stale."""
     ready = tmp_path / "ready"
     child = (
         "import os, sys, time\n"
         "from dsx.direct import shm\n"
         "from dsx.runtime.process import owner_tag\n"
         "name = f'{shm.PREFIX}u{os.getuid()}-feedbeef-{owner_tag()}-r0-feat'\n"
-        f"path, fd = shm._create(os.path.join({str(tmp_path)!r}, name))\n"
-        "os.close(fd)  # not even locked: the owner record alone must protect it\n"
+        f"path, fd = shm._create(os.path.join({str(tmp_path)!r}, name))  # created locked, as a leader does\n"
         f"open({str(ready)!r}, 'w').write(str(os.getpid()))\n"
         "time.sleep(60)\n"
     )
@@ -102,15 +102,21 @@ def test_a_live_segment_made_in_another_pid_namespace_survives_a_sweep(tmp_path)
         assert ready.exists(), "the child did not create its segment"
         inner_pid = int(ready.read_text())
         (seg,) = [p for p in tmp_path.iterdir() if p.name.startswith(shm.PREFIX)]
-        assert parse_owner_tag(seg.name)["pid"] == inner_pid
-        assert not pid_alive(inner_pid)  # so a judge by pid alone would have removed it
-        assert shm.sweep_stale(str(tmp_path)) == []
-        assert seg.exists()
+        assert parse_owner_tag(seg.name)["pid"] == inner_pid and not pid_alive(
+            inner_pid
+        )  # (its pid: nothing)
+        os.utime(seg, (time.time() - 3600,) * 2)  # old: only the lock can tell that it is in use
+        assert shm.sweep_stale(str(tmp_path)) == [] and seg.exists()
         (finding,) = shm.scan_segments(str(tmp_path))
-        assert "another pid namespace" in finding.reason
+        assert "in use" in finding.reason
     finally:
         proc.kill()
         proc.wait()
+    deadline = time.time() + 20  # (the namespace's processes go a moment after its first one)
+    while is_locked(seg) and time.time() < deadline:
+        time.sleep(0.05)
+    # the creator is gone, and its lock with it: now proven stale, from this namespace
+    assert shm.sweep_stale(str(tmp_path)) == [seg.name] and not seg.exists()
 
 
 @pytest.mark.slow
