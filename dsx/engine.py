@@ -80,6 +80,9 @@ class _StepDriver:
 
     def __init__(self, engine: Any, runtime: DsxRuntime) -> None:
         self.engine, self._inner = engine, engine.step
+        self._own = "step" not in vars(
+            engine
+        )  # engine.step was the class's method, not an instance's wrapper
         arounds = [f.around_step for f in runtime.features.values() if hasattr(f, "around_step")]
         afters = [f.after_step for f in runtime.features.values() if hasattr(f, "after_step")]
 
@@ -96,10 +99,16 @@ class _StepDriver:
                 runtime.scheduler.end_step()
             return out
 
-        engine.step = step
+        engine.step = self._wrapper = step
 
     def close(self) -> None:
-        self.engine.step = self._inner
+        """Take the wrapper off; one installed over it since stays (it calls this one, which calls step)."""
+        if vars(self.engine).get("step") is not self._wrapper:
+            return
+        if self._own:
+            del self.engine.step  # the class's method again, no instance attribute left behind
+        else:
+            self.engine.step = self._inner
 
 
 def _add_sinks(engine: Any, scheduler: Scheduler) -> None:

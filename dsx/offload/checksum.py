@@ -71,6 +71,12 @@ def checksum(buf: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
     # the last 1-3 bytes count as one more word (little-endian, zero-padded), after the others
     tail = buf[n4:].to(torch.int64)
     tail_word = (tail << (8 * torch.arange(tail.numel(), device=buf.device))).sum()
+    if kernel == "triton" and _kernel() is None:
+        raise RuntimeError(
+            "dsx checksum: kernel='triton' needs Triton, which does not import here; use 'torch'"
+        )
+    if kernel not in ("auto", "triton", "torch"):
+        raise ValueError(f"dsx checksum: kernel must be 'auto', 'triton' or 'torch', got {kernel!r}")
     use_triton = kernel == "triton" or (kernel == "auto" and buf.is_cuda and _kernel() is not None)
     s1, s2 = _sums_triton(words) if use_triton else _sums_torch(words)
     idx = words.numel()

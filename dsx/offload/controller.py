@@ -183,7 +183,7 @@ class ActivationOffload:
                 root=model,
             )
             self._profile_next(cfg.profile_warmup_steps == 0)
-        # last: a constructor that raised is never closed, and this setting is process-wide
+        # last: the setting is process-wide, and close() restores it
         if self.device.type == "cuda" and cfg.policy != "none":
             want = cfg.resolved("expandable_segments") == "on"
             if cfg.expandable_segments != "auto" or (want and not allocator.user_configured()):

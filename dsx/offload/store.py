@@ -173,10 +173,15 @@ class RunDir:
         # the name carries the owner too: a rank killed before its record is written is still judged
         self.path = os.path.join(root, f"{_prefix()}{owner_tag()}-r{rank}-{uuid.uuid4().hex[:8]}")
         os.mkdir(self.path, 0o700)
-        # the owner record, created exclusively and held locked while the run lives
-        self._lock = os.open(os.path.join(self.path, OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        fcntl.flock(self._lock, fcntl.LOCK_EX)
-        os.write(self._lock, json.dumps(owner_record()).encode())
+        self._lock = -1
+        try:
+            # the owner record, created exclusively and held locked while the run lives
+            self._lock = os.open(os.path.join(self.path, OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+            os.write(self._lock, json.dumps(owner_record()).encode())
+        except BaseException:  # a constructor that raised is never removed by its caller: undo it here
+            self.remove()
+            raise
         atexit.register(self.remove)
 
     def remove(self) -> None:

@@ -378,7 +378,7 @@ def hold_deepspeed_shm() -> None:
     except OSError:
         return  # no buffer: not a CPU job on one machine
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # (blocks only while a sweep's probe holds it, a moment)
         _held[str(path)] = fd
     except OSError:
         os.close(fd)
