@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+import dsx
 from dsx import defaults
-from dsx.config import DsxConfig, SchedulerConfig, UnifiedConfig
+from dsx.config import SchedulerConfig
 from dsx.data.rmat import rmat_graph
 from dsx.direct import NeighborLoader
 from dsx.runtime.scheduler import Scheduler
@@ -220,24 +220,43 @@ def test_same_seed_same_batches_with_and_without_prefetch(data, device) -> None:
     sched.close()
 
 
-def test_prefetch_and_scheduler_come_from_the_engine_or_the_defaults(data, sched) -> None:
-    config = DsxConfig(unified=UnifiedConfig(enabled=True, prefetch_batches=3))
-    engine = SimpleNamespace(dsx=SimpleNamespace(config=config, scheduler=sched))
-    ld = NeighborLoader(data, [2], batch_size=300, engine=engine)
-    assert ld.prefetch == 3 and ld.scheduler is sched
-    assert NeighborLoader(data, [2], engine=engine, prefetch=0).prefetch == 0  # an explicit value wins
-    off = SimpleNamespace(dsx=SimpleNamespace(config=DsxConfig(), scheduler=sched))  # section disabled
-    assert NeighborLoader(data, [2], engine=off).prefetch == defaults.get("unified").prefetch_batches == 1
-    plain = SimpleNamespace()  # plain DeepSpeed: no engine.dsx
+def _engine(dsx_section: dict | None):
+    """A real DeepSpeed engine through dsx.initialize (a plain DeepSpeed engine when ``dsx_section`` is None)."""
+    model = torch.nn.Linear(4, 4)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "Adam", "params": {"torch_adam": True}},
+    }
+    if dsx_section is not None:
+        config["dsx"] = dsx_section
+    engine, _, _, _ = dsx.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def test_prefetch_and_scheduler_come_from_the_engine_or_the_defaults(data) -> None:
+    engine = _engine({"unified": {"enabled": True, "prefetch_batches": 3}})
+    try:
+        sched = engine.dsx.scheduler
+        ld = NeighborLoader(data, [2], batch_size=300, engine=engine)
+        assert ld.prefetch == 3 and ld.scheduler is sched
+        assert NeighborLoader(data, [2], engine=engine, prefetch=0).prefetch == 0  # an explicit value wins
+        other = Scheduler()
+        try:
+            assert NeighborLoader(data, [2], engine=engine, scheduler=other).scheduler is other
+        finally:
+            other.close()
+        _check_batches(ld, data, list(ld))
+    finally:
+        engine.dsx.close()
+    off = _engine({"scheduler": {"enabled": True}})  # dsx attached, its unified section not enabled
+    try:
+        assert NeighborLoader(data, [2], engine=off).prefetch == defaults.get("unified").prefetch_batches == 1
+    finally:
+        off.dsx.close()
+    plain = _engine(None)  # plain DeepSpeed: no engine.dsx
     assert NeighborLoader(data, [2], engine=plain).scheduler is defaults.scheduler()
     with defaults.set("unified", prefetch_batches=2):
         assert NeighborLoader(data, [2]).prefetch == 2
-    other = Scheduler()
-    try:
-        assert NeighborLoader(data, [2], engine=engine, scheduler=other).scheduler is other
-    finally:
-        other.close()
-    _check_batches(ld, data, list(ld))
 
 
 def test_every_rank_gets_as_many_batches_however_few_the_seeds(data) -> None:

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import dsx
 import dsx.rgnn as rg
-from dsx.config import DsxConfig, DsxConfigError, RGNNConfig
+from dsx.config import DsxConfigError, RGNNConfig
 from dsx.rgnn import dispatch
-from dsx.rgnn.deepspeed import attach
 from tests.rgnn.test_layers import rel_graph
 
 PACKAGE = Path(rg.__file__).resolve().parent
@@ -80,15 +78,17 @@ def test_bad_layer_backend():
         rg.RGCNConv(4, 4, 2, backend="triton")
 
 
-def test_deepspeed_attach_reports_and_closes(caplog):
-    section = RGNNConfig(enabled=True, precision="tf32", backend="interpreter")
-    runtime = SimpleNamespace(config=DsxConfig(rgnn=section))
+def test_an_engine_attaches_the_section_reports_it_and_closes(caplog):
+    model = torch.nn.Linear(4, 4)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"torch_adam": True}},
+              "dsx": {"rgnn": {"enabled": True, "precision": "tf32", "backend": "interpreter"}}}  # fmt: skip
     with caplog.at_level("INFO", logger="dsx"):
-        feature = attach(None, runtime)
-    assert feature.section is section
+        engine, _, _, _ = dsx.initialize(model=model, model_parameters=model.parameters(), config=config)
+    feature = engine.dsx.features["rgnn"]
+    assert feature.section is engine.dsx.config.rgnn is dsx.defaults.get("rgnn")
     assert "precision=tf32 backend=interpreter" in caplog.text
-    feature.close()
-    assert dsx.defaults.get("rgnn") == RGNNConfig()  # attach leaves the defaults to the engine
+    engine.dsx.close()
+    assert dsx.defaults.get("rgnn") == RGNNConfig()  # the engine's section goes with it
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
