@@ -1,4 +1,5 @@
-"""Typed neighbor sampling: uniform without replacement per edge type, hop by hop, one host sync per hop.
+"""Typed neighbor sampling: uniform without replacement per edge type, hop by hop, one host sync per hop
+(and one that sizes the first).
 
 PyG's heterogeneous semantics (``torch_geometric.loader.NeighborLoader`` on ``HeteroData``): edges of type
 ``(src, rel, dst)`` point from a ``src`` node to a ``dst`` node; the seeds are destinations. At hop ``h``
@@ -13,7 +14,7 @@ Each edge type has its own CSR over destinations; the per-edge-type draws are
 (from all edge types that reach it) are relabelled together, so that a node reached along two edge types
 in one hop gets one local id. The only host synchronisation per hop reads, in one transfer, every node
 type's new-node count and every edge type's edge count for the next hop: the next hop needs them as shapes
-and PyG needs them as Python ints.
+and PyG needs them as Python ints (the first hop's counts are read once before it).
 """
 
 from __future__ import annotations
