@@ -154,7 +154,7 @@ def run_entry_point(main: Callable[[], object]) -> None:
     kills every rank as soon as one fails, which could otherwise take rank 0 down before it has printed.
     Any other exception propagates with its traceback.
     """
-    from dsx.runtime.process import exit_distributed
+    from dsx.runtime.process import exit_distributed, rank_and_world
 
     try:
         main()
@@ -162,7 +162,7 @@ def run_entry_point(main: Callable[[], object]) -> None:
         message = config_error_message(exc)
         if message is None:
             raise
-        if int(os.environ.get("RANK", "0") or 0) == 0:
+        if rank_and_world()[0] == 0:
             print(f"error: {message}", file=sys.stderr, flush=True)
         else:
             time.sleep(3.0)

@@ -175,7 +175,9 @@ class HeteroNeighborLoader(PipelinedLoader):
     def _make(self, input_id: torch.Tensor) -> Any:
         from torch_geometric.data import HeteroData
 
-        out = self.sampler.sample(self.input_type, self.input_nodes[input_id])  # host ids: range-checked there
+        out = self.sampler.sample(
+            self.input_type, self.input_nodes[input_id]
+        )  # host ids: range-checked there
         batch, dev = HeteroData(), self.device
         for t in self.node_types:
             store = batch[t]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsx.direct.sampler import claim_nodes, fanout_take, new_node_ids, sample_positions
+from dsx.direct.sampler import claim_nodes, fanout_take, new_node_ids, sample_positions, seeds_on
 
 __all__ = ["EdgeType", "HeteroNeighborSampler", "HeteroSampledSubgraph"]
 
@@ -134,13 +134,7 @@ class HeteroNeighborSampler:
         seeds are range-checked on the host, device seeds with one synchronisation)."""
         if input_type not in self.num_nodes:
             raise ValueError(f"input type {input_type!r} is not a node type of this graph {self.node_types}")
-        n_in = self.num_nodes[input_type]
-        if seeds.numel():
-            lo, hi = (int(v) for v in torch.stack([seeds.min(), seeds.max()]).tolist())
-            if lo < 0 or hi >= n_in:
-                raise IndexError(f"seed ids of {input_type!r} must lie in [0, {n_in}); got [{lo}, {hi}]")
-        # non_blocking only towards the GPU: a non-blocking copy to the host returns before the bytes land
-        seeds = seeds.to(self.device, torch.long, non_blocking=self.device.type == "cuda")
+        seeds = seeds_on(seeds, self.num_nodes[input_type], self.device, f"seed ids of {input_type!r}")
         dev, maps, hops = self.device, self._maps, self.num_hops
         maps[input_type][seeds] = torch.arange(seeds.numel(), device=dev)
         empty = torch.empty(0, dtype=torch.long, device=dev)

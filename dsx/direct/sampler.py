@@ -30,6 +30,7 @@ __all__ = [
     "floyd",
     "new_node_ids",
     "sample_positions",
+    "seeds_on",
     "to_csr",
 ]
 
@@ -44,6 +45,19 @@ class SampledSubgraph:
     batch_size: int
     num_sampled_nodes: list[int]
     num_sampled_edges: list[int]
+
+
+def seeds_on(
+    seeds: torch.Tensor, num_nodes: int, device: torch.device, what: str = "seed ids"
+) -> torch.Tensor:
+    """``seeds`` as int64 on ``device``, after an IndexError naming them if any lies outside
+    ``[0, num_nodes)`` (host seeds are checked on the host; device seeds cost one synchronisation)."""
+    if seeds.numel():
+        lo, hi = (int(v) for v in torch.stack([seeds.min(), seeds.max()]).tolist())
+        if lo < 0 or hi >= num_nodes:
+            raise IndexError(f"{what} must lie in [0, {num_nodes}); got [{lo}, {hi}]")
+    # non_blocking only towards the GPU: a non-blocking copy to the host returns before the bytes land
+    return seeds.to(device, torch.long, non_blocking=device.type == "cuda")
 
 
 class NeighborSampler:
@@ -113,12 +127,7 @@ class NeighborSampler:
     def sample(self, seeds: torch.Tensor) -> SampledSubgraph:
         """Sample the multi-hop neighborhood of distinct ``seeds`` (global ids; host seeds are range-checked
         on the host, device seeds with one synchronisation)."""
-        if seeds.numel():
-            lo, hi = (int(v) for v in torch.stack([seeds.min(), seeds.max()]).tolist())
-            if lo < 0 or hi >= self.num_nodes:
-                raise IndexError(f"seed ids must lie in [0, {self.num_nodes}); got [{lo}, {hi}]")
-        # non_blocking only towards the GPU: a non-blocking copy to the host returns before the bytes land
-        seeds = seeds.to(self.device, torch.long, non_blocking=self.device.type == "cuda")
+        seeds = seeds_on(seeds, self.num_nodes, self.device)
         m, dev = self._map, self.device
         m[seeds] = torch.arange(seeds.numel(), device=dev)
         n_ids, rows, cols, eids = [seeds], [], [], []

@@ -104,12 +104,16 @@ def shm_space_message(directory: str, needed: int, free: int, total: int) -> str
     )
 
 
+def _space_message(directory: str, needed: int) -> str:
+    st = os.statvfs(directory)
+    return shm_space_message(directory, needed, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
+
+
 def check_space(directory: str, needed: int) -> None:
     """Raise :class:`SharedMemoryError` if ``directory``'s file system has fewer than ``needed`` free bytes."""
     st = os.statvfs(directory)
-    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-    if needed > free:
-        raise SharedMemoryError(shm_space_message(directory, needed, free, total))
+    if needed > st.f_bavail * st.f_frsize:
+        raise SharedMemoryError(_space_message(directory, needed))
 
 
 def scan_segments(directory: str, min_age_s: float = 0.0) -> list[ShmFinding]:
@@ -244,10 +248,7 @@ def share_tensor(
                 # Reserve tmpfs pages now, not at first touch (at least one byte, so that it maps).
                 _fallocate(fd, 0, max(nbytes, 1))
             except OSError as exc:
-                st = os.statvfs(shared_memory_dir)
-                free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-                msg = shm_space_message(shared_memory_dir, nbytes, free, total)
-                raise SharedMemoryError(f"{msg} ({exc})") from None
+                raise SharedMemoryError(f"{_space_message(shared_memory_dir, nbytes)} ({exc})") from None
             base = _map(path, max(nbytes, 1))[:nbytes]
             if nbytes:
                 base.view(tensor.dtype).view(tensor.shape).copy_(tensor)

@@ -16,7 +16,6 @@ import contextlib
 import errno
 import os
 import threading
-from concurrent import futures
 from concurrent.futures import Future
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 from dsx import defaults
 from dsx.offload.align import ALIGN, aligned_empty
 from dsx.ops.aio import async_io_status
-from dsx.runtime.scheduler import Scheduler
+from dsx.runtime.scheduler import FutureSet, Scheduler
 
 __all__ = [
     "AioBackend",
@@ -58,7 +57,7 @@ class IOBackend:
         self.path, self.fd = path, fd
         self._pool = (scheduler or defaults.scheduler()).executor("ssd")
         self._lock = threading.Lock()
-        self._pending: set[Future[int]] = set()  # this backend's calls not yet done (the pool is shared)
+        self._pending = FutureSet()  # this backend's calls not yet done (the pool is shared)
         self._closed = False
 
     def pwrite(self, buf: torch.Tensor, offset: int) -> Future[int]:
@@ -73,14 +72,7 @@ class IOBackend:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"dsx {self.name} I/O backend of {self.path} is closed")
-            fut = self._pool.submit(self._run, what, fn, buf, offset)
-            self._pending.add(fut)
-        fut.add_done_callback(self._done)
-        return fut
-
-    def _done(self, fut: Future[int]) -> None:
-        with self._lock:
-            self._pending.discard(fut)
+            return self._pending.add(self._pool.submit(self._run, what, fn, buf, offset))
 
     def _run(self, what: str, fn: Any, buf: torch.Tensor, offset: int) -> int:
         try:
@@ -104,8 +96,7 @@ class IOBackend:
         """Refuse new calls and wait for this backend's calls in flight (the shared pool keeps running)."""
         with self._lock:
             self._closed = True
-            pending = list(self._pending)
-        futures.wait(pending)
+        self._pending.wait()
 
 
 class PosixBackend(IOBackend):

@@ -13,7 +13,6 @@ import itertools
 import logging
 import threading
 from collections import deque
-from concurrent import futures
 from concurrent.futures import Future
 from typing import Any
 
@@ -23,7 +22,7 @@ from dsx.offload.entry import Entry, OffloadIntegrityError
 from dsx.offload.reads import ReadPath
 from dsx.offload.store import HostPool, SsdFile
 from dsx.offload.writes import WritePath
-from dsx.runtime.scheduler import Scheduler
+from dsx.runtime.scheduler import FutureSet, Scheduler
 
 __all__ = ["Entry", "Mover", "OffloadIntegrityError"]
 
@@ -62,7 +61,7 @@ class Mover(WritePath, ReadPath):
         self._in_flight: deque[tuple[Entry, float]] = deque()
         self._in_flight_lock = threading.Lock()
         # every I/O thread's write not yet ended, released entries' included: the file closes after them (drain)
-        self._writes: set[Future[Any]] = set()
+        self._writes = FutureSet()
         # released entries whose reads may still be queued on the GPU: (read's number, tiebreak, entry, its
         # event), a heap in the prefetch stream's order; poll_writes() frees their slots once the copy ran
         self._read_frees: list[tuple[int, int, Entry, Any]] = []
@@ -149,9 +148,7 @@ class Mover(WritePath, ReadPath):
         may be closed next, and a write still queued would then run on a closed (or reused) descriptor."""
         with self._lock:
             futs = [e.written for lst in self._entries.values() for e in lst if e.written is not None]
-        with self._in_flight_lock:
-            every = list(self._writes)
-        futures.wait(every)
+        self._writes.wait()
         for f in futs:
             f.result()
         with self._in_flight_lock:

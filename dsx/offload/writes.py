@@ -97,15 +97,7 @@ class WritePath:
         return e
 
     def _submit_write(self, e: Entry, copied: Any) -> Future[Any]:
-        fut = self.sched.submit(self._finish_write, e, copied)
-        with self._in_flight_lock:
-            self._writes.add(fut)
-        fut.add_done_callback(self._write_ended)
-        return fut
-
-    def _write_ended(self, fut: Future[Any]) -> None:
-        with self._in_flight_lock:
-            self._writes.discard(fut)
+        return self._writes.add(self.sched.submit(self._finish_write, e, copied))
 
     def _finish_write(self, e: Entry, copied: Any) -> None:
         t0 = time.perf_counter()

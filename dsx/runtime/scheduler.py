@@ -25,11 +25,37 @@ from dsx.config import SchedulerConfig
 from dsx.runtime.events import EventWaiter
 from dsx.runtime.telemetry import StepRecord, StepTelemetry
 
-__all__ = ["POOLS", "Scheduler", "StepSink"]
+__all__ = ["POOLS", "FutureSet", "Scheduler", "StepSink"]
 
 # The thread pools a scheduler keeps, and how many threads each gets: ``None`` is ``io_workers``. The loader
 # pool has one thread, so that a loader's batches are sampled in order from its random generator.
 POOLS: dict[str, int | None] = {"io": None, "ssd": None, "loader": 1}
+
+
+class FutureSet:
+    """The futures of one owner still running on a shared pool, each dropped as it ends: what the owner's
+    close or drain waits for (the pool itself keeps running for others)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._futures: set[Future[Any]] = set()
+
+    def add(self, fut: Future[Any]) -> Future[Any]:
+        with self._lock:
+            self._futures.add(fut)
+        fut.add_done_callback(self._drop)  # (runs at once if it has already ended)
+        return fut
+
+    def _drop(self, fut: Future[Any]) -> None:
+        with self._lock:
+            self._futures.discard(fut)
+
+    def wait(self) -> None:
+        """Block until every future added so far has ended."""
+        with self._lock:
+            running = list(self._futures)
+        for fut in running:
+            fut.exception()  # waits; the outcome is for whoever holds the future
 
 
 class StepSink(Protocol):

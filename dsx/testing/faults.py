@@ -195,12 +195,17 @@ class Injector:
         pwrite, pread, preadv = cls._pwrite, cls._pread, cls._preadv
         inj, spec = self, self.spec
 
-        def _pwrite(backend: Any, buf: Any, offset: int) -> int:
-            n = inj._count("write")
-            inj._delay("write")
-            if inj._hit("io_error", "write", n):
-                inj._injected("io_error", op="write", nth=n, path=backend.path, offset=offset)
+        def start(op: str, backend: Any, offset: int) -> int:
+            """Count the call, sleep if slowed, fail it if its turn: the part reads and writes share."""
+            n = inj._count(op)
+            inj._delay(op)
+            if inj._hit("io_error", op, n):
+                inj._injected("io_error", op=op, nth=n, path=backend.path, offset=offset)
                 raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} ({_TAG})")
+            return n
+
+        def _pwrite(backend: Any, buf: Any, offset: int) -> int:
+            n = start("write", backend, offset)
             if inj._hit("enospc", "write", n):
                 inj._injected("enospc", op="write", nth=n, path=backend.path, offset=offset)
                 raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({_TAG})")
@@ -210,11 +215,7 @@ class Injector:
             return done
 
         def _pread(backend: Any, buf: Any, offset: int) -> int:
-            n = inj._count("read")
-            inj._delay("read")
-            if inj._hit("io_error", "read", n):
-                inj._injected("io_error", op="read", nth=n, path=backend.path, offset=offset)
-                raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} ({_TAG})")
+            n = start("read", backend, offset)
             if inj._hit("short_read", "read", n):
                 inj._short.pending = (n, backend.path, offset)
             try:
