@@ -4,15 +4,21 @@ is missing."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
+
+_prebuild: dict[str, object] = {}
 
 
 def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: start no build for tests that will not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     n = _gpus()
     if any(item.get_closest_marker("async_io") for item in items):
@@ -22,6 +28,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("async_io") and not aio_ok:
                 item.add_marker(pytest.mark.skip(reason=aio_why))
+        if aio_ok:
+            _start_async_io_build()
     for item in items:
         if "multigpu" in item.keywords and n < 2:
             item.add_marker(
@@ -43,3 +51,25 @@ def _single_rank_process() -> None:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())
+
+
+def _start_async_io_build() -> None:
+    """On a fresh machine DeepSpeed's async_io op takes minutes to compile, in whichever test first needs it.
+    Start that build now, beside the tests that come first; torch's build lock makes a test that needs the op
+    before it is done wait for it, and load it after."""
+    from dsx.ops.cache import is_cached
+
+    if is_cached("async_io"):
+        return
+    log = tempfile.NamedTemporaryFile("w", prefix="dsx-async-io-build-", suffix=".log", delete=False)
+    code = "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+    _prebuild["log"] = log.name
+    _prebuild["proc"] = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    proc = _prebuild.get("proc")
+    if isinstance(proc, subprocess.Popen) and proc.wait() != 0:  # waits: a killed build would leave its lock
+        print(
+            f"\nthe async_io op build started at collection failed: see {_prebuild['log']}", file=sys.stderr
+        )

@@ -57,6 +57,7 @@ def main() -> None:
         torch.cuda.set_device(local_rank)
         ok_gather = ok_gather and ut.is_pinned and bool(torch.equal(ut.gather(idx.cuda()).cpu(), data[idx]))
     ut.tensor.sum()  # touch every page so Rss/Pss count them
+    dist.barrier()  # every rank has touched them: only then is each page charged half to each (Pss)
     smaps = _smaps_for(shm_dir)
     dist.barrier()
     # Same pages, not copies: a write by rank 0 after mapping is seen by every other rank.

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from dsx.direct import shm
 from dsx.offload.io import PosixBackend
 from dsx.testing import faults
 from dsx.testing.faults import FaultSpec
-from tests.faults.trials import SITE
+from tests.faults.trials import SITE, Dirs, Owners, _touched, next_start, plant_sentinels
 from tests.harness import REPO, launcher_env
 
 
@@ -145,3 +146,22 @@ def test_a_leader_killed_inside_the_setup_leaves_a_segment_the_next_start_remove
     [left] = [p for p in tmp_path.iterdir() if p.name.startswith(shm.PREFIX)]
     assert left.stat().st_size == 40  # created and filled, never unlinked
     assert shm.sweep_stale(str(tmp_path)) == [left.name]
+
+
+def test_sentinels_survive_the_next_start_while_their_owners_hold_them(tmp_path) -> None:
+    """The harness's "other job" must look alive to the cleanup as a running dsx job does (a lock on its run
+    record and segments), or every trial would count its removal as a leak; released, the same files go."""
+    owners = Owners()
+    try:
+        dirs = Dirs.make(tmp_path, tmp_path / "shm", "t")
+        planted = plant_sentinels(dirs, owners)
+        old = time.time() - 3600  # past the grace an unlocked record gets, without waiting for it
+        for p in [*dirs.ssd.glob("*/*"), *dirs.shm.iterdir()]:
+            os.utime(p, (old, old))
+        next_start(dirs)
+        assert planted and not _touched(planted)
+        owners.release()
+        next_start(dirs)
+        assert sorted(_touched(planted)) == sorted(planted)
+    finally:
+        owners.close()

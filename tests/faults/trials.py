@@ -197,10 +197,23 @@ class Dirs:
 
 
 # ------------------------------------------------------------------------------------- another job
-_HELPER = (
-    "import json, sys; from dsx.runtime.process import owner_record, owner_tag; "
-    "print(json.dumps([owner_record(), owner_tag()]), flush=True); sys.stdin.read()"
-)
+# A stand-in rank of another job: prints its owner record and tag, then, as a live dsx rank does, holds a lock
+# on each path it is sent (a run directory's owner record, a segment) until an empty line lets them go.
+_HELPER = """
+import fcntl, json, os, sys
+from dsx.runtime.process import owner_record, owner_tag
+print(json.dumps([owner_record(), owner_tag()]), flush=True)
+held = []
+for line in sys.stdin:
+    if line.strip():
+        held.append(os.open(line.strip(), os.O_RDONLY))
+        fcntl.flock(held[-1], fcntl.LOCK_SH)
+    else:
+        for fd in held:
+            os.close(fd)
+        held.clear()
+    print("ok", flush=True)
+"""
 
 
 class Owners:
@@ -208,7 +221,7 @@ class Owners:
     container sharing the drive and /dev/shm) when ``unshare`` works. Their records name the sentinels."""
 
     def __init__(self) -> None:
-        self._procs: list[subprocess.Popen[str]] = []
+        self._procs: dict[str, subprocess.Popen[str]] = {}
         self.records: dict[str, tuple[dict[str, Any], str]] = {}
         self.notes: list[str] = []
         env = launcher_env()
@@ -230,11 +243,28 @@ class Owners:
             proc.wait()
             return
         record, tag = json.loads(line)
-        self._procs.append(proc)
+        self._procs[label] = proc
         self.records[label] = (record, tag)
 
+    def _say(self, label: str, line: str) -> None:
+        proc = self._procs[label]
+        proc.stdin.write(line + "\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        if (proc.stdout.readline() if proc.stdout else "").strip() != "ok":
+            raise RuntimeError(f"sentinel owner {label!r} could not lock {line!r}")
+
+    def hold(self, label: str, paths: list[Path]) -> None:
+        """Owner ``label`` locks ``paths`` as a live rank locks its run directory's record and segments."""
+        for path in paths:
+            self._say(label, str(path))
+
+    def release(self) -> None:
+        """Every owner lets its locks go (the trial's directories are about to be removed)."""
+        for label in self._procs:
+            self._say(label, "")
+
     def close(self) -> None:
-        for proc in self._procs:
+        for proc in self._procs.values():
             with contextlib.suppress(OSError):
                 proc.stdin.close()  # type: ignore[union-attr]  # its stdin.read() returns: it exits
             try:
@@ -255,8 +285,9 @@ def _digest(path: Path) -> str:
 
 
 def plant_sentinels(dirs: Dirs, owners: Owners) -> dict[str, str]:
-    """Another job's data in the trial's directories, owned by live processes: a run directory in the SSD
-    path and a segment in the shared-memory directory per owner. Path -> digest of its contents."""
+    """Another job's data in the trial's directories, owned by live processes that hold them locked as a
+    running dsx rank does: a run directory in the SSD path and a segment in the shared-memory directory per
+    owner. Path -> digest of its contents."""
     from dsx.direct.shm import _user_prefix
     from dsx.offload.store import OWNER, _prefix
 
@@ -270,6 +301,7 @@ def plant_sentinels(dirs: Dirs, owners: Owners) -> dict[str, str]:
         seg = dirs.shm / f"{_user_prefix()}{'f' * 16}-{tag}-r0-sentinel{label.replace('_', '')}"
         seg.write_bytes(os.urandom(4096))
         seg.chmod(0o600)
+        owners.hold(label, [run / OWNER, seg])
         for p in (run, seg):
             planted[str(p)] = _digest(p)
     return planted
@@ -626,5 +658,6 @@ def run_trial(
             trial.evidence["dir"] = str(dirs.root)
         return trial
     finally:
+        owners.release()
         if not keep:
             dirs.remove()

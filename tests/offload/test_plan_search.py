@@ -97,7 +97,7 @@ def test_fixed_policies(policy: str, tiers: list[str], expect: str) -> None:
             )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=15, deadline=None)  # each example is a whole budgeted search: the file's slowest part
 @given(n=st.integers(1, 9), seed=st.integers(0, 10**6), frac=st.floats(0.2, 1.0))
 def test_budget_always_respected(n: int, seed: int, frac: float) -> None:
     prof = _profiles(random.Random(seed), n)
@@ -153,7 +153,7 @@ def test_offload_all_with_recompute_modules_uses_selective_variant() -> None:
     assert "+sel" in plan.describe() and "sub ms" in plan.describe()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(n=st.integers(1, 8), seed=st.integers(0, 10**6), frac=st.floats(0.2, 1.0))
 def test_budget_respected_with_background(n: int, seed: int, frac: float) -> None:
     prof = _with_background(random.Random(seed), n)
