@@ -100,6 +100,17 @@ def test_zero_stages_train(name: str, tmp_path) -> None:
     assert summary["tokens_per_s"] > 0 and summary["peak_memory_gb"] > 0
 
 
+def test_main_job_trains_the_llama_model_under_the_quickstart_config(tmp_path) -> None:
+    log = tmp_path / "log.json"
+    args = ["--steps", "25", *SMALL, "--model", "llama", "--kv-heads", "1"]
+    summary = _run_job(str(CONFIGS / "gpt_quickstart.json"), log, args)
+    losses = _losses(log)
+    assert summary["model"] == "dsx torch Llama" and "dsx_telemetry" in summary, summary
+    assert np.mean(losses[-5:]) < losses[0] - 0.5, losses
+    with pytest.raises(SystemExit, match=r"--model llama: heads \(2\) must be a multiple of kv_heads \(3\)"):
+        _run_job(str(CONFIGS / "gpt_zero2.json"), log, [*args[:-1], "3"])
+
+
 @pytest.mark.slow
 @needs_async_io
 def test_zero3_optimizer_offload_to_nvme(tmp_path) -> None:

@@ -31,6 +31,7 @@ from dsx.cli import run_entry_point
 from dsx.config import load_deepspeed_config
 from dsx.data.tokens import TokenData, load_shards, make_loader, stdlib_corpus
 from dsx.models.gpt import GPT, GPTConfig
+from dsx.models.llama import Llama, LlamaConfig
 from dsx.models.megatron_gpt import build_megatron_gpt, megatron_available
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the start-up the examples share
@@ -51,8 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4, help="transformer layers")
     p.add_argument("--hidden", type=int, default=128, help="hidden size")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--model", choices=["auto", "torch", "megatron"], default="auto",
-                   help="auto: megatron-core GPTModel when it and CUDA are there, else the small torch GPT")  # fmt: skip
+    p.add_argument("--model", choices=["auto", "torch", "megatron", "llama"], default="auto",
+                   help="auto: megatron-core GPTModel when it and CUDA are there, else the small torch GPT; "
+                        "llama: the Llama-style torch decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)")  # fmt: skip
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads of --model llama (None: --heads, no grouping)")  # fmt: skip
+    p.add_argument("--ffn-hidden", type=int, default=None,
+                   help="MLP width of --model llama (None: 8/3 x hidden, rounded up to a multiple of 32)")  # fmt: skip
     p.add_argument(
         "--data", default=None, help="token shards (.npy / .bin file or directory); None: the stdlib's text"
     )
@@ -82,6 +88,14 @@ def _pick_model(args: argparse.Namespace, vocab: int, bf16: bool) -> tuple[torch
             raise SystemExit(f"--model megatron: {why}")
         model = build_megatron_gpt(args.layers, args.hidden, args.heads, args.seq_len, vocab, args.seed, bf16)
         return model, "megatron-core GPTModel"
+    if kind == "llama":
+        ffn = args.ffn_hidden or -(-8 * args.hidden // 3 // 32) * 32
+        try:
+            llama = LlamaConfig(vocab_size=vocab, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden,
+                                heads=args.heads, kv_heads=args.kv_heads or args.heads, ffn_hidden=ffn)  # fmt: skip
+        except ValueError as exc:
+            raise SystemExit(f"--model llama: {exc}") from None
+        return Llama(llama, seed=args.seed), "dsx torch Llama"
     cfg = GPTConfig(
         vocab_size=vocab, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden, heads=args.heads
     )

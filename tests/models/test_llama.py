@@ -1,0 +1,178 @@
+"""The Llama-style decoder: its parts against references written another way, causality, training, and
+activation offload on it (bitwise-equal gradients on CPU tensors and real files)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from dsx.config import SchedulerConfig
+from dsx.models import Llama, LlamaConfig
+from dsx.models.llama import Attention, apply_rope, rope_tables
+from dsx.offload import ActivationOffload
+from dsx.runtime.scheduler import Scheduler
+from tests.offload._offload_models import assert_same_grads
+from tests.offload._runs import _cfg
+
+SMALL = LlamaConfig(vocab_size=64, seq_len=16, layers=3, hidden=32, heads=4, kv_heads=2, ffn_hidden=48)
+
+
+def _rope_by_complex(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE as a complex multiply: the pair (i, i + d/2) is the number x_i + j x_{i+d/2}, turned by
+    exp(j p theta^(-2i/d)) at position p."""
+    d = x.shape[-1]
+    pos = torch.arange(x.shape[-2], dtype=torch.float64)
+    freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    turn = torch.polar(torch.ones(len(pos), d // 2, dtype=torch.float64), torch.outer(pos, freq))
+    z = torch.complex(x[..., : d // 2].double(), x[..., d // 2 :].double()) * turn
+    return torch.cat([z.real, z.imag], dim=-1).to(x.dtype)
+
+
+@pytest.mark.parametrize("theta", [10000.0, 500000.0])
+def test_rope_is_the_complex_turn_and_keeps_only_relative_positions(theta: float) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 24, 16, generator=g)
+    cos, sin = rope_tables(24, 16, theta)
+    got = apply_rope(x, cos, sin)
+    torch.testing.assert_close(got, _rope_by_complex(x, theta), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=1e-5)
+    # the same q and k moved together by 5 positions: their dot product does not change
+    q, k = torch.randn(16, generator=g), torch.randn(16, generator=g)
+    qs, ks = (apply_rope(t.expand(1, 1, 24, 16), cos, sin)[0, 0] for t in (q, k))
+    torch.testing.assert_close(qs[10] @ ks[3], qs[15] @ ks[8], rtol=1e-4, atol=1e-5)
+
+
+def _attention_by_hand(
+    attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Softmax attention with a causal mask, the key/value heads copied out to every query head."""
+    b, s, h = x.shape
+    hd, nq, nkv = attn.head_dim, attn.heads, attn.kv_heads
+    q, k, v = attn.qkv(x).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+    q = apply_rope(q.view(b, s, nq, hd).transpose(1, 2), cos, sin)
+    k = apply_rope(k.view(b, s, nkv, hd).transpose(1, 2), cos, sin).repeat_interleave(nq // nkv, dim=1)
+    v = v.view(b, s, nkv, hd).transpose(1, 2).repeat_interleave(nq // nkv, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    y = scores.softmax(-1) @ v
+    return attn.proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_grouped_query_attention_matches_copied_heads(kv_heads: int) -> None:
+    torch.manual_seed(2)
+    cfg = LlamaConfig(seq_len=16, hidden=32, heads=4, kv_heads=kv_heads)
+    attn = Attention(cfg)
+    x = torch.randn(2, 16, 32)
+    cos, sin = rope_tables(16, cfg.head_dim, cfg.rope_theta)
+    torch.testing.assert_close(attn(x, cos, sin), _attention_by_hand(attn, x, cos, sin), rtol=1e-5, atol=1e-5)
+
+
+def test_a_token_changes_only_the_logits_at_and_after_it() -> None:
+    model = Llama(SMALL, seed=3).eval()
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(4))
+    changed = tokens.clone()
+    changed[:, 9] = (changed[:, 9] + 1) % 64
+    a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :9], b[:, :9], rtol=0, atol=0)
+    assert (a[:, 9:] - b[:, 9:]).abs().amax() > 1e-4
+
+
+def test_same_seed_same_model_and_it_learns() -> None:
+    a, b = Llama(SMALL, seed=5), Llama(SMALL, seed=5)
+    assert all(
+        torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
+    assert "rope_cos" not in a.state_dict()
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
+    opt = torch.optim.AdamW(a.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = a(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(math.log(64), rel=0.1)
+    assert losses[-1] < losses[0] - 1.0, losses
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(hidden=30), "divisible by heads"),
+        (dict(kv_heads=3), "multiple of kv_heads"),
+        (dict(hidden=12, heads=4), "must be even"),
+        (dict(layers=0), "layers must be >= 1"),
+        (dict(rope_theta=0.0), "rope_theta"),
+    ],
+)
+def test_bad_shapes_say_what_is_wrong(change: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig(**{**SMALL.__dict__, **change})
+    with pytest.raises(ValueError, match="exceeds the model's seq_len"):
+        Llama(SMALL)(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_llama3_8b_shape() -> None:
+    cfg = LlamaConfig.llama3_8b(layers=1, seq_len=8)
+    assert (cfg.hidden, cfg.ffn_hidden, cfg.heads, cfg.kv_heads, cfg.head_dim) == (4096, 14336, 32, 8, 128)
+
+
+@pytest.mark.parametrize("tiers", [["host"], ["host", "ssd"]])
+def test_activation_offload_gives_bitwise_equal_gradients(tmp_path, tiers: list[str]) -> None:
+    ref = Llama(SMALL, seed=7)
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(8)
+    batches = [(torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g))]
+    batches *= 2
+
+    def train(m: Llama, off: ActivationOffload | None) -> list[list[torch.Tensor]]:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        grads = []
+        for x, y in batches:
+            opt.zero_grad()
+            m(x, y).backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+            opt.step()
+            if off is not None:
+                off.end_step()
+        return grads
+
+    want = train(ref, None)
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    off = ActivationOffload(model, _cfg(tmp_path, tiers), sched)
+    try:
+        got = train(model, off)
+        moved = sum(sched.telemetry.history[0].bytes_by_tier.values()) if sched.telemetry.history else 0
+    finally:
+        off.close()
+        sched.close()
+    assert moved > 0, "nothing was offloaded: the test would pass vacuously"
+    assert_same_grads(want, got)
+
+
+@pytest.mark.gpu
+def test_bf16_on_the_gpu_runs_flash_attention_and_matches_float32() -> None:
+    """Forced to the flash kernel (an error if SDPA cannot use it with grouped heads), the bf16 model on the GPU
+    gives the float32 CPU model's loss and gradients within bf16's precision."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg = LlamaConfig(vocab_size=512, seq_len=256, layers=2, hidden=256, heads=8, kv_heads=2, ffn_hidden=688)
+    ref = Llama(cfg, seed=9)
+    gpu = copy.deepcopy(ref).cuda().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(10)
+    x, y = torch.randint(0, 512, (2, 256), generator=g), torch.randint(0, 512, (2, 256), generator=g)
+    want = ref(x, y)
+    want.backward()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        got = gpu(x.cuda(), y.cuda())
+        got.backward()
+    assert abs(got.item() - want.item()) < 2e-2 * want.item()
+    for (name, p), q in zip(ref.named_parameters(), gpu.parameters(), strict=True):
+        a, b = p.grad, q.grad.float().cpu()
+        assert (a - b).norm() <= 0.05 * a.norm() + 1e-6, name
