@@ -69,7 +69,10 @@ def _start_async_io_build() -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     proc = _prebuild.get("proc")
-    if isinstance(proc, subprocess.Popen) and proc.wait() != 0:  # waits: a killed build would leave its lock
-        print(
-            f"\nthe async_io op build started at collection failed: see {_prebuild['log']}", file=sys.stderr
-        )
+    if not isinstance(proc, subprocess.Popen):
+        return
+    log = str(_prebuild["log"])
+    if proc.wait() == 0:  # waits: a killed build would leave torch's build lock behind
+        os.unlink(log)
+    else:
+        print(f"\nthe async_io op build started at collection failed: see {log}", file=sys.stderr)
