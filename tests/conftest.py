@@ -4,6 +4,7 @@ is missing."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if item.get_closest_marker("async_io") and not aio_ok:
                 item.add_marker(pytest.mark.skip(reason=aio_why))
         if aio_ok:
-            _start_async_io_build()
+            _start_async_io_build(config)
     for item in items:
         if "multigpu" in item.keywords and n < 2:
             item.add_marker(
@@ -53,18 +54,25 @@ def _single_rank_process() -> None:
         os.environ["MASTER_PORT"] = str(free_port())
 
 
-def _start_async_io_build() -> None:
+def _start_async_io_build(config: pytest.Config) -> None:
     """On a fresh machine DeepSpeed's async_io op takes minutes to compile, in whichever test first needs it.
-    Start that build now, beside the tests that come first; torch's build lock makes a test that needs the op
-    before it is done wait for it, and load it after."""
-    from dsx.ops.cache import is_cached
+    Start that build now, beside the tests that come first and at a lower priority than they; torch's build
+    lock makes a test that needs the op before it is done wait for it, and load it after."""
+    from dsx.ops.cache import extensions_root, is_cached
 
-    if is_cached("async_io"):
+    if config.option.collectonly or is_cached("async_io"):
         return
-    log = tempfile.NamedTemporaryFile("w", prefix="dsx-async-io-build-", suffix=".log", delete=False)
+    lock = extensions_root() / "async_io" / "lock"
+    if lock.exists():  # another build runs, or a killed one left it: the tests that need the op wait on it
+        print(f"\n{lock} exists: a build of the async_io op runs, or a killed one left it (then remove it)",
+              file=sys.stderr)  # fmt: skip
+        return
     code = "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
-    _prebuild["log"] = log.name
-    _prebuild["proc"] = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+    with tempfile.NamedTemporaryFile("w", prefix="dsx-async-io-build-", suffix=".log", delete=False) as log:
+        _prebuild["log"] = log.name
+        _prebuild["proc"] = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(10)
+        )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -72,7 +80,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not isinstance(proc, subprocess.Popen):
         return
     log = str(_prebuild["log"])
-    if proc.wait() == 0:  # waits: a killed build would leave torch's build lock behind
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
+        proc.wait()  # it had the same Ctrl-C: it stops and lets torch's build lock go
+        return
+    if proc.poll() is None:
+        print(f"\nwaiting for the async_io op build started at collection (pid {proc.pid}, log {log})",
+              file=sys.stderr)  # fmt: skip
+    try:
+        rc = proc.wait(timeout=1800)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # an interrupt, not a kill: torch lets its build lock go
+        rc = proc.wait()
+    if rc == 0:
         os.unlink(log)
     else:
         print(f"\nthe async_io op build started at collection failed: see {log}", file=sys.stderr)

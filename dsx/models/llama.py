@@ -1,12 +1,13 @@
 """A Llama-style decoder in plain PyTorch: RMSNorm, rotary position embeddings (RoPE), grouped-query attention
 (GQA) and a SwiGLU MLP, with causal attention through ``torch.nn.functional.scaled_dot_product_attention``
-(flash attention on GPUs that have it, the math kernel on CPU).
+(which picks its kernel: flash attention on GPUs that have it).
 
 The layers live in one ``nn.ModuleList`` (``blocks``), which activation offload detects as the repeated layers.
-Every block is called as ``block(x, cos, sin)``: the rotary tables are made once per forward and given to
-each layer, so offload keeps them on the device instead of saving a copy per layer (as megatron-core passes
-its ``rotary_pos_emb`` to every layer). RoPE uses the rotate-half layout of megatron-core and Hugging Face:
-dimension ``i`` of a head pairs with ``i + head_dim / 2``.
+Every block is called as ``block(x, cos, sin)``: the rotary tables, made once with the model and sliced to the
+sequence in each forward, are given to each layer, so offload keeps them on the device instead of saving a copy
+per layer (as megatron-core passes its ``rotary_pos_emb`` to every layer). That holds while the tables have the
+activations' dtype (a model cast to bf16); under autocast each layer makes its own cast copy. RoPE uses the
+rotate-half layout of megatron-core and Hugging Face: dimension ``i`` of a head pairs with ``i + head_dim / 2``.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     """Causal grouped-query attention: ``kv_heads`` key/value heads, each shared by ``heads / kv_heads``
-    query heads (SDPA's ``enable_gqa``: the shared heads are never copied out)."""
+    query heads (SDPA's ``enable_gqa``: the flash kernel reads each shared head in place, not a copy per query
+    head)."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()

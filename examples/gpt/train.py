@@ -89,10 +89,11 @@ def _pick_model(args: argparse.Namespace, vocab: int, bf16: bool) -> tuple[torch
         model = build_megatron_gpt(args.layers, args.hidden, args.heads, args.seq_len, vocab, args.seed, bf16)
         return model, "megatron-core GPTModel"
     if kind == "llama":
-        ffn = args.ffn_hidden or -(-8 * args.hidden // 3 // 32) * 32
+        ffn = -(-8 * args.hidden // 3 // 32) * 32 if args.ffn_hidden is None else args.ffn_hidden
         try:
             llama = LlamaConfig(vocab_size=vocab, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden,
-                                heads=args.heads, kv_heads=args.kv_heads or args.heads, ffn_hidden=ffn)  # fmt: skip
+                                heads=args.heads, kv_heads=args.heads if args.kv_heads is None else args.kv_heads,
+                                ffn_hidden=ffn)  # fmt: skip
         except ValueError as exc:
             raise SystemExit(f"--model llama: {exc}") from None
         return Llama(llama, seed=args.seed), "dsx torch Llama"

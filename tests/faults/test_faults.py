@@ -1,7 +1,7 @@
 """The fault harness's CI subset: one trial each of ``io_error``, ``enospc``, ``corrupt`` and ``sigkill`` on
-the main job (``short_read`` and ``slow_io`` are retried or waited out: test_injector.py covers them, the full
-harness ``python -m tests.faults`` runs their trials), the two shared-memory faults on the GNN job, and proof
-that the classification can fail (docs/faults.md)."""
+the main job (``short_read`` is retried, ``slow_io`` waited out: their trials end equal and run in the full
+harness, ``python -m tests.faults``; test_injector.py tests the retry), the two shared-memory faults on the GNN
+job, and proof that the classification can fail (docs/faults.md)."""
 
 from __future__ import annotations
 

@@ -205,14 +205,18 @@ from dsx.runtime.process import owner_record, owner_tag
 print(json.dumps([owner_record(), owner_tag()]), flush=True)
 held = []
 for line in sys.stdin:
+    reply = "ok"
     if line.strip():
-        held.append(os.open(line.strip(), os.O_RDONLY))
-        fcntl.flock(held[-1], fcntl.LOCK_SH)
+        try:
+            held.append(os.open(line.strip(), os.O_RDONLY))
+            fcntl.flock(held[-1], fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            reply = repr(exc)
     else:
         for fd in held:
             os.close(fd)
         held.clear()
-    print("ok", flush=True)
+    print(reply, flush=True)
 """
 
 
@@ -250,8 +254,9 @@ class Owners:
         proc = self._procs[label]
         proc.stdin.write(line + "\n")  # type: ignore[union-attr]
         proc.stdin.flush()  # type: ignore[union-attr]
-        if (proc.stdout.readline() if proc.stdout else "").strip() != "ok":
-            raise RuntimeError(f"sentinel owner {label!r} could not lock {line!r}")
+        reply = (proc.stdout.readline() if proc.stdout else "").strip()
+        if reply != "ok":
+            raise RuntimeError(f"sentinel owner {label!r} could not lock {line!r}: {reply or 'it has ended'}")
 
     def hold(self, label: str, paths: list[Path]) -> None:
         """Owner ``label`` locks ``paths`` as a live rank locks its run directory's record and segments."""
@@ -259,14 +264,16 @@ class Owners:
             self._say(label, str(path))
 
     def release(self) -> None:
-        """Every owner lets its locks go (the trial's directories are about to be removed)."""
-        for label in self._procs:
-            self._say(label, "")
+        """Every owner still running lets its locks go (the trial's directories are about to be removed)."""
+        for label, proc in self._procs.items():
+            if proc.poll() is None:
+                with contextlib.suppress(OSError, RuntimeError):
+                    self._say(label, "")
 
     def close(self) -> None:
         for proc in self._procs.values():
             with contextlib.suppress(OSError):
-                proc.stdin.close()  # type: ignore[union-attr]  # its stdin.read() returns: it exits
+                proc.stdin.close()  # type: ignore[union-attr]  # its loop over stdin ends: it exits
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -658,6 +665,8 @@ def run_trial(
             trial.evidence["dir"] = str(dirs.root)
         return trial
     finally:
-        owners.release()
-        if not keep:
-            dirs.remove()
+        try:
+            owners.release()
+        finally:
+            if not keep:
+                dirs.remove()
