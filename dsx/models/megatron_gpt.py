@@ -11,7 +11,9 @@ import importlib.util
 import torch
 from torch import nn
 
-__all__ = ["MegatronGPT", "build_megatron_gpt", "megatron_available"]
+from dsx.models.llama import LlamaConfig
+
+__all__ = ["MegatronGPT", "build_megatron_gpt", "build_megatron_llama", "megatron_available"]
 
 
 def megatron_available() -> tuple[bool, str]:
@@ -55,15 +57,11 @@ def build_megatron_gpt(
     ``recompute_granularity="selective"`` is megatron-core's own selective recompute (the core attention
     recomputed in backward), the baseline for dsx's ``recompute_modules``.
     """
-    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    model_parallel_cuda_manual_seed(seed)
+    _init_megatron(seed)
     dtype = torch.bfloat16 if bf16 else torch.float32
     config = TransformerConfig(
         num_layers=layers,
@@ -85,3 +83,80 @@ def build_megatron_gpt(
         share_embeddings_and_output_weights=True,
     )
     return MegatronGPT(gpt, seq_len)
+
+
+def _init_megatron(seed: int) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def sdpa_core_attention() -> type[nn.Module]:
+    """A megatron-core core attention (the module between the QKV and output projections) that runs torch's
+    ``scaled_dot_product_attention``, causal, with grouped heads: flash attention where the GPU has it.
+    megatron-core's own local ``DotProductAttention`` materialises the ``[b, heads, s, s]`` scores, and its
+    fused attention needs TransformerEngine."""
+    from megatron.core.transformer.module import MegatronModule
+
+    class SDPACoreAttention(MegatronModule):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, cp_comm_type=None, pg_collection=None):  # fmt: skip
+            super().__init__(config=config)
+            self.softmax_scale = softmax_scale
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):  # fmt: skip
+            # megatron's layout is [s, b, heads, head_dim]; SDPA's [b, heads, s, head_dim]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1]
+            )
+            return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+    return SDPACoreAttention
+
+
+def build_megatron_llama(cfg: LlamaConfig, seed: int = 0, bf16: bool = True) -> MegatronGPT:
+    """The Llama-style decoder of :class:`dsx.models.LlamaConfig` built with megatron-core (RMSNorm, RoPE,
+    grouped-query attention, SwiGLU, no biases) and :func:`sdpa_core_attention` as its core attention. Build it
+    after ``torch.distributed`` is initialised."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    _init_megatron(seed)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=cfg.layers,
+        hidden_size=cfg.hidden,
+        num_attention_heads=cfg.heads,
+        num_query_groups=cfg.kv_heads,
+        ffn_hidden_size=cfg.ffn_hidden,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=bf16,
+    )
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_len,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rope_theta),
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+    )
+    return MegatronGPT(gpt, cfg.seq_len)

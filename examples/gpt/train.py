@@ -32,7 +32,7 @@ from dsx.config import load_deepspeed_config
 from dsx.data.tokens import TokenData, load_shards, make_loader, stdlib_corpus
 from dsx.models.gpt import GPT, GPTConfig
 from dsx.models.llama import Llama, LlamaConfig
-from dsx.models.megatron_gpt import build_megatron_gpt, megatron_available
+from dsx.models.megatron_gpt import build_megatron_gpt, build_megatron_llama, megatron_available
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the start-up the examples share
 from _launch import init_distributed, param_digest
@@ -52,13 +52,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4, help="transformer layers")
     p.add_argument("--hidden", type=int, default=128, help="hidden size")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--model", choices=["auto", "torch", "megatron", "llama"], default="auto",
+    p.add_argument("--model", choices=["auto", "torch", "megatron", "llama", "megatron-llama"], default="auto",
                    help="auto: megatron-core GPTModel when it and CUDA are there, else the small torch GPT; "
-                        "llama: the Llama-style torch decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)")  # fmt: skip
+                        "llama: the Llama-style torch decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU); "
+                        "megatron-llama: the same decoder built with megatron-core, SDPA as its core attention")  # fmt: skip
     p.add_argument("--kv-heads", type=int, default=None,
-                   help="key/value heads of --model llama (None: --heads, no grouping)")  # fmt: skip
+                   help="key/value heads of the llama models (None: --heads, no grouping)")  # fmt: skip
     p.add_argument("--ffn-hidden", type=int, default=None,
-                   help="MLP width of --model llama (None: 8/3 x hidden, rounded up to a multiple of 32)")  # fmt: skip
+                   help="MLP width of the llama models (None: 8/3 x hidden, rounded up to a multiple of 32)")  # fmt: skip
     p.add_argument(
         "--data", default=None, help="token shards (.npy / .bin file or directory); None: the stdlib's text"
     )
@@ -83,19 +84,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _pick_model(args: argparse.Namespace, vocab: int, bf16: bool) -> tuple[torch.nn.Module, str]:
     ok, why = megatron_available()
     kind = ("megatron" if ok else "torch") if args.model == "auto" else args.model
+    if kind in ("megatron", "megatron-llama") and not ok:
+        raise SystemExit(f"--model {kind}: {why}")
     if kind == "megatron":
-        if not ok:
-            raise SystemExit(f"--model megatron: {why}")
         model = build_megatron_gpt(args.layers, args.hidden, args.heads, args.seq_len, vocab, args.seed, bf16)
         return model, "megatron-core GPTModel"
-    if kind == "llama":
+    if kind in ("llama", "megatron-llama"):
         ffn = -(-8 * args.hidden // 3 // 32) * 32 if args.ffn_hidden is None else args.ffn_hidden
         try:
             llama = LlamaConfig(vocab_size=vocab, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden,
                                 heads=args.heads, kv_heads=args.heads if args.kv_heads is None else args.kv_heads,
                                 ffn_hidden=ffn)  # fmt: skip
         except ValueError as exc:
-            raise SystemExit(f"--model llama: {exc}") from None
+            raise SystemExit(f"--model {kind}: {exc}") from None
+        if kind == "megatron-llama":
+            return build_megatron_llama(llama, args.seed, bf16), "megatron-core Llama (SDPA attention)"
         return Llama(llama, seed=args.seed), "dsx torch Llama"
     cfg = GPTConfig(
         vocab_size=vocab, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden, heads=args.heads

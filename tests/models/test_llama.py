@@ -176,3 +176,33 @@ def test_bf16_on_the_gpu_runs_flash_attention_and_matches_float32() -> None:
     for (name, p), q in zip(ref.named_parameters(), gpu.parameters(), strict=True):
         a, b = p.grad, q.grad.float().cpu()
         assert (a - b).norm() <= 0.05 * a.norm() + 1e-6, name
+
+
+@pytest.mark.gpu
+def test_megatron_llama_trains_and_its_sdpa_core_attention_equals_megatrons() -> None:
+    """The main job trains the megatron-core build in bf16; then, on fresh random inputs with grouped heads, the
+    SDPA core attention it uses gives megatron's own ``DotProductAttention`` output (float32)."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install dsx[llm])")
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from dsx.models.megatron_gpt import sdpa_core_attention
+    from tests.harness import REPO, load_example
+
+    main = load_example("examples/gpt/train.py", "gpt_train_megatron_llama").main
+    summary = main(["--deepspeed_config", str(REPO / "configs/gpt_megatron_bf16.json"), "--model", "megatron-llama",
+                    "--kv-heads", "2", "--steps", "30", "--layers", "2", "--hidden", "256", "--heads", "4",
+                    "--seq-len", "128", "--no-progress"])  # fmt: skip
+    assert summary["model"] == "megatron-core Llama (SDPA attention)"
+    assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=8, num_query_groups=2,
+                            attention_dropout=0.0, masked_softmax_fusion=False)  # fmt: skip
+    theirs = DotProductAttention(cfg, 1, AttnMaskType.causal, "self").cuda()
+    ours = sdpa_core_attention()(cfg, 1, AttnMaskType.causal, "self").cuda()
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(64, 2, 8, 32, device="cuda", generator=g)
+    k, v = (torch.randn(64, 2, 2, 32, device="cuda", generator=g) for _ in range(2))
+    mask = torch.ones(64, 64, dtype=torch.bool, device="cuda").triu(1).view(1, 1, 64, 64)
+    torch.testing.assert_close(ours(q, k, v, mask), theirs(q, k, v, mask), rtol=2e-4, atol=2e-4)
