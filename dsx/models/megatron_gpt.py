@@ -6,6 +6,7 @@ Tensor and pipeline parallel sizes are 1: DeepSpeed provides data parallelism an
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -13,7 +14,13 @@ from torch import nn
 
 from dsx.models.llama import LlamaConfig
 
-__all__ = ["MegatronGPT", "build_megatron_gpt", "build_megatron_llama", "megatron_available"]
+__all__ = [
+    "MegatronGPT",
+    "build_megatron_gpt",
+    "build_megatron_llama",
+    "megatron_available",
+    "sdpa_core_attention",
+]
 
 
 def megatron_available() -> tuple[bool, str]:
@@ -94,21 +101,34 @@ def _init_megatron(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+@functools.cache
 def sdpa_core_attention() -> type[nn.Module]:
     """A megatron-core core attention (the module between the QKV and output projections) that runs torch's
     ``scaled_dot_product_attention``, causal, with grouped heads: flash attention where the GPU has it.
     megatron-core's own local ``DotProductAttention`` materialises the ``[b, heads, s, s]`` scores, and its
-    fused attention needs TransformerEngine."""
+    fused attention needs TransformerEngine. Causal self-attention without dropout, bias or packed sequences
+    only: anything else is refused, not ignored (the mask megatron passes is its causal mask, which the kernel
+    applies itself)."""
+    from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.module import MegatronModule
 
     class SDPACoreAttention(MegatronModule):
         def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                      softmax_scale=None, cp_comm_type=None, pg_collection=None):  # fmt: skip
             super().__init__(config=config)
+            dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+            if attn_mask_type != AttnMaskType.causal or dropout or config.apply_query_key_layer_scaling:
+                raise ValueError(
+                    "the SDPA core attention is causal, without attention dropout or query-key layer scaling: "
+                    f"got attn_mask_type={attn_mask_type}, attention_dropout={dropout}, "
+                    f"apply_query_key_layer_scaling={config.apply_query_key_layer_scaling}"
+                )
             self.softmax_scale = softmax_scale
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):  # fmt: skip
+            if attention_bias is not None or packed_seq_params is not None:
+                raise ValueError("the SDPA core attention takes no attention bias and no packed sequences")
             # megatron's layout is [s, b, heads, head_dim]; SDPA's [b, heads, s, head_dim]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             out = torch.nn.functional.scaled_dot_product_attention(

@@ -206,3 +206,5 @@ def test_megatron_llama_trains_and_its_sdpa_core_attention_equals_megatrons() ->
     k, v = (torch.randn(64, 2, 2, 32, device="cuda", generator=g) for _ in range(2))
     mask = torch.ones(64, 64, dtype=torch.bool, device="cuda").triu(1).view(1, 1, 64, 64)
     torch.testing.assert_close(ours(q, k, v, mask), theirs(q, k, v, mask), rtol=2e-4, atol=2e-4)
+    with pytest.raises(ValueError, match="causal"):
+        sdpa_core_attention()(cfg, 1, AttnMaskType.no_mask, "self")
