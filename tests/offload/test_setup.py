@@ -170,7 +170,8 @@ def test_a_constructor_that_fails_late_leaves_no_file_and_no_hook(tmp_path, monk
     forwards = [blk.forward for blk in model.blocks]
     hooks_before = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
     cfg = ActivationOffloadConfig(enabled=True, tiers=["host", "ssd"], ssd_path=str(tmp_path / "ssd"),
-                                  policy="offload_all", host_pool_gb=0.01, ssd_capacity_gb=0.01)  # fmt: skip
+                                  policy="offload_all", host_pool_gb=0.01, ssd_capacity_gb=0.01,
+                                  io_backend="posix")  # fmt: skip
     sched = Scheduler(SchedulerConfig(io_workers=2))
     try:
         with pytest.raises(OSError, match="went away"):
