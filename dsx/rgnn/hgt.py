@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsx.rgnn.dispatch import run_program
-from dsx.rgnn.graph import check_index_tensor, prepare, tensor_version
+from dsx.rgnn.graph import prepare, tensor_version
+from dsx.rgnn.hetero import typed_layout
 from dsx.rgnn.options import LayerOptions, Options
 from dsx.rgnn.programs import hgt_program
 
@@ -76,7 +77,6 @@ class HGTConv(LayerOptions, nn.Module):
             heads,
             semantics,
         )
-        self.edge_types_map = {e: i for i, e in enumerate(self.edge_types)}
         self.dst_node_types = {e[-1] for e in self.edge_types}
         self.kqv_lin = _DictLinear(in_channels, 3 * out_channels)
         self.out_lin = _DictLinear({t: out_channels for t in self.node_types}, out_channels)
@@ -98,45 +98,22 @@ class HGTConv(LayerOptions, nn.Module):
 
     def _homogeneous(self, x_dict, edge_index_dict, opts: Options):
         """One node id space (types concatenated in ``x_dict`` order) and relation ids from ``metadata``."""
-        offset, start = {}, 0
-        for t, x in x_dict.items():
-            offset[t], start = start, start + x.size(0)
-        for e, ei in edge_index_dict.items():
-            check_index_tensor(ei, f"edge_index_dict[{tuple(e)}]", "a [2, E] tensor of node ids")
-        edges = tuple((e, id(ei), tensor_version(ei)) for e, ei in edge_index_dict.items())
-        key = edges + tuple(offset.items())
+        sizes = {t: x.size(0) for t, x in x_dict.items()}
+        edges = tuple((tuple(e), id(ei), tensor_version(ei)) for e, ei in edge_index_dict.items())
+        key = edges + tuple(sizes.items())
         # inference tensors have no version to tell an in-place refill by: their graph is never reused
         reusable = not any(ei.is_inference() for ei in edge_index_dict.values())
         if reusable and self._graph_key is not None and self._graph_key[0] == key:
-            return self._graph_key[1], offset, start
-        parts, types = [], []
-        for e, ei in edge_index_dict.items():
-            e = tuple(e)
-            if e not in self.edge_types_map:
-                raise ValueError(f"edge type {e} is not in this layer's metadata {self.edge_types}")
-            if e[0] not in offset or e[-1] not in offset:
-                raise ValueError(f"edge type {e} needs node types {e[0]!r} and {e[-1]!r} in x_dict")
-            shift = torch.tensor([[offset[e[0]]], [offset[e[-1]]]], device=ei.device)
-            # Per-type ranges are checked here: after the shift a bad index would land in another type.
-            if ei.numel() and (int(ei[0].max()) >= x_dict[e[0]].size(0) or int(ei[1].max()) >= x_dict[e[-1]].size(0)
-                               or int(ei.min()) < 0):  # fmt: skip
-                raise ValueError(f"edge type {e}: node index out of range for {x_dict[e[0]].size(0)} / "
-                                 f"{x_dict[e[-1]].size(0)} nodes")  # fmt: skip
-            parts.append(ei.long() + shift)
-            types.append(
-                torch.full((ei.size(1),), self.edge_types_map[e], dtype=torch.long, device=ei.device)
-            )
-        device = next(iter(x_dict.values())).device
-        edge_index = torch.cat(parts, 1) if parts else torch.zeros(2, 0, dtype=torch.long, device=device)
-        edge_type = torch.cat(types) if types else torch.zeros(0, dtype=torch.long, device=device)
+            return self._graph_key[1], self._graph_key[2]
+        layout = typed_layout(sizes, edge_index_dict, self.edge_types, cache=False)
         # Not in prepare's cache: the layer keeps the graph itself, so the concatenated [2, E] edge_index and
         # edge_type (24 bytes per edge) are freed now instead of living as cache keys.
-        graph = prepare(edge_index, edge_type, start, max(1, len(self.edge_types)), cache=False,
-                        needs=opts.graph_needs("rel"))  # fmt: skip
+        graph = prepare(layout.edge_index, layout.edge_type, layout.num_nodes, max(1, len(self.edge_types)),
+                        cache=False, needs=opts.graph_needs("rel"))  # fmt: skip
         graph.release_edges()
         # keeps the keyed tensors alive (ids stay unique)
-        self._graph_key = (key, graph, edge_index_dict) if reusable else None
-        return graph, offset, start
+        self._graph_key = (key, graph, layout.offset, edge_index_dict) if reusable else None
+        return graph, layout.offset
 
     def forward(self, x_dict: dict[str, torch.Tensor], edge_index_dict: dict) -> dict[str, torch.Tensor]:
         f, h = self.out_channels, self.heads
@@ -147,7 +124,8 @@ class HGTConv(LayerOptions, nn.Module):
                     f"x_dict[{t!r}] has {x.size(-1)} features, in_channels says {self.in_channels[t]}"
                 )
         opts = self.options()
-        g, offset, n = self._homogeneous(x_dict, edge_index_dict, opts)
+        g, offset = self._homogeneous(x_dict, edge_index_dict, opts)
+        n = g.num_src
         kqv = self.kqv_lin(x_dict)
         k, q, v = (torch.cat([kqv[t].tensor_split(3, dim=1)[i] for t in x_dict], 0) for i in range(3))
         scale = torch.cat([self.p_rel["__".join(e)] for e in self.edge_types], 0) / math.sqrt(d)  # [R, H]

@@ -1,0 +1,154 @@
+"""Relational layers on ``HeteroData`` batches: dict in, dict out (PyG's ``to_hetero`` role for RGCN / RGAT).
+
+:func:`typed_layout` lays a typed graph (``x_dict`` sizes, ``edge_index_dict``) out in one node id space: node
+types concatenated in ``x_dict`` order, relation ``r`` = the edge type's position in ``metadata``. It is what
+``HeteroData.to_homogeneous()`` builds, without copying node attributes, and what :class:`dsx.rgnn.HGTConv`
+and :class:`RelationalHetero` run on.
+
+:class:`RelationalHetero` wraps a :class:`dsx.rgnn.RGCNConv` or :class:`dsx.rgnn.RGATConv` (or PyG's, for a
+reference) so that it takes ``(x_dict, edge_index_dict)`` and returns a dict per destination node type:
+
+    conv = RelationalHetero(dsx.rgnn.RGCNConv(64, 64, num_relations=len(metadata[1])), metadata)
+    out_dict = conv(batch.x_dict, batch.edge_index_dict)
+
+Performance: a layout costs one concatenation of the edge lists and one host synchronisation (the range
+check of every edge type at once). Layouts are kept for the last few ``edge_index_dict`` tensor sets (by
+identity and in-place version), so every layer of a model on one batch reuses the first layer's tensors, and
+:func:`dsx.rgnn.prepare`'s cache then serves them the prepared graph.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsx.rgnn.graph import check_index_tensor, tensor_version
+
+__all__ = ["EdgeType", "RelationalHetero", "TypedLayout", "typed_layout"]
+
+EdgeType = tuple[str, str, str]
+_LAYOUTS: OrderedDict = OrderedDict()
+_LAYOUTS_KEPT = 4  # batches in flight at once: a model's layers on one batch, plus an evaluation batch
+
+
+@dataclass(frozen=True)
+class TypedLayout:
+    """A typed graph in one node id space: type ``t`` owns ids ``offset[t] <= i < offset[t] + sizes[t]``."""
+
+    offset: dict[str, int]
+    sizes: dict[str, int]
+    edge_index: torch.Tensor  # [2, E] int64, homogeneous ids
+    edge_type: torch.Tensor  # [E] int64, the edge type's position in metadata
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(self.sizes.values())
+
+    def concat(self, x_dict: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Node features in layout order: one ``[num_nodes, F]`` tensor (every type needs the same ``F``)."""
+        widths = {t: x_dict[t].size(-1) for t in self.sizes}
+        if len(set(widths.values())) > 1:
+            raise ValueError(
+                f"node types have different feature widths {widths}: project each type to one width first "
+                "(a torch.nn.Linear per type, or an nn.Embedding for featureless types)"
+            )
+        return torch.cat([x_dict[t] for t in self.sizes], 0)
+
+    def split(self, out: torch.Tensor, node_types: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Rows of ``out`` (layout order) per node type: views, no copy."""
+        types = list(self.sizes) if node_types is None else node_types
+        return {t: out[self.offset[t] : self.offset[t] + self.sizes[t]] for t in types}
+
+
+def typed_layout(
+    sizes: Mapping[str, int],
+    edge_index_dict: Mapping[EdgeType, torch.Tensor],
+    edge_types: list[EdgeType],
+    *,
+    cache: bool = True,
+) -> TypedLayout:
+    """Lay ``edge_index_dict`` (local ids per type, row 0 source) out over the node types of ``sizes``.
+
+    ``edge_types`` is the model's metadata: an edge type's position there is its relation id, so a batch
+    that lacks some edge types keeps the ids of the others. Raises ``ValueError`` naming the edge type for
+    one that is not in ``edge_types``, whose node types are not in ``sizes``, or whose ids are out of range.
+    """
+    rel_of = {tuple(e): i for i, e in enumerate(edge_types)}
+    items = [(tuple(e), ei) for e, ei in edge_index_dict.items()]
+    for e, ei in items:
+        check_index_tensor(ei, f"edge_index_dict[{e}]", "a [2, E] tensor of node ids")
+        if e not in rel_of:
+            raise ValueError(f"edge type {e} is not in the metadata's edge types {list(rel_of)}")
+        if e[0] not in sizes or e[-1] not in sizes:
+            raise ValueError(f"edge type {e} needs node types {e[0]!r} and {e[-1]!r} in x_dict")
+        if ei.dim() != 2 or ei.size(0) != 2:
+            raise ValueError(f"edge_index_dict[{e}] must be a [2, E] tensor, got {tuple(ei.shape)}")
+    # inference tensors keep no in-place version: a layout built from them is never reused
+    cache = cache and not any(ei.is_inference() for _, ei in items)
+    key = (tuple((e, id(ei), tensor_version(ei)) for e, ei in items), tuple(sizes.items()), tuple(rel_of))
+    if cache and key in _LAYOUTS:
+        _LAYOUTS.move_to_end(key)
+        return _LAYOUTS[key][1]
+    layout = _build(dict(sizes), items, rel_of)
+    if cache:  # the entry keeps the keyed tensors alive, so their ids cannot be reused by others
+        _LAYOUTS[key] = ([ei for _, ei in items], layout)
+        while len(_LAYOUTS) > _LAYOUTS_KEPT:
+            _LAYOUTS.popitem(last=False)
+    return layout
+
+
+def _build(sizes: dict[str, int], items: list, rel_of: dict[EdgeType, int]) -> TypedLayout:
+    offset, start = {}, 0
+    for t, n in sizes.items():
+        offset[t], start = start, start + int(n)
+    nonempty = [(e, ei) for e, ei in items if ei.numel()]
+    if nonempty:  # one host synchronisation for every edge type's range
+        bounds = torch.stack(
+            [torch.stack([ei.min(), ei[0].max(), ei[1].max()]).long() for _, ei in nonempty]
+        ).tolist()
+        for (e, _), (lo, hi_s, hi_d) in zip(nonempty, bounds):
+            if lo < 0 or hi_s >= sizes[e[0]] or hi_d >= sizes[e[-1]]:
+                raise ValueError(
+                    f"edge type {e}: node ids out of range (sources up to {hi_s} for {sizes[e[0]]} {e[0]!r} "
+                    f"nodes, destinations up to {hi_d} for {sizes[e[-1]]} {e[-1]!r} nodes, smallest {lo})"
+                )
+    device = items[0][1].device if items else torch.device("cpu")
+    parts = [ei.long() + torch.tensor([[offset[e[0]]], [offset[e[-1]]]], device=ei.device) for e, ei in items]
+    types = [torch.full((ei.size(1),), rel_of[e], dtype=torch.long, device=ei.device) for e, ei in items]
+    edge_index = torch.cat(parts, 1) if parts else torch.zeros(2, 0, dtype=torch.long, device=device)
+    edge_type = torch.cat(types) if types else torch.zeros(0, dtype=torch.long, device=device)
+    return TypedLayout(offset, sizes, edge_index, edge_type)
+
+
+class RelationalHetero(nn.Module):
+    """Run a relational layer (``conv(x, edge_index, edge_type)``) on ``(x_dict, edge_index_dict)``.
+
+    Returns the output rows of every node type in ``x_dict`` that is the destination of an edge type in
+    ``metadata`` (as :class:`dsx.rgnn.HGTConv` and PyG's ``to_hetero``). ``conv.num_relations`` must equal
+    the number of edge types in ``metadata``; every node type's features need the same width.
+    """
+
+    def __init__(self, conv: nn.Module, metadata: tuple[list[str], list[EdgeType]]) -> None:
+        super().__init__()
+        self.edge_types = [tuple(e) for e in metadata[1]]
+        if getattr(conv, "num_relations", None) != len(self.edge_types):
+            raise ValueError(
+                f"{type(conv).__name__} has num_relations={getattr(conv, 'num_relations', None)}; the metadata "
+                f"has {len(self.edge_types)} edge types (one relation per edge type)"
+            )
+        self.conv = conv
+        self.dst_node_types = {e[-1] for e in self.edge_types}
+
+    def forward(
+        self, x_dict: Mapping[str, torch.Tensor], edge_index_dict: Mapping[EdgeType, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        layout = typed_layout({t: x.size(0) for t, x in x_dict.items()}, edge_index_dict, self.edge_types)
+        out = self.conv(layout.concat(x_dict), layout.edge_index, layout.edge_type)
+        return layout.split(out, [t for t in x_dict if t in self.dst_node_types])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.conv!r}, edge_types={len(self.edge_types)})"

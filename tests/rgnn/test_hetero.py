@@ -1,0 +1,137 @@
+"""dsx.rgnn on HeteroData batches: the typed layout is PyG's homogeneous view, RGCN / RGAT through
+RelationalHetero match PyG's layers on ``HeteroData.to_homogeneous()`` of the same sampled batch (outputs and
+gradients), the layout is shared by a model's layers, and bad input is named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch_geometric.nn as pygnn
+
+import dsx.rgnn as rg
+from dsx.direct import HeteroNeighborLoader
+from tests.direct.test_hetero_loader import CITES, WRITES, hetero_graph
+
+# the fused path on the PyTorch twins, and with the generated Triton kernels under Triton's interpreter
+BACKENDS = [("kernels", "reference"), ("kernels", "interpret")]
+LAYERS = {
+    "rgcn_mean": lambda r, **kw: (pygnn.RGCNConv(8, 6, r), rg.RGCNConv(8, 6, r, **kw)),
+    "rgcn_sum_bases": lambda r, **kw: (
+        pygnn.RGCNConv(8, 6, r, aggr="sum", num_bases=2),
+        rg.RGCNConv(8, 6, r, aggr="sum", num_bases=2, **kw),
+    ),
+    "rgat_heads": lambda r, **kw: (pygnn.RGATConv(8, 3, r, heads=2), rg.RGATConv(8, 3, r, heads=2, **kw)),
+}
+
+
+@pytest.fixture(scope="module")
+def data():
+    return hetero_graph(seed=4)
+
+
+def _batches(data, n: int = 2):
+    loader = HeteroNeighborLoader(
+        data, [4, 3], ("paper", None), batch_size=16, shuffle=True, prefetch=0, seed=1
+    )
+    out = []
+    for b in loader:
+        out.append(b)
+        if len(out) == n:
+            return out
+    return out
+
+
+def test_the_layout_is_pygs_homogeneous_view(data) -> None:
+    for b in [data, *_batches(data)]:
+        sizes = {t: b[t].num_nodes for t in b.node_types}
+        layout = rg.typed_layout(sizes, b.edge_index_dict, b.edge_types)
+        h = b.to_homogeneous()
+        assert torch.equal(layout.edge_index, h.edge_index)
+        assert torch.equal(layout.edge_type, h.edge_type)
+        node_type = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(list(sizes.values())))
+        assert torch.equal(node_type, h.node_type)
+
+
+@pytest.mark.parametrize("backend,kb", BACKENDS)
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_relational_layers_on_a_batch_match_pyg_on_its_homogeneous_view(data, layer, backend, kb) -> None:
+    torch.manual_seed(0)
+    meta = data.metadata()
+    theirs, conv = LAYERS[layer](len(meta[1]), backend=backend, kernel_backend=kb)
+    ours = rg.RelationalHetero(conv, meta)
+    conv.load_state_dict(theirs.state_dict(), strict=True)
+    for b in _batches(data):
+        h = b.to_homogeneous()
+        cot = torch.randn(h.num_nodes, 6)
+        # PyG's layer on PyG's homogeneous view of the batch, split back per node type
+        x_ref = h.x.clone().requires_grad_(True)
+        theirs.zero_grad()
+        want = theirs(x_ref, h.edge_index, h.edge_type)
+        (want * cot).sum().backward()
+        x_dict = {t: x.clone().requires_grad_(True) for t, x in b.x_dict.items()}
+        conv.zero_grad()
+        got = ours(x_dict, b.edge_index_dict)
+        assert sorted(got) == ["author", "field", "paper"]
+        got_all = torch.cat([got[t] for t in b.node_types])
+        (got_all * cot).sum().backward()
+        torch.testing.assert_close(got_all, want, atol=2e-5, rtol=1e-4)
+        x_grad = torch.cat([x_dict[t].grad for t in b.node_types])
+        torch.testing.assert_close(x_grad, x_ref.grad, atol=2e-5, rtol=1e-4)
+        for (name, p), q in zip(
+            sorted(conv.named_parameters()), [q for _, q in sorted(theirs.named_parameters())]
+        ):
+            if q.grad is None:  # PyG's RGAT "mod" parameters take no part in these options
+                continue
+            torch.testing.assert_close(
+                p.grad, q.grad, atol=2e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+
+def test_a_models_layers_share_one_layout_and_an_edit_rebuilds_it(data) -> None:
+    (b,) = _batches(data, 1)
+    sizes = {t: b[t].num_nodes for t in b.node_types}
+    first = rg.typed_layout(sizes, b.edge_index_dict, b.edge_types)
+    assert rg.typed_layout(sizes, b.edge_index_dict, b.edge_types) is first
+    # the second layer of a model gets the first layer's prepared graph from prepare's cache
+    g = rg.prepare(first.edge_index, first.edge_type, first.num_nodes, len(b.edge_types))
+    again = rg.typed_layout(sizes, b.edge_index_dict, b.edge_types)
+    assert rg.prepare(again.edge_index, again.edge_type, again.num_nodes, len(b.edge_types)) is g
+    b[CITES].edge_index.add_(0)  # an in-place edit of one edge type's ids: a new layout
+    assert rg.typed_layout(sizes, b.edge_index_dict, b.edge_types) is not first
+    with torch.inference_mode():  # inference tensors have no version to check: never reused
+        ei = {k: v.clone() for k, v in b.edge_index_dict.items()}
+        assert rg.typed_layout(sizes, ei, b.edge_types) is not rg.typed_layout(sizes, ei, b.edge_types)
+
+
+def test_an_edge_type_missing_from_a_batch_keeps_the_others_relation_ids(data) -> None:
+    (b,) = _batches(data, 1)
+    sizes = {t: b[t].num_nodes for t in b.node_types}
+    some = {k: v for k, v in b.edge_index_dict.items() if k != WRITES}
+    layout = rg.typed_layout(sizes, some, b.edge_types)
+    want = torch.cat([torch.full((v.size(1),), b.edge_types.index(k)) for k, v in some.items()])
+    assert torch.equal(layout.edge_type, want)
+    empty = rg.typed_layout(sizes, {CITES: torch.zeros(2, 0, dtype=torch.long)}, b.edge_types)
+    assert empty.edge_index.shape == (2, 0)
+
+
+def test_bad_input_is_named(data) -> None:
+    meta = data.metadata()
+    sizes = {t: data[t].num_nodes for t in data.node_types}
+    eid = dict(data.edge_index_dict)
+    with pytest.raises(ValueError, match=r"\('paper', 'cited_by', 'paper'\) is not in the metadata"):
+        rg.typed_layout(sizes, {("paper", "cited_by", "paper"): eid[CITES]}, meta[1])
+    bad = eid[CITES].clone()
+    bad[1, 3] = sizes["paper"]
+    with pytest.raises(ValueError, match=r"\('paper', 'cites', 'paper'\): node ids out of range"):
+        rg.typed_layout(sizes, {**eid, CITES: bad}, meta[1])
+    with pytest.raises(ValueError, match="needs node types 'author'"):
+        rg.typed_layout({"paper": sizes["paper"]}, {WRITES: eid[WRITES]}, meta[1])
+    with pytest.raises(TypeError, match="int32 or int64"):
+        rg.typed_layout(sizes, {CITES: eid[CITES].float()}, meta[1])
+    with pytest.raises(ValueError, match="num_relations=3; the metadata has 5 edge types"):
+        rg.RelationalHetero(rg.RGCNConv(8, 6, 3), meta)
+    conv = rg.RelationalHetero(rg.RGCNConv(8, 6, 5), meta)
+    x = dict(data.x_dict)
+    x["field"] = torch.randn(sizes["field"], 4)
+    with pytest.raises(ValueError, match="different feature widths"):
+        conv(x, eid)
