@@ -14,7 +14,12 @@ import pytest
 from dsx import cli
 from tests.harness import REPO, launch, launcher_env, load_example
 
-EXAMPLES = ["examples/gpt/train.py", "examples/gnn/train_sage.py", "examples/rgnn/train_rgnn.py"]
+EXAMPLES = [
+    "examples/gpt/train.py",
+    "examples/gnn/train_sage.py",
+    "examples/rgnn/train_rgnn.py",
+    "examples/rgnn/train_sampled.py",
+]
 BENCHMARKS = sorted(
     p.relative_to(REPO).as_posix()
     for p in (REPO / "benchmarks").glob("*.py")
