@@ -1,0 +1,310 @@
+"""Mini-batch RGCN / RGAT / HGT on an ogbn-mag-shaped graph: dsx's pipeline against PyG's, in one run.
+
+One process, one graph (``dsx.data.mag.synthetic_mag``: ogbn-mag's counts at ``--scale 1``), one model
+(``dsx.models.hetero_gnn.HeteroClassifier``, two layers, fanouts [25, 20], batch 1024). Pipelines:
+
+* ``pyg_w{N}``: ``torch_geometric.loader.NeighborLoader`` on the ``HeteroData`` (CPU sampling with pyg-lib or
+  torch-sparse, ``num_workers`` N, persistent), batches copied to the GPU, PyG's layers;
+* ``dsx_host``: ``dsx.direct.HeteroNeighborLoader`` (GPU sampling, paper features in host memory as a
+  unified tensor) feeding dsx's fused layers;
+* ``dsx_gpu``: the same with the features in GPU memory.
+
+Every pipeline trains (forward, backward, Adam) ``--batches`` batches after ``--warmup``, ``--repeats``
+times, the pipelines interleaved within each repeat so that drifts of the machine touch all of them; the
+figure is the median batch time with its spread (min, max), and the epoch time is that median times the
+batches of an epoch (extrapolated, and said so in the JSON). ``prep_ms`` is dsx's per-batch graph preparation
+(typed layout and ``dsx.rgnn.prepare``) timed alone on the same batches. ``--learn-steps N`` then trains
+dsx_gpu and the fastest PyG pipeline N steps each from the same initial weights and records the loss curve
+and the validation accuracy: the same learning, not only the same speed.
+
+    python benchmarks/bench_hetero.py                  # H100: ogbn-mag's size, the three models
+    python benchmarks/bench_hetero.py --quick          # CPU smoke test (PyG runs need pyg-lib or torch-sparse)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import add_common_args, environment, save_png, write_json
+
+import dsx.direct
+import dsx.rgnn as rg
+from dsx.data.mag import synthetic_mag
+from dsx.models.hetero_gnn import MODELS, HeteroClassifier
+
+NAME = "bench_hetero"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    add_common_args(p)
+    p.add_argument("--scale", type=float, default=1.0, help="graph size relative to ogbn-mag")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated: rgcn, rgat, hgt")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size of the model")
+    p.add_argument("--heads", type=int, default=2, help="attention heads (rgat, hgt)")
+    p.add_argument("--batch-size", type=int, default=1024, help="seed papers per batch")
+    p.add_argument("--fanouts", default="25,20", help="neighbours sampled per hop and edge type")
+    p.add_argument("--batches", type=int, default=20, help="timed batches per pipeline and repeat")
+    p.add_argument("--warmup", type=int, default=3, help="batches before the timed ones")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median and spread)")
+    p.add_argument("--pyg-workers", default="4,8,12", help="PyG NeighborLoader num_workers to try")
+    p.add_argument("--learn-steps", type=int, default=150, help="steps of the same-learning comparison")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.scale, args.hidden, args.batch_size, args.fanouts = 0.002, 16, 64, "5,4"
+        args.batches, args.warmup, args.repeats, args.pyg_workers, args.learn_steps = 3, 1, 3, "0", 6
+    return args
+
+
+class _Pipeline:
+    """A loader and its model: ``step()`` trains on the next batch (a new epoch when one ends)."""
+
+    def __init__(
+        self, name: str, loader: Any, model: torch.nn.Module, dev: torch.device, target: str
+    ) -> None:
+        self.name, self.loader, self.model, self.dev, self.target = name, loader, model.to(dev), dev, target
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=3e-3)
+        self._it = None
+
+    def next_batch(self) -> Any:
+        for _ in range(2):
+            if self._it is None:
+                self._it = iter(self.loader)
+            try:
+                b = next(self._it)
+                return b.to(self.dev, non_blocking=True) if self.name.startswith("pyg") else b
+            except StopIteration:
+                self._it = None
+        raise RuntimeError(f"{self.name}: the loader yields no batches")
+
+    def step(self, b: Any | None = None) -> torch.Tensor:
+        b = self.next_batch() if b is None else b
+        k = b[self.target].batch_size
+        nodes = {t: b[t].num_nodes for t in b.node_types}
+        out = self.model(b.x_dict, b.edge_index_dict, nodes)[:k]
+        loss = F.cross_entropy(out, b[self.target].y[:k])
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+    def time_batches(self, warmup: int, n: int) -> float:
+        """Seconds per batch over ``n`` batches after ``warmup``."""
+        for _ in range(warmup):
+            self.step()
+        _sync(self.dev)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.step()
+        _sync(self.dev)
+        return (time.perf_counter() - t0) / n
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _prep_ms(pipe: _Pipeline, batches: int) -> float:
+    """dsx's per-batch graph preparation alone: typed layout and prepare, caches cleared, median ms."""
+    edge_types = pipe.loader.edge_types
+    times = []
+    for _ in range(batches):
+        b = pipe.next_batch()
+        rg.clear_cache()
+        _sync(pipe.dev)
+        t0 = time.perf_counter()
+        lay = rg.typed_layout(
+            {t: b[t].num_nodes for t in b.node_types}, b.edge_index_dict, edge_types, cache=False
+        )
+        rg.prepare(lay.edge_index, lay.edge_type, lay.num_nodes, len(edge_types), cache=False,
+                   needs=("dst_row_idx", "dst_rel_ptr", "edge_dst_row", "inv_deg_rel", "rel"))  # fmt: skip
+        _sync(pipe.dev)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def _learn(pipe: _Pipeline, model0: torch.nn.Module, steps: int, val: Any, target: str) -> dict[str, Any]:
+    """Train ``steps`` steps from ``model0``'s weights; the loss curve and the accuracy on ``val`` batches."""
+    pipe.model.load_state_dict(model0.state_dict())
+    pipe.opt = torch.optim.Adam(pipe.model.parameters(), lr=3e-3)
+    losses = [float(pipe.step()) for _ in range(steps)]
+    correct = total = 0
+    with torch.no_grad():
+        for b in val:
+            b = b.to(pipe.dev, non_blocking=True)
+            k = b[target].batch_size
+            out = pipe.model(b.x_dict, b.edge_index_dict, {t: b[t].num_nodes for t in b.node_types})[:k]
+            correct += int((out.argmax(1) == b[target].y[:k]).sum())
+            total += k
+    return {"losses": losses, "val_acc": correct / max(total, 1), "val_seeds": total}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fanouts = [int(k) for k in args.fanouts.split(",")]
+    t0 = time.perf_counter()
+    data = synthetic_mag(args.scale, seed=0)
+    target, meta = "paper", data.metadata()
+    train_idx = data[target].train_mask.nonzero().view(-1)
+    val_idx = data[target].val_mask.nonzero().view(-1)[: 8 * args.batch_size]
+    res: dict[str, Any] = {
+        "config": vars(args), "env": environment(), "graph_generation_s": time.perf_counter() - t0,
+        "graph": {"nodes": {t: int(data[t].num_nodes) for t in data.node_types},
+                  "edges": int(sum(data[e].edge_index.size(1) for e in data.edge_types))},
+        "batches_per_epoch": math.ceil(train_idx.numel() / args.batch_size),
+        "note": "epoch_s = median batch time x batches_per_epoch (extrapolated from the timed batches)",
+        "models": {},
+    }  # fmt: skip
+    in_ch = {target: data[target].x.size(1)}
+    workers = [int(w) for w in args.pyg_workers.split(",") if w != ""]
+    for model_name in args.models.split(","):
+        torch.manual_seed(0)
+        model0 = HeteroClassifier(model_name, meta, in_ch, args.hidden, int(data[target].y.max()) + 1,
+                                  heads=args.heads, num_layers=len(fanouts))  # fmt: skip
+        out = res["models"][model_name] = {"runs": {}}
+        pipes: list[_Pipeline] = []
+        # PyG first: its workers fork before dsx registers host memory with CUDA
+        for w in workers:
+            name = f"pyg_w{w}"
+            try:
+                from torch_geometric.loader import NeighborLoader as PygLoader
+
+                loader = PygLoader(data, num_neighbors=fanouts, input_nodes=(target, train_idx),
+                                   batch_size=args.batch_size, shuffle=True, num_workers=w,
+                                   persistent_workers=w > 0)  # fmt: skip
+                twin = HeteroClassifier(model_name, meta, in_ch, args.hidden, int(data[target].y.max()) + 1,
+                                        heads=args.heads, num_layers=len(fanouts), layers="pyg")  # fmt: skip
+                twin.load_state_dict(model0.state_dict())
+                pipe = _Pipeline(name, loader, twin, dev, target)
+                pipe.next_batch()  # starts the workers now; PyG without pyg-lib / torch-sparse fails here
+                pipes.append(pipe)
+            except Exception as exc:
+                out["runs"][name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                print(model_name, name, out["runs"][name], flush=True)
+        for name, placement in (("dsx_host", "host"), ("dsx_gpu", "gpu")):
+            loader = dsx.direct.HeteroNeighborLoader(data, fanouts, (target, train_idx),
+                                                     batch_size=args.batch_size, shuffle=True, device=dev,
+                                                     feature_placement=placement, prefetch=2)  # fmt: skip
+            pipes.append(_Pipeline(name, loader, copy.deepcopy(model0), dev, target))
+        times: dict[str, list[float]] = {p.name: [] for p in pipes}
+        for rep in range(args.repeats):
+            for p in pipes:
+                try:
+                    times[p.name].append(p.time_batches(args.warmup, args.batches))
+                except torch.OutOfMemoryError as exc:
+                    out["runs"][p.name] = {"error": f"OutOfMemoryError: {exc}"[:300]}
+                    pipes = [q for q in pipes if q is not p]
+                    torch.cuda.empty_cache()
+                print(
+                    model_name,
+                    rep,
+                    p.name,
+                    f"{1e3 * times[p.name][-1]:.1f} ms" if times[p.name] else "",
+                    flush=True,
+                )
+        for name, ts in times.items():
+            if ts and name not in out["runs"]:
+                med = statistics.median(ts)
+                out["runs"][name] = {"batch_ms": 1e3 * med, "batch_ms_min": 1e3 * min(ts),
+                                     "batch_ms_max": 1e3 * max(ts), "batch_ms_all": [1e3 * t for t in ts],
+                                     "epoch_s": med * res["batches_per_epoch"]}  # fmt: skip
+        by = {p.name: p for p in pipes}
+        if "dsx_gpu" in by:
+            out["prep_ms"] = _prep_ms(by["dsx_gpu"], max(3, args.batches // 2))
+            out["prep_share_of_batch"] = out["prep_ms"] / out["runs"]["dsx_gpu"]["batch_ms"]
+        pyg = {k: r["epoch_s"] for k, r in out["runs"].items() if k.startswith("pyg") and "epoch_s" in r}
+        best = min(pyg, key=pyg.get) if pyg else None
+        host, gpu = out["runs"].get("dsx_host", {}), out["runs"].get("dsx_gpu", {})
+        out["summary"] = {
+            "best_pyg": best,
+            "speedup_host_vs_best_pyg": pyg[best] / host["epoch_s"] if best and "epoch_s" in host else None,
+            "speedup_gpu_vs_best_pyg": pyg[best] / gpu["epoch_s"] if best and "epoch_s" in gpu else None,
+            "host_over_gpu": host["epoch_s"] / gpu["epoch_s"]
+            if "epoch_s" in host and "epoch_s" in gpu
+            else None,
+        }
+        if args.learn_steps:
+            val_dsx = dsx.direct.HeteroNeighborLoader(data, fanouts, (target, val_idx),
+                                                      batch_size=args.batch_size, device=dev,
+                                                      feature_placement="gpu", prefetch=0)  # fmt: skip
+            out["learning"] = {"dsx_gpu": _learn(by["dsx_gpu"], model0, args.learn_steps, val_dsx, target)}
+            val_dsx.close()
+            if best in by:
+                from torch_geometric.loader import NeighborLoader as PygLoader
+
+                val_pyg = PygLoader(data, num_neighbors=fanouts, input_nodes=(target, val_idx),
+                                    batch_size=args.batch_size)  # fmt: skip
+                out["learning"][best] = _learn(by[best], model0, args.learn_steps, val_pyg, target)
+        print(model_name, out["summary"], flush=True)
+        for p in pipes:
+            if p.name.startswith("dsx"):
+                p.loader.close()
+        del pipes, by
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return res
+
+
+def plot(res: dict[str, Any], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(res["models"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = sorted({k for m in models for k, r in res["models"][m]["runs"].items() if "batch_ms" in r})
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        xs, ys, lo, hi = [], [], [], []
+        for j, m in enumerate(models):
+            r = res["models"][m]["runs"].get(name, {})
+            if "epoch_s" in r:
+                s = r["epoch_s"] / r["batch_ms"]
+                xs.append(j + i * width)
+                ys.append(r["epoch_s"])
+                lo.append(r["epoch_s"] - r["batch_ms_min"] * s)
+                hi.append(r["batch_ms_max"] * s - r["epoch_s"])
+        axes[0].bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=name)
+    axes[0].set_xticks([j + 0.4 - width / 2 for j in range(len(models))], models)
+    axes[0].set_ylabel("epoch time, s (median of repeats; bars: min..max)")
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    axes[0].set_title(f"ogbn-mag-shaped graph x{res['config']['scale']}, fanouts {res['config']['fanouts']}")
+    for m in models:
+        for name, r in res["models"][m].get("learning", {}).items():
+            axes[1].plot(r["losses"], label=f"{m} {name} (val acc {r['val_acc']:.3f})")
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel("training loss")
+    axes[1].set_title("same initial weights, dsx vs the fastest PyG pipeline")
+    axes[1].legend(fontsize=8)
+    save_png(fig, out, NAME)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    res = run(args)
+    write_json(res, args.out, NAME)
+    plot(res, args.out)
+    return res
+
+
+if __name__ == "__main__":
+    main()
