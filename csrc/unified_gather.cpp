@@ -78,7 +78,8 @@ void naive_gather(const at::Tensor& table, const at::Tensor& index, at::Tensor& 
 
 std::vector<int64_t> launch_shape(const at::Tensor& table, const at::Tensor& out, int64_t row_bytes) {
   const int w = dsx::pick_vector_bytes(table.data_ptr(), out.data_ptr(), row_bytes);
-  return {w, dsx::pick_group_lanes(row_bytes, w)};
+  const bool wide = dsx::use_wide_loads(row_bytes, w);
+  return {wide ? 16 : w, dsx::pick_group_lanes(row_bytes, wide ? 16 : w), w};
 }
 
 }  // namespace
@@ -90,5 +91,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_rows"), py::arg("max_sms"), py::arg("dedup"));
   m.def("naive_gather", &naive_gather, "baseline: warp per row, index order", py::arg("table"), py::arg("index"),
         py::arg("out"), py::arg("flag"), py::arg("row_bytes"), py::arg("num_rows"));
-  m.def("launch_shape", &launch_shape, "(vector bytes, lanes per row) the kernel picks");
+  m.def("launch_shape", &launch_shape, "(load bytes, lanes per row, store bytes) the kernel picks");
 }

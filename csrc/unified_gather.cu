@@ -24,6 +24,10 @@ constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 constexpr int64_t kShortRowBytes = 512;
 constexpr int kShortRowSms = 8;
+// Rows of at least this many bytes whose size or alignment rules out 16-byte accesses (300 B, 1000 B) are
+// still read 16 bytes at a time, from 16-byte aligned addresses, and stored W bytes at a time: the
+// request rate, not the stores into device memory, bounds the gather.
+constexpr int64_t kWideRowBytes = 256;
 
 template <int W>
 struct Vec;
@@ -111,6 +115,56 @@ DSX_UNROLL
   }
 }
 
+// One thread of the wide-load kernel: 16-byte loads from aligned addresses over the 128-byte lines a row
+// touches, W-byte stores of the row's bytes (W divides the row size and both bases, so each stored word is
+// aligned). A loaded chunk may hold bytes of the neighbouring rows: they share a 16-byte block, and so a
+// page, with bytes of this row, so reading them never faults; they are never stored.
+template <typename IdxT, int W, int GROUP>
+DSX_HD void gather_wide_thread(const GatherArgs& a, int64_t block, int64_t grid, int tid) {
+  using WordT = typename Vec<W>::T;
+  constexpr int kGroupsPerBlock = kThreads / GROUP;
+  constexpr int64_t kStep = static_cast<int64_t>(GROUP) * 16;
+  constexpr int kWords = 16 / W;
+  const IdxT* __restrict__ idx = static_cast<const IdxT*>(a.index);
+  const int lane = tid % GROUP;
+  const int64_t stride = grid * kGroupsPerBlock;
+  for (int64_t i = block * kGroupsPerBlock + tid / GROUP; i < a.n; i += stride) {
+    const int64_t r = static_cast<int64_t>(idx[i]);
+    if (a.dedup && i > 0 && static_cast<int64_t>(idx[i - 1]) == r) continue;
+    int64_t end = i + 1;
+    if (a.dedup) {
+      while (end < a.n && static_cast<int64_t>(idx[end]) == r) ++end;
+    }
+    if (r < 0 || r >= a.num_rows) {
+      report_bad(a, r, i, end, lane, GROUP);
+      continue;
+    }
+    const uint8_t* __restrict__ src = a.table + r * a.row_bytes;
+    const int64_t head = static_cast<int64_t>(reinterpret_cast<uintptr_t>(src) & 127);
+    for (int64_t k0 = lane * 16 - head; k0 < a.row_bytes; k0 += kStep * kUnroll) {
+      uint4 v[kUnroll] = {};
+DSX_UNROLL
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t k = k0 + u * kStep;
+        if (k + 16 > 0 && k < a.row_bytes) v[u] = *reinterpret_cast<const uint4*>(src + k);
+      }
+      for (int64_t j = i; j < end; ++j) {
+        uint8_t* __restrict__ dst = a.out + out_pos(a.perm, j) * a.row_bytes;
+DSX_UNROLL
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t k = k0 + u * kStep;
+          const WordT* words = reinterpret_cast<const WordT*>(&v[u]);
+DSX_UNROLL
+          for (int q = 0; q < kWords; ++q) {
+            const int64_t kb = k + q * W;
+            if (kb >= 0 && kb < a.row_bytes) *reinterpret_cast<WordT*>(dst + kb) = words[q];
+          }
+        }
+      }
+    }
+  }
+}
+
 // One thread of the baseline: a warp per index, in the order given, no unrolling, no alignment.
 template <typename IdxT, int W>
 DSX_HD void naive_thread(const GatherArgs& a, int64_t block, int tid) {
@@ -134,6 +188,11 @@ DSX_HD void naive_thread(const GatherArgs& a, int64_t block, int tid) {
 template <typename IdxT, int W, int GROUP>
 __global__ void __launch_bounds__(kThreads) gather_kernel(const GatherArgs a) {
   gather_thread<IdxT, W, GROUP>(a, blockIdx.x, gridDim.x, threadIdx.x);
+}
+
+template <typename IdxT, int W, int GROUP>
+__global__ void __launch_bounds__(kThreads) gather_wide_kernel(const GatherArgs a) {
+  gather_wide_thread<IdxT, W, GROUP>(a, blockIdx.x, gridDim.x, threadIdx.x);
 }
 
 template <typename IdxT, int W>
@@ -182,6 +241,7 @@ int next_pow2(int64_t x) {
 
 struct Plan {
   int w, lanes;
+  bool wide;  // 16-byte aligned loads, w-byte stores (gather_wide_thread)
   int64_t blocks;
 };
 
@@ -194,6 +254,8 @@ int pick_vector_bytes(const void* table, const void* out, int64_t row_bytes) {
   }
   return 1;
 }
+
+bool use_wide_loads(int64_t row_bytes, int vec_bytes) { return vec_bytes < 16 && row_bytes >= kWideRowBytes; }
 
 int pick_group_lanes(int64_t row_bytes, int vec_bytes) {
   const int64_t chunks = (row_bytes + vec_bytes - 1) / vec_bytes;
@@ -210,7 +272,8 @@ namespace {
 Plan plan_gather(const GatherArgs& a, int max_blocks) {
   Plan p{};
   p.w = pick_vector_bytes(a.table, a.out, a.row_bytes);
-  p.lanes = pick_group_lanes(a.row_bytes, p.w);
+  p.wide = use_wide_loads(a.row_bytes, p.w);
+  p.lanes = pick_group_lanes(a.row_bytes, p.wide ? 16 : p.w);
   const int64_t groups_per_block = kThreads / p.lanes;
   p.blocks = (a.n + groups_per_block - 1) / groups_per_block;
   if (max_blocks > 0 && p.blocks > max_blocks) p.blocks = max_blocks;
@@ -231,13 +294,13 @@ cudaError_t launch_gather(const GatherArgs& a, int max_sms, cudaStream_t stream)
   // rows 44.7 GB/s on 8 SMs' worth, 42.2 on 16, 37.7 on 132; 128 B 35.3 / 33.0 / 28.3; 64 B 30.0 / 26.5 /
   // 25.9; 512-byte rows and longer are as fast or faster on 16). max_sms stays an upper bound.
   if (a.row_bytes < kShortRowBytes && use_sms > kShortRowSms) use_sms = kShortRowSms;
-  const int w = pick_vector_bytes(a.table, a.out, a.row_bytes);
-  const int lanes = pick_group_lanes(a.row_bytes, w);
+  const Plan shape = plan_gather(a, 0);
   with_index(a.index_is_int64, [&](auto idx_tag) {
     using IdxT = decltype(idx_tag);
-    with_width(w, [&](auto wc) {
-      with_lanes(lanes, [&](auto gc) {
-        auto kernel = gather_kernel<IdxT, decltype(wc)::value, decltype(gc)::value>;
+    with_width(shape.w, [&](auto wc) {
+      with_lanes(shape.lanes, [&](auto gc) {
+        constexpr int W = decltype(wc)::value, G = decltype(gc)::value;
+        auto kernel = shape.wide ? gather_wide_kernel<IdxT, W, G> : gather_kernel<IdxT, W, G>;
         // As many blocks as use_sms SMs hold at once: one wave, grid-strided; the thread slots it takes are
         // use_sms SMs' worth (the block scheduler places them where it likes).
         int per_sm = 0;
@@ -269,7 +332,7 @@ cudaError_t launch_naive_gather(const GatherArgs& a, cudaStream_t stream) {
 #if defined(DSX_HOST_EMULATION)
 // CPU emulation for tests on machines without a GPU: runs every thread of the same grid, one after the
 // other, through the same thread bodies the kernels run (threads never synchronise, so any order is a
-// valid schedule). Returns the (vector bytes, lanes, blocks) it used through plan_out.
+// valid schedule). Returns the (vector bytes, lanes, blocks, wide loads) it used through plan_out.
 extern "C" int dsx_emulate_gather(const GatherArgs* args, int max_blocks, int naive, int64_t* plan_out) {
   const GatherArgs& a = *args;
   if (a.n == 0 || a.row_bytes == 0) return 0;
@@ -287,14 +350,20 @@ extern "C" int dsx_emulate_gather(const GatherArgs* args, int max_blocks, int na
     return 0;
   }
   const Plan p = plan_gather(a, max_blocks);
-  plan_out[0] = p.w, plan_out[1] = p.lanes, plan_out[2] = p.blocks;
+  plan_out[0] = p.w, plan_out[1] = p.lanes, plan_out[2] = p.blocks, plan_out[3] = p.wide;
   with_index(a.index_is_int64, [&](auto idx_tag) {
     using IdxT = decltype(idx_tag);
     with_width(p.w, [&](auto wc) {
       with_lanes(p.lanes, [&](auto gc) {
+        constexpr int W = decltype(wc)::value, G = decltype(gc)::value;
         for (int64_t b = 0; b < p.blocks; ++b)
-          for (int t = 0; t < kThreads; ++t)
-            gather_thread<IdxT, decltype(wc)::value, decltype(gc)::value>(a, b, p.blocks, t);
+          for (int t = 0; t < kThreads; ++t) {
+            if (p.wide) {
+              gather_wide_thread<IdxT, W, G>(a, b, p.blocks, t);
+            } else {
+              gather_thread<IdxT, W, G>(a, b, p.blocks, t);
+            }
+          }
       });
     });
   });

@@ -24,7 +24,8 @@ struct GatherArgs {
 };
 
 // Tuned kernel: sub-warp per row sized by row_bytes, 16/8/4/2/1-byte loads by alignment, 128-byte aligned
-// line requests for rows of 128 bytes or more. One wave of 256-thread blocks, as many as max_sms SMs hold
+// line requests for rows of 128 bytes or more; rows of 256 bytes or more that cannot use 16-byte accesses
+// are loaded 16 bytes at a time from aligned addresses and stored in the widest word that fits. One wave of 256-thread blocks, as many as max_sms SMs hold
 // (occupancy-derived; max_sms <= 0 means every SM), grid-strided over the indices.
 cudaError_t launch_gather(const GatherArgs& args, int max_sms, cudaStream_t stream);
 
@@ -34,5 +35,7 @@ cudaError_t launch_naive_gather(const GatherArgs& args, cudaStream_t stream);
 // Vector width (bytes) and lanes per row the tuned kernel would use (exposed for tests and reports).
 int pick_vector_bytes(const void* table, const void* out, int64_t row_bytes);
 int pick_group_lanes(int64_t row_bytes, int vec_bytes);
+// Whether a row of row_bytes whose accesses can be vec_bytes wide is loaded 16 bytes at a time instead.
+bool use_wide_loads(int64_t row_bytes, int vec_bytes);
 
 }  // namespace dsx
