@@ -10,7 +10,7 @@ from dsx.config import UnifiedConfig
 from dsx.direct import IndexOutOfRangeError, unified
 from tests.direct.test_unified import _table
 
-ROW_BYTES = [4, 5, 12, 16, 31, 64, 100, 128, 130, 256, 512, 1000, 1024, 2052, 4096]
+ROW_BYTES = [4, 5, 12, 16, 31, 64, 100, 128, 130, 256, 300, 512, 1000, 1001, 1024, 2052, 4096]
 
 
 def _gpu_table(rows: int, row_bytes: int, seed: int) -> torch.Tensor:
