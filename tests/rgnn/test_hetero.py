@@ -30,8 +30,9 @@ def data():
 
 
 def _batches(data, n: int = 2):
+    # on the CPU also where a GPU is present: the loader's device path is tested in tests/direct
     loader = HeteroNeighborLoader(
-        data, [4, 3], ("paper", None), batch_size=16, shuffle=True, prefetch=0, seed=1
+        data, [4, 3], ("paper", None), batch_size=16, shuffle=True, prefetch=0, seed=1, device="cpu"
     )
     out = []
     for b in loader:
