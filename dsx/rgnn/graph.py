@@ -225,14 +225,18 @@ def _validate(edge_index, edge_type, num_src, num_dst, num_relations, index_dtyp
         )
     if edge_index.shape[1] == 0:
         return
-    et_min, et_max = int(edge_type.min()), int(edge_type.max())
+    # one host synchronisation for the six bounds (a sampled mini-batch pays this per batch)
+    lo, hi = edge_index.aminmax(dim=1)
+    et_lo, et_hi = edge_type.aminmax()
+    et_min, et_max, s_lo, s_hi, d_lo, d_hi = torch.stack(
+        [et_lo.long(), et_hi.long(), lo[0].long(), hi[0].long(), lo[1].long(), hi[1].long()]
+    ).tolist()
     if et_min < 0 or et_max >= num_relations:
         raise ValueError(
             f"edge_type values span [{et_min}, {et_max}] but num_relations={num_relations}; "
             f"relation ids must be in [0, {num_relations - 1}]"
         )
-    for row, name, n in ((0, "source", num_src), (1, "destination", num_dst)):
-        lo, hi = int(edge_index[row].min()), int(edge_index[row].max())
+    for lo, hi, name, n in ((s_lo, s_hi, "source", num_src), (d_lo, d_hi, "destination", num_dst)):
         if lo < 0 or hi >= n:
             raise ValueError(f"{name} node indices span [{lo}, {hi}] but there are {n} {name} nodes")
 
