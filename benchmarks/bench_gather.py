@@ -249,7 +249,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="tiny sizes on the CPU (smoke test)")
     p.add_argument("--table-mb", type=int, default=4096)
     p.add_argument("--num-indices", type=int, default=1 << 20)
-    p.add_argument("--row-bytes", type=int, nargs="+", default=[64, 128, 256, 300, 512, 1000, 1024, 2048, 4096])
+    p.add_argument(
+        "--row-bytes", type=int, nargs="+", default=[64, 128, 256, 300, 512, 1000, 1024, 2048, 4096]
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--bounded-sms", type=int, default=8)
     p.add_argument(

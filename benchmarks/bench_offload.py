@@ -1,7 +1,11 @@
-"""Activation offload, side by side: step time and activation memory of one GPT under each strategy.
+"""Activation offload, side by side: step time and activation memory of one model under each strategy.
 
-On the same model and data: no offload; full recompute (dsx ``recompute_all``: torch checkpointing per
+The model is the GPT of the earlier runs or (``--model llama``) a Llama-style decoder (RMSNorm, RoPE,
+grouped-query attention, SwiGLU; megatron-core with SDPA/flash core attention on a GPU). On the same model and
+data: no offload; full recompute (dsx ``recompute_all``: torch checkpointing per
 layer); megatron-core's selective recompute (core attention only); torch ``save_on_cpu(pin_memory=True)``;
+``hooks_offload``, a saved-tensor-hook offload with pinned buffers and side streams as torchtune describes
+its ``OffloadActivations`` (``_hook_offload.py``: a baseline written here, not dsx);
 dsx host tier; dsx SSD tier; dsx ``auto`` with a budget equal to full recompute's measured peak; dsx ``auto``
 with no budget (hide only); and the dsx configs again with ``recompute_modules`` (``_sel``: the core
 attention recomputed, the rest kept or moved per layer). ``none_copies`` is no offload with as many bytes
@@ -44,21 +48,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _kernel_trace
 import _memory_trace
 from _common import add_common_args, environment, host_probe_s, save_png, write_json
+from _hook_offload import SavedTensorOffload
 
 import dsx
 from dsx.models.gpt import GPT, GPTConfig
-from dsx.models.megatron_gpt import build_megatron_gpt, megatron_available
+from dsx.models.llama import Llama, LlamaConfig
+from dsx.models.megatron_gpt import build_megatron_gpt, build_megatron_llama, megatron_available
 from dsx.runtime import allocator
 from dsx.runtime.events import EVENT_WAIT_MODES
 from dsx.runtime.process import single_process_env
 
 CONFIGS = [
-    "none", "recompute", "megatron_selective", "save_on_cpu", "ds_cpu_ckpt", "dsx_host", "dsx_host_sel",
+    "none", "recompute", "megatron_selective", "save_on_cpu", "hooks_offload", "ds_cpu_ckpt", "dsx_host", "dsx_host_sel",
     "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_auto_budget", "dsx_auto_budget_sel", "dsx_auto_hide", "dsx_auto_hide_sel",
     "none_copies",
 ]  # fmt: skip
 # configs whose steps take seconds (bandwidth-bound copies): fewer steps, same warm-up rule
-SLOW = ("save_on_cpu", "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_host")
+SLOW = ("save_on_cpu", "hooks_offload", "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_host")
 NEEDS_BUDGET = ("dsx_auto_budget", "dsx_auto_budget_sel")
 
 
@@ -99,15 +105,34 @@ def _megatron(args: argparse.Namespace) -> bool:
     return not args.quick and megatron_available()[0]
 
 
+def _llama_config(args: argparse.Namespace) -> LlamaConfig:
+    # FFN width as Llama-3's 14336 for hidden 4096 (3.5x), a multiple of 256, unless given
+    ffn = args.ffn_hidden or -(-int(3.5 * args.hidden) // 256) * 256
+    return LlamaConfig(vocab_size=256, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden,
+                       heads=args.heads, kv_heads=args.kv_heads or max(1, args.heads // 4), ffn_hidden=ffn)  # fmt: skip
+
+
 def _model(args: argparse.Namespace, name: str) -> torch.nn.Module:
+    granularity = "selective" if name == "megatron_selective" else None
+    if args.model == "llama":
+        cfg = _llama_config(args)
+        if _megatron(args):
+            return build_megatron_llama(cfg, seed=0, bf16=True, recompute_granularity=granularity)
+        return Llama(cfg, seed=0)
     if _megatron(args):
-        granularity = "selective" if name == "megatron_selective" else None
         return build_megatron_gpt(args.layers, args.hidden, args.heads, args.seq_len, 256, seed=0, bf16=True,
                                   recompute_granularity=granularity)  # fmt: skip
     cfg = GPTConfig(
         vocab_size=256, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden, heads=args.heads
     )
     return GPT(cfg, seed=0)
+
+
+def _attention_module(args: argparse.Namespace) -> str:
+    """The sub-module megatron's selective recompute recomputes (dsx's ``recompute_modules`` names it too)."""
+    if args.model == "llama":
+        return "SDPACoreAttention" if _megatron(args) else "Attention"
+    return "DotProductAttention" if _megatron(args) else "Attention"
 
 
 def _section(
@@ -146,8 +171,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model = _model(args, name)
     bf16 = dev.type == "cuda"
-    # the sub-module megatron's selective recompute recomputes; the torch GPT's whole attention block
-    attention = "DotProductAttention" if _megatron(args) else "Attention"
+    attention = _attention_module(args)
     section = _section(name, ssd_dir, budget_gb, args.pool_gb, attention, args.read_pool, args.write_barrier)
     if name == "ds_cpu_ckpt":
         _deepspeed_checkpointing(model)
@@ -170,11 +194,10 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=gen).to(engine.device)
     inp, tgt = x[:, :-1], x[:, 1:]
-    ctx = (
-        (lambda: torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda"))
-        if name == "save_on_cpu"
-        else contextlib.nullcontext
-    )
+    ctx = {
+        "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda"),
+        "hooks_offload": lambda: SavedTensorOffload(min_bytes=1 << 16),
+    }.get(name, contextlib.nullcontext)
 
     def train_step(eng: Any) -> torch.Tensor:  # the engine is passed: run_one deletes its name at the end
         with ctx():
@@ -224,10 +247,19 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
                 peak_total = max(peak_total, torch.cuda.max_memory_allocated())
         if step >= warmup:
             times.append(time.perf_counter() - t0)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             window[1] = time.time()
     gc_clock.stop()
     host_probe.append(host_probe_s())
+    # what the peak is made of (CUDA): the weights, what else persists between steps (gradient buffers and
+    # optimizer state as DeepSpeed keeps them), and what the step adds at its peak (saved activations,
+    # workspace, the backward's gradients): whether activations set the peak
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
+    breakdown = (
+        {"weights": weights / 1e9, "gradients_and_optimizer_state": (base - weights) / 1e9,
+         "step_peak_above_static": peak / 1e9, "total": peak_total / 1e9}
+        if dev.type == "cuda" else None
+    )  # fmt: skip
     memory = None
     if args.memory_history and dev.type == "cuda":
         # one file per budget: a config runs at several (--budget-scales)
@@ -296,7 +328,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         torch.cuda.empty_cache()
     step_s = statistics.median(times)
     return {"config": name, "step_s": step_s, "tokens_per_s": args.micro_batch * args.seq_len / step_s,
-            "activation_peak_gb": peak / 1e9, "peak_allocated_gb": peak_total / 1e9,
+            "activation_peak_gb": peak / 1e9, "peak_allocated_gb": peak_total / 1e9, "peak_breakdown_gb": breakdown,
             "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan,
             "allocator_per_step": alloc_counts, "read_pool": read_pool, "write_barrier": barrier, "event_wait": waiter.mode if waiter else None,
             "expandable_segments": expandable,
@@ -495,6 +527,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--model", choices=["gpt", "llama"], default="gpt",
+                   help="gpt: the GPT of the earlier runs; llama: RMSNorm, RoPE, grouped-query attention, SwiGLU "
+                        "(megatron-core with SDPA core attention on a GPU, dsx.models.Llama elsewhere)")  # fmt: skip
+    p.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (default heads / 4)")
+    p.add_argument("--ffn-hidden", type=int, default=None,
+                   help="llama: FFN width (default 3.5 x hidden rounded up to 256, Llama-3's ratio)")  # fmt: skip
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--micro-batches", nargs="+", default=None, metavar="[CONFIG=]N[,N...]",

@@ -139,10 +139,13 @@ def sdpa_core_attention() -> type[nn.Module]:
     return SDPACoreAttention
 
 
-def build_megatron_llama(cfg: LlamaConfig, seed: int = 0, bf16: bool = True) -> MegatronGPT:
+def build_megatron_llama(
+    cfg: LlamaConfig, seed: int = 0, bf16: bool = True, recompute_granularity: str | None = None
+) -> MegatronGPT:
     """The Llama-style decoder of :class:`dsx.models.LlamaConfig` built with megatron-core (RMSNorm, RoPE,
     grouped-query attention, SwiGLU, no biases) and :func:`sdpa_core_attention` as its core attention. Build it
-    after ``torch.distributed`` is initialised."""
+    after ``torch.distributed`` is initialised. ``recompute_granularity="selective"``: megatron-core's own
+    selective recompute (the core attention recomputed in backward)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -167,6 +170,7 @@ def build_megatron_llama(cfg: LlamaConfig, seed: int = 0, bf16: bool = True) -> 
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,
+        recompute_granularity=recompute_granularity,
     )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()

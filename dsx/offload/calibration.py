@@ -1,5 +1,6 @@
 """Budget calibration of policy ``auto``: the planned step's activation peak, measured, and a re-plan when it
-ran over ``memory_budget_gb``.
+ran over ``memory_budget_gb``; without a budget, keeping every layer when the planned step peaked above what
+keeping every layer is predicted to (a hide-only plan must never be worse than doing nothing).
 
 The cost model counts saved bytes, recomputation and what the profiling step measured beyond them
 (background, workspaces), but not what it cannot see (allocator rounding, what a recomputed sub-module's
@@ -77,17 +78,23 @@ class Calibration:
         self.cfg = cfg
         self.meter = PeakMeter(root, device)
         self.model_budget = 0.0  # the budget the planner is given: memory_budget_gb less measured overshoot
+        self.keep_all_bytes = 0  # no budget: the predicted peak of keeping every layer, the bar to stay under
         self.left = 0  # re-plans left
 
     @property
     def pending(self) -> bool:
         return self.left > 0
 
-    def start(self) -> None:
-        """The first plan is installed: with a budget, measure the step it runs."""
+    def start(self, plan: Plan) -> None:
+        """``plan``, the first, is installed: with a budget, or when it moves bytes without one, measure the
+        step it runs."""
         if self.cfg.memory_budget_gb is not None:
             self.model_budget = self.cfg.memory_budget_gb * GB
             self.left = MAX_CALIBRATIONS
+            self.meter.mark()
+        elif any(a.moved for a in plan.actions):
+            self.keep_all_bytes = plan.bound["keep_all_bytes"]
+            self.left = 1
             self.meter.mark()
 
     def calibrate(
@@ -99,7 +106,22 @@ class Calibration:
     ) -> None:
         """The planned step (``plan``) peaked at ``measured`` bytes above its start: if that is over the
         budget, plan again (``replan``, on ``plan``'s profiles) against a budget lowered by the overshoot and
-        ``install`` that plan; measure the next step."""
+        ``install`` that plan; measure the next step. Without a budget: if that is over the predicted peak of
+        keeping every layer, keep every layer."""
+        if self.cfg.memory_budget_gb is None:
+            self.left = 0
+            if measured > self.keep_all_bytes:
+                if rank_and_world()[0] == 0:
+                    logger.warning(
+                        "dsx activation offload: the hide-only plan's step peaked at %.2f GiB (predicted %.2f), "
+                        "above the %.2f GiB predicted for keeping every layer: keeping every layer (set "
+                        "memory_budget_gb to trade speed for memory)",
+                        measured / GB,
+                        plan.peak_bytes / GB,
+                        self.keep_all_bytes / GB,
+                    )
+                install(replan(self.cfg.model_copy(update={"policy": "none"})))
+            return
         budget = self.cfg.memory_budget_gb * GB
         self.left -= 1
         if measured <= budget:

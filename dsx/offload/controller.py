@@ -239,7 +239,7 @@ class ActivationOffload:
     # ------------------------------------------------------------------------------------- steps
     def after_step(self) -> None:
         """Mark an optimizer-step boundary: after the profiling step of policy 'auto', plan and apply; after a
-        planned step under a budget, calibrate. The caller ends the scheduler's step (the engine does)."""
+        planned step under a budget (or a hide-only one that moves bytes), calibrate. The caller ends the scheduler's step (the engine does)."""
         warmup = self.cfg.profile_warmup_steps
         if self.profiler is not None and self.step + 1 == warmup:
             self._profile_next(True)
@@ -255,7 +255,7 @@ class ActivationOffload:
             self._install(
                 make_plan(profiles, self._bws, self.cfg, best_effort=True, outside_s=self._outside_s)
             )
-            self.calibration.start()
+            self.calibration.start(self.plan)
         elif self.calibration.pending:
             peak = agree_peak(self.calibration.meter.since_mark(), len(self.layers))  # (a collective)
             if peak is not None:

@@ -408,3 +408,30 @@ def test_auto_falls_back_to_recomputing_every_layer_when_no_plan_has_the_margin(
     assert all(a.value == "recompute" for a in plans[1].actions), plans[1].actions
     assert len(measured) == 2 and plans[4] is plans[1]
     assert_same_grads(want, got)
+
+
+@pytest.mark.parametrize("above", [True, False])
+def test_a_hide_only_plan_that_peaks_above_keeping_everything_keeps_everything(tmp_path, above):
+    """Without a budget, the planned step is measured once: a peak above the predicted peak of keeping every
+    layer (what the model did not see: staging, the allocator) installs the keep-everything plan; a peak
+    under it keeps the plan. Gradients stay bitwise equal. On CPU there is no peak to read: it is stubbed."""
+    model, batches, want = _reference(7, 5)
+    sched = Scheduler()
+    off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0), sched)
+    measured: list[int] = []
+
+    def fake_peak() -> int:
+        keep_all = off.plan.bound["keep_all_bytes"]
+        measured.append(keep_all + 1 if above else off.plan.peak_bytes)
+        return measured[-1]
+
+    off.calibration.meter.since_mark = fake_peak  # type: ignore[method-assign]
+    got, plans = _train_with_plans(model, batches, off, sched)
+    assert any(a.moved for a in plans[0].actions), "the tiny model's hide-only plan moves a layer"
+    assert len(measured) == 1  # one measured step, then no more
+    if above:
+        assert plans[1] is not plans[0] and all(a == Action.KEEP for a in plans[1].actions)
+        assert plans[4] is plans[1]
+    else:
+        assert all(p is plans[0] for p in plans)
+    assert_same_grads(want, got)

@@ -59,6 +59,22 @@ def test_no_budget_hides_only() -> None:
     assert "hideable writes" in plan.describe() and "fraction" not in plan.describe()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_no_budget_plan_lowers_the_peak_or_keeps_everything(seed: int) -> None:
+    """Never worse than doing nothing: a hide-only plan that moves bytes predicts a lower activation peak
+    than keeping every layer, and one that cannot lower it (a single layer, whose read is issued before the
+    peak it would lower) keeps everything."""
+    rng = random.Random(seed)
+    for prof in (_profiles(rng, 5), _hide_only_profiles(rng, 4), _profiles(rng, 1)):
+        plan = make_plan(prof, BW, _cfg())
+        if any(a != Action.KEEP for a in plan.actions):
+            assert plan.peak_bytes < plan.bound["keep_all_bytes"], [a.value for a in plan.actions]
+        else:
+            assert not plan.move_caps and plan.peak_bytes == plan.bound["keep_all_bytes"]
+    one = make_plan(_profiles(rng, 1), BW, _cfg())
+    assert one.actions == [Action.KEEP] and "keeping everything (0.00 GiB lower)" in one.describe()
+
+
 def test_impossible_budget_is_a_clear_error() -> None:
     prof = _profiles(random.Random(1), 4)
     with pytest.raises(PlanError, match=r"cannot be met: the most frugal plan found keeps"):

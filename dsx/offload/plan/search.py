@@ -90,7 +90,8 @@ def make_plan(
     """Pick an action per layer: least predicted step time under ``cfg.memory_budget_gb``.
 
     With no budget, offload only what the bound hides: the plan that saves the most memory among those
-    predicted no slower than keeping everything (within 0.5%).
+    predicted no slower than keeping everything (within 0.5%), and keep everything where no such plan
+    lowers the predicted activation peak (the runtime then checks the measured peak: ``Calibration``).
 
     Raises
     ------
@@ -121,7 +122,7 @@ def make_plan(
     n = len(profiles)
     depth = cfg.prefetch_depth or _depth(profiles, bw)
     keep_all = [Action.KEEP] * n
-    base_t, _, keep_bytes = simulate(profiles, keep_all, bw, depth)
+    base_t, _, keep_peak = simulate(profiles, keep_all, bw, depth)
     budget_bytes = None if cfg.memory_budget_gb is None else int(cfg.memory_budget_gb * GB)
     if cfg.policy == "none":
         actions = keep_all
@@ -182,9 +183,21 @@ def make_plan(
             (*_fill_bound(profiles, actions, bw, d, base_t * 1.005, room, tier_capacity(cfg)), d)
             for d in depths
         ]
-        fills = [f for f in fills if f[1] and simulate(profiles, f[0], bw, f[2], f[1])[2] <= whole_peak]
+        # bytes moved are not memory saved: the fill that lowers the peak most, then moves most, then the
+        # shallowest (moving the last layers fills the bound too, but their reads land before the peak)
+        fills = [(simulate(profiles, f[0], bw, f[2], f[1])[2], *f) for f in fills if f[1]]
+        fills = [f for f in fills if f[0] <= whole_peak]
         if fills:
-            actions, caps, depth = max(fills, key=lambda f: (sum(f[1].values()), -f[2]))
+            _, actions, caps, depth = min(fills, key=lambda f: (f[0], -sum(f[2].values()), f[3]))
+        # Never worse than doing nothing: a hide-only plan that lowers no peak would move bytes (and take
+        # the link, and the risk of a stall the model did not see) for nothing; keep every layer instead
+        # (those profiled only as recomputed stay recomputed: they cannot be kept).
+        nothing = [_fit(Action.KEEP, p) for p in profiles]
+        if (
+            actions != nothing
+            and simulate(profiles, actions, bw, depth, caps)[2] >= simulate(profiles, nothing, bw, depth)[2]
+        ):
+            actions, caps = nothing, {}
     t, stall, peak = simulate(profiles, actions, bw, depth, caps)
     planned = sum(_split(profiles, actions, caps)[0])
     usage, capacity = tier_usage(profiles, actions, bw, caps), tier_capacity(cfg)
@@ -194,7 +207,7 @@ def make_plan(
         "planned_bytes": planned,
         "fraction_of_bound": planned / min(hide_w, hide_r) if min(hide_w, hide_r) > 0 else 0.0,
         "baseline_step_s": base_t,
-        "keep_all_bytes": keep_bytes,
+        "keep_all_bytes": keep_peak,  # the predicted activation peak of keeping every layer
         "budget_bytes": budget_bytes,
         "tiers": {k: {"write_Bps": v.write_Bps, "read_Bps": v.read_Bps} for k, v in bw.items()},
         "tier_bytes": {k: usage[k] for k in bw},

@@ -222,7 +222,8 @@ class Plan:
         lines.append(
             f"{step} vs {(b['baseline_step_s'] + self.outside_s) * 1e3:.1f} ms keeping "
             f"everything (stall {self.stall_s * 1e3:.1f} ms); peak activations {self.peak_bytes / GB:.2f} GiB vs "
-            f"{b['keep_all_bytes'] / GB:.2f} GiB kept, budget "
+            f"{b['keep_all_bytes'] / GB:.2f} GiB keeping everything "
+            f"({(b['keep_all_bytes'] - self.peak_bytes) / GB:.2f} GiB lower), budget "
             + (f"{b['budget_bytes'] / GB:.2f} GiB" if b["budget_bytes"] is not None else "none (hide only)")
             + f"; prefetch depth {self.prefetch_depth}; write barrier {'on' if self.write_barrier else 'off'}"
             + f"; searched in {self.search_s:.1f} s"
