@@ -70,12 +70,14 @@ def typed_layout(
     edge_types: list[EdgeType],
     *,
     cache: bool = True,
+    device: torch.device | str | None = None,
 ) -> TypedLayout:
     """Lay ``edge_index_dict`` (local ids per type, row 0 source) out over the node types of ``sizes``.
 
     ``edge_types`` is the model's metadata: an edge type's position there is its relation id, so a batch
-    that lacks some edge types keeps the ids of the others. Raises ``ValueError`` naming the edge type for
-    one that is not in ``edge_types``, whose node types are not in ``sizes``, or whose ids are out of range.
+    that lacks some edge types keeps the ids of the others. ``device``: where an empty layout (no edge types
+    given) is made; otherwise the edges' device. Raises ``ValueError`` naming the edge type for one that is
+    not in ``edge_types``, whose node types are not in ``sizes``, or whose ids are out of range.
     """
     rel_of = {tuple(e): i for i, e in enumerate(edge_types)}
     items = [(tuple(e), ei) for e, ei in edge_index_dict.items()]
@@ -89,11 +91,16 @@ def typed_layout(
             raise ValueError(f"edge_index_dict[{e}] must be a [2, E] tensor, got {tuple(ei.shape)}")
     # inference tensors keep no in-place version: a layout built from them is never reused
     cache = cache and not any(ei.is_inference() for _, ei in items)
-    key = (tuple((e, id(ei), tensor_version(ei)) for e, ei in items), tuple(sizes.items()), tuple(rel_of))
+    key = (
+        tuple((e, id(ei), tensor_version(ei)) for e, ei in items),
+        tuple(sizes.items()),
+        tuple(rel_of),
+        str(device),
+    )
     if cache and key in _LAYOUTS:
         _LAYOUTS.move_to_end(key)
         return _LAYOUTS[key][1]
-    layout = _build(dict(sizes), items, rel_of)
+    layout = _build(dict(sizes), items, rel_of, torch.device(device or "cpu"))
     if cache:  # the entry keeps the keyed tensors alive, so their ids cannot be reused by others
         _LAYOUTS[key] = ([ei for _, ei in items], layout)
         while len(_LAYOUTS) > _LAYOUTS_KEPT:
@@ -101,7 +108,9 @@ def typed_layout(
     return layout
 
 
-def _build(sizes: dict[str, int], items: list, rel_of: dict[EdgeType, int]) -> TypedLayout:
+def _build(
+    sizes: dict[str, int], items: list, rel_of: dict[EdgeType, int], empty_on: torch.device
+) -> TypedLayout:
     offset, start = {}, 0
     for t, n in sizes.items():
         offset[t], start = start, start + int(n)
@@ -116,7 +125,7 @@ def _build(sizes: dict[str, int], items: list, rel_of: dict[EdgeType, int]) -> T
                     f"edge type {e}: node ids out of range (sources up to {hi_s} for {sizes[e[0]]} {e[0]!r} "
                     f"nodes, destinations up to {hi_d} for {sizes[e[-1]]} {e[-1]!r} nodes, smallest {lo})"
                 )
-    device = items[0][1].device if items else torch.device("cpu")
+    device = items[0][1].device if items else empty_on
     parts = [ei.long() + torch.tensor([[offset[e[0]]], [offset[e[-1]]]], device=ei.device) for e, ei in items]
     types = [torch.full((ei.size(1),), rel_of[e], dtype=torch.long, device=ei.device) for e, ei in items]
     edge_index = torch.cat(parts, 1) if parts else torch.zeros(2, 0, dtype=torch.long, device=device)
@@ -146,7 +155,9 @@ class RelationalHetero(nn.Module):
     def forward(
         self, x_dict: Mapping[str, torch.Tensor], edge_index_dict: Mapping[EdgeType, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        layout = typed_layout({t: x.size(0) for t, x in x_dict.items()}, edge_index_dict, self.edge_types)
+        sizes = {t: x.size(0) for t, x in x_dict.items()}
+        device = next(iter(x_dict.values())).device if x_dict else None
+        layout = typed_layout(sizes, edge_index_dict, self.edge_types, device=device)
         out = self.conv(layout.concat(x_dict), layout.edge_index, layout.edge_type)
         return layout.split(out, [t for t in x_dict if t in self.dst_node_types])
 

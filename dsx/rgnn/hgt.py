@@ -105,7 +105,8 @@ class HGTConv(LayerOptions, nn.Module):
         reusable = not any(ei.is_inference() for ei in edge_index_dict.values())
         if reusable and self._graph_key is not None and self._graph_key[0] == key:
             return self._graph_key[1], self._graph_key[2]
-        layout = typed_layout(sizes, edge_index_dict, self.edge_types, cache=False)
+        device = next(iter(x_dict.values())).device if x_dict else None
+        layout = typed_layout(sizes, edge_index_dict, self.edge_types, cache=False, device=device)
         # Not in prepare's cache: the layer keeps the graph itself, so the concatenated [2, E] edge_index and
         # edge_type (24 bytes per edge) are freed now instead of living as cache keys.
         graph = prepare(layout.edge_index, layout.edge_type, layout.num_nodes, max(1, len(self.edge_types)),
