@@ -28,6 +28,7 @@ class SavedTensorOffload(torch.autograd.graph.saved_tensors_hooks):
         self._d2h = torch.cuda.Stream() if cuda else None
         self._h2d = torch.cuda.Stream() if cuda else None
         self.moved_bytes = 0
+        self.moved_tensors = 0
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -40,9 +41,12 @@ class SavedTensorOffload(torch.autograd.graph.saved_tensors_hooks):
         ):
             return t
         self.moved_bytes += nbytes
+        self.moved_tensors += 1
         if not t.is_cuda:
             return (t.clone(), None, t.device)
-        host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=True)
+        # the tensor's strides where they are dense, else contiguous (an expanded tensor's stride-0 layout
+        # cannot be copied into)
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
         compute = torch.cuda.current_stream()
         self._d2h.wait_stream(compute)  # the tensor's values are written by work queued before the save
         with torch.cuda.stream(self._d2h):

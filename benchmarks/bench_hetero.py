@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if "epoch_s" in host and "epoch_s" in gpu
             else None,
         }
-        if args.learn_steps:
+        if args.learn_steps and "dsx_gpu" in by:
             val_dsx = dsx.direct.HeteroNeighborLoader(data, fanouts, (target, val_idx),
                                                       batch_size=args.batch_size, device=dev,
                                                       feature_placement="gpu", prefetch=0)  # fmt: skip

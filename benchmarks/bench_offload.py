@@ -1,6 +1,6 @@
 """Activation offload, side by side: step time and activation memory of one model under each strategy.
 
-The model is the GPT of the earlier runs or (``--model llama``) a Llama-style decoder (RMSNorm, RoPE,
+The model is the default GPT or (``--model llama``) a Llama-style decoder (RMSNorm, RoPE,
 grouped-query attention, SwiGLU; megatron-core with SDPA/flash core attention on a GPU). On the same model and
 data: no offload; full recompute (dsx ``recompute_all``: torch checkpointing per
 layer); megatron-core's selective recompute (core attention only); torch ``save_on_cpu(pin_memory=True)``;
@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--model", choices=["gpt", "llama"], default="gpt",
-                   help="gpt: the GPT of the earlier runs; llama: RMSNorm, RoPE, grouped-query attention, SwiGLU "
+                   help="gpt: the default GPT; llama: RMSNorm, RoPE, grouped-query attention, SwiGLU "
                         "(megatron-core with SDPA core attention on a GPU, dsx.models.Llama elsewhere)")  # fmt: skip
     p.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (default heads / 4)")
     p.add_argument("--ffn-hidden", type=int, default=None,

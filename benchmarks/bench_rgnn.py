@@ -157,11 +157,14 @@ def step_fn(layer, model: str, x, g, hetero):
 
 
 def resident_fn(layer, model: str, g):
-    """Bytes the dsx layer keeps between steps: its prepared graph (the prepare cache or HGT's own)."""
+    """Bytes the dsx layer keeps between steps: its prepared graph (the prepare cache, or for HGT the typed
+    graph cache's latest entry, the one the layer just ran on)."""
 
     def nbytes() -> int:
         if model == "hgt":
-            return layer._graph_key[1].nbytes()
+            from dsx.rgnn.hetero import _GRAPHS
+
+            return next(reversed(_GRAPHS.values()))[1].nbytes()
         return rg.prepare(g.edge_index, g.edge_type, g.num_nodes, g.num_relations).nbytes()
 
     return nbytes

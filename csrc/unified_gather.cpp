@@ -91,5 +91,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_rows"), py::arg("max_sms"), py::arg("dedup"));
   m.def("naive_gather", &naive_gather, "baseline: warp per row, index order", py::arg("table"), py::arg("index"),
         py::arg("out"), py::arg("flag"), py::arg("row_bytes"), py::arg("num_rows"));
-  m.def("launch_shape", &launch_shape, "(load bytes, lanes per row, store bytes) the kernel picks");
+  m.def("launch_shape", &launch_shape, "(load bytes, lanes per row, store bytes) the kernel picks; the host emulation reports (store bytes, lanes, blocks, wide)");
 }

@@ -15,6 +15,7 @@
 //    rows are zeroed and flag = {count, id} is set; the caller checks the flag behind an event.
 #include "unified_gather.h"
 
+#include <cstring>
 #include <type_traits>
 
 namespace dsx {
@@ -153,11 +154,15 @@ DSX_UNROLL
 DSX_UNROLL
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t k = k0 + u * kStep;
-          const WordT* words = reinterpret_cast<const WordT*>(&v[u]);
+          const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&v[u]);
 DSX_UNROLL
           for (int q = 0; q < kWords; ++q) {
             const int64_t kb = k + q * W;
-            if (kb >= 0 && kb < a.row_bytes) *reinterpret_cast<WordT*>(dst + kb) = words[q];
+            if (kb >= 0 && kb < a.row_bytes) {
+              WordT word;  // (memcpy: no type punning; a register move once compiled)
+              memcpy(&word, bytes + q * W, W);
+              *reinterpret_cast<WordT*>(dst + kb) = word;
+            }
           }
         }
       }
@@ -300,15 +305,22 @@ cudaError_t launch_gather(const GatherArgs& a, int max_sms, cudaStream_t stream)
     with_width(shape.w, [&](auto wc) {
       with_lanes(shape.lanes, [&](auto gc) {
         constexpr int W = decltype(wc)::value, G = decltype(gc)::value;
-        auto kernel = shape.wide ? gather_wide_kernel<IdxT, W, G> : gather_kernel<IdxT, W, G>;
-        // As many blocks as use_sms SMs hold at once: one wave, grid-strided; the thread slots it takes are
-        // use_sms SMs' worth (the block scheduler places them where it likes).
-        int per_sm = 0;
-        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
-        if (err != cudaSuccess) return;
-        const Plan p = plan_gather(a, (per_sm > 0 ? per_sm : 1) * use_sms);
-        kernel<<<static_cast<unsigned>(p.blocks), kThreads, 0, stream>>>(a);
-        err = cudaGetLastError();
+        auto launch = [&](auto kernel) {
+          // As many blocks as use_sms SMs hold at once: one wave, grid-strided; the thread slots it takes
+          // are use_sms SMs' worth (the block scheduler places them where it likes).
+          int per_sm = 0;
+          err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+          if (err != cudaSuccess) return;
+          const Plan p = plan_gather(a, (per_sm > 0 ? per_sm : 1) * use_sms);
+          kernel<<<static_cast<unsigned>(p.blocks), kThreads, 0, stream>>>(a);
+          err = cudaGetLastError();
+        };
+        // wide plans have W < 16 and cover a 128-byte line per instruction (>= 8 lanes): only those
+        // instantiations exist
+        if constexpr (W < 16 && G >= 8) {
+          if (shape.wide) return launch(gather_wide_kernel<IdxT, W, G>);
+        }
+        launch(gather_kernel<IdxT, W, G>);
       });
     });
   });
@@ -358,11 +370,13 @@ extern "C" int dsx_emulate_gather(const GatherArgs* args, int max_blocks, int na
         constexpr int W = decltype(wc)::value, G = decltype(gc)::value;
         for (int64_t b = 0; b < p.blocks; ++b)
           for (int t = 0; t < kThreads; ++t) {
-            if (p.wide) {
-              gather_wide_thread<IdxT, W, G>(a, b, p.blocks, t);
-            } else {
-              gather_thread<IdxT, W, G>(a, b, p.blocks, t);
+            if constexpr (W < 16 && G >= 8) {
+              if (p.wide) {
+                gather_wide_thread<IdxT, W, G>(a, b, p.blocks, t);
+                continue;
+              }
             }
+            gather_thread<IdxT, W, G>(a, b, p.blocks, t);
           }
       });
     });

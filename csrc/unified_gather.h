@@ -25,8 +25,9 @@ struct GatherArgs {
 
 // Tuned kernel: sub-warp per row sized by row_bytes, 16/8/4/2/1-byte loads by alignment, 128-byte aligned
 // line requests for rows of 128 bytes or more; rows of 256 bytes or more that cannot use 16-byte accesses
-// are loaded 16 bytes at a time from aligned addresses and stored in the widest word that fits. One wave of 256-thread blocks, as many as max_sms SMs hold
-// (occupancy-derived; max_sms <= 0 means every SM), grid-strided over the indices.
+// are loaded 16 bytes at a time from aligned addresses and stored in the widest word that fits. One wave of
+// 256-thread blocks, as many as max_sms SMs hold (occupancy-derived; max_sms <= 0 means every SM),
+// grid-strided over the indices.
 cudaError_t launch_gather(const GatherArgs& args, int max_sms, cudaStream_t stream);
 
 // Baseline for benchmarks: one warp per row in index order, no alignment, no unrolling, no dedup.

@@ -239,7 +239,8 @@ class ActivationOffload:
     # ------------------------------------------------------------------------------------- steps
     def after_step(self) -> None:
         """Mark an optimizer-step boundary: after the profiling step of policy 'auto', plan and apply; after a
-        planned step under a budget (or a hide-only one that moves bytes), calibrate. The caller ends the scheduler's step (the engine does)."""
+        planned step under a budget (or a hide-only one that moves bytes), calibrate. The caller ends the
+        scheduler's step (the engine does)."""
         warmup = self.cfg.profile_warmup_steps
         if self.profiler is not None and self.step + 1 == warmup:
             self._profile_next(True)
@@ -281,6 +282,8 @@ class ActivationOffload:
             a.moved for a in plan.actions
         ):  # the first plan that moves bytes: the pool now, or a clear error
             self.host.allocate()
+        else:  # keeping everything (a fallback): the pinned pool goes back once nothing in it is in use
+            self.host.release()
         self.plan = plan
         if rank_and_world()[0] == 0:
             how = "every layer recomputed" if self._profile_rc else "everything kept"

@@ -104,6 +104,14 @@ class HostPool:
                 f"host_pool_gb (the ranks of a node share its memory; locked-memory limit here: {limit})"
             ) from None
 
+    def release(self) -> bool:
+        """Give the buffer back (unpinned) when nothing in it is in use: a plan that moves nothing need not
+        keep ``host_pool_gb`` locked. Whether it did; :meth:`allocate` takes it again."""
+        if self._buf is None or self.arena.used:
+            return False
+        self._buf = None
+        return True
+
     def _buffer(self) -> torch.Tensor:
         if self._buf is None:
             self._buf = aligned_empty(self.arena.capacity, self._pin)

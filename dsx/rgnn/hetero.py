@@ -14,7 +14,8 @@ reference) so that it takes ``(x_dict, edge_index_dict)`` and returns a dict per
 Performance: a layout costs one concatenation of the edge lists and one host synchronisation (the range
 check of every edge type at once). Layouts are kept for the last few ``edge_index_dict`` tensor sets (by
 identity and in-place version), so every layer of a model on one batch reuses the first layer's tensors, and
-:func:`dsx.rgnn.prepare`'s cache then serves them the prepared graph.
+:func:`dsx.rgnn.prepare`'s cache then serves them the prepared graph; :func:`typed_graph` does the same for
+HGT, keeping the prepared graph itself.
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dsx.rgnn.graph import check_index_tensor, tensor_version
+from dsx.rgnn.graph import RelGraph, check_index_tensor, prepare, tensor_version
+from dsx.rgnn.graph import clear_cache as clear_graph_cache
 
-__all__ = ["EdgeType", "RelationalHetero", "TypedLayout", "typed_layout"]
+__all__ = ["EdgeType", "RelationalHetero", "TypedLayout", "clear_cache", "typed_graph", "typed_layout"]
 
 EdgeType = tuple[str, str, str]
-_LAYOUTS: OrderedDict = OrderedDict()
+_LAYOUTS: OrderedDict[tuple, tuple[list[torch.Tensor], TypedLayout]] = OrderedDict()
 _LAYOUTS_KEPT = 4  # batches in flight at once: a model's layers on one batch, plus an evaluation batch
+_GRAPHS: OrderedDict[tuple, tuple[list[torch.Tensor], RelGraph, dict[str, int]]] = OrderedDict()
+_GRAPHS_KEPT = 2  # the batch a model's layers run on, and one more (an evaluation batch between)
 
 
 @dataclass(frozen=True)
@@ -126,11 +130,53 @@ def _build(
                     f"nodes, destinations up to {hi_d} for {sizes[e[-1]]} {e[-1]!r} nodes, smallest {lo})"
                 )
     device = items[0][1].device if items else empty_on
-    parts = [ei.long() + torch.tensor([[offset[e[0]]], [offset[e[-1]]]], device=ei.device) for e, ei in items]
+    # offsets added as Python scalars: a tensor made from host data would be a blocking copy per edge type
+    parts = [torch.stack((ei[0].long() + offset[e[0]], ei[1].long() + offset[e[-1]])) for e, ei in items]
     types = [torch.full((ei.size(1),), rel_of[e], dtype=torch.long, device=ei.device) for e, ei in items]
     edge_index = torch.cat(parts, 1) if parts else torch.zeros(2, 0, dtype=torch.long, device=device)
     edge_type = torch.cat(types) if types else torch.zeros(0, dtype=torch.long, device=device)
     return TypedLayout(offset, sizes, edge_index, edge_type)
+
+
+def typed_graph(
+    sizes: Mapping[str, int],
+    edge_index_dict: Mapping[EdgeType, torch.Tensor],
+    edge_types: list[EdgeType],
+    needs: tuple[str, ...] = (),
+    *,
+    device: torch.device | str | None = None,
+) -> tuple[RelGraph, dict[str, int]]:
+    """The prepared graph (:func:`dsx.rgnn.prepare`) of :func:`typed_layout`'s layout and the node types'
+    offsets, kept for the last two ``edge_index_dict`` tensor sets: every layer of a model on one batch gets
+    the first layer's graph. The graph drops the concatenated edge lists (24 bytes per edge) once built."""
+    items = [(tuple(e), ei) for e, ei in edge_index_dict.items()]
+    cache = not any(ei.is_inference() for _, ei in items)
+    key = (
+        tuple((e, id(ei), tensor_version(ei)) for e, ei in items),
+        tuple(sizes.items()),
+        tuple(tuple(e) for e in edge_types),
+        str(device),
+    )
+    if cache and key in _GRAPHS:
+        _GRAPHS.move_to_end(key)
+        graph, offset = _GRAPHS[key][1:]
+        return graph.require(*needs), offset
+    layout = typed_layout(sizes, edge_index_dict, edge_types, cache=False, device=device)
+    graph = prepare(layout.edge_index, layout.edge_type, layout.num_nodes, max(1, len(edge_types)), cache=False,
+                    needs=needs)  # fmt: skip
+    graph.release_edges()
+    if cache:  # the entry keeps the keyed tensors alive, so their ids cannot be reused by others
+        _GRAPHS[key] = ([ei for _, ei in items], graph, layout.offset)
+        while len(_GRAPHS) > _GRAPHS_KEPT:
+            _GRAPHS.popitem(last=False)
+    return graph, layout.offset
+
+
+def clear_cache() -> None:
+    """Drop every cached layout and graph: these, and :func:`dsx.rgnn.prepare`'s."""
+    _LAYOUTS.clear()
+    _GRAPHS.clear()
+    clear_graph_cache()
 
 
 class RelationalHetero(nn.Module):

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsx.rgnn.dispatch import run_program
-from dsx.rgnn.graph import prepare, tensor_version
-from dsx.rgnn.hetero import typed_layout
+from dsx.rgnn.hetero import typed_graph
 from dsx.rgnn.options import LayerOptions, Options
 from dsx.rgnn.programs import hgt_program
 
@@ -86,7 +85,6 @@ class HGTConv(LayerOptions, nn.Module):
         self.p_rel = nn.ParameterDict(
             {"__".join(e): nn.Parameter(torch.ones(1, heads)) for e in self.edge_types}
         )
-        self._graph_key = None
 
     def _block_weight(self, typed: _TypedWeight) -> torch.Tensor:
         """``[R, F, F]``: relation r's per-head ``D x D`` blocks on the diagonal (PyG type id ``h * R + r``)."""
@@ -97,24 +95,11 @@ class HGTConv(LayerOptions, nn.Module):
         return torch.einsum("hrij,hg->rhigj", w, eye).reshape(r, h * d, h * d)
 
     def _homogeneous(self, x_dict, edge_index_dict, opts: Options):
-        """One node id space (types concatenated in ``x_dict`` order) and relation ids from ``metadata``."""
+        """One node id space (types concatenated in ``x_dict`` order) and relation ids from ``metadata``: the
+        prepared graph, shared with the model's other layers on the same ``edge_index_dict``."""
         sizes = {t: x.size(0) for t, x in x_dict.items()}
-        edges = tuple((tuple(e), id(ei), tensor_version(ei)) for e, ei in edge_index_dict.items())
-        key = edges + tuple(sizes.items())
-        # inference tensors have no version to tell an in-place refill by: their graph is never reused
-        reusable = not any(ei.is_inference() for ei in edge_index_dict.values())
-        if reusable and self._graph_key is not None and self._graph_key[0] == key:
-            return self._graph_key[1], self._graph_key[2]
         device = next(iter(x_dict.values())).device if x_dict else None
-        layout = typed_layout(sizes, edge_index_dict, self.edge_types, cache=False, device=device)
-        # Not in prepare's cache: the layer keeps the graph itself, so the concatenated [2, E] edge_index and
-        # edge_type (24 bytes per edge) are freed now instead of living as cache keys.
-        graph = prepare(layout.edge_index, layout.edge_type, layout.num_nodes, max(1, len(self.edge_types)),
-                        cache=False, needs=opts.graph_needs("rel"))  # fmt: skip
-        graph.release_edges()
-        # keeps the keyed tensors alive (ids stay unique)
-        self._graph_key = (key, graph, layout.offset, edge_index_dict) if reusable else None
-        return graph, layout.offset
+        return typed_graph(sizes, edge_index_dict, self.edge_types, opts.graph_needs("rel"), device=device)
 
     def forward(self, x_dict: dict[str, torch.Tensor], edge_index_dict: dict) -> dict[str, torch.Tensor]:
         f, h = self.out_channels, self.heads

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     engine.step()
                     losses.append(loss.detach())  # (read at the end: no host sync per step on a GPU)
                 stats += torch.stack([loss.detach() * b.batch_size, (out.argmax(1) == y).sum().float(),
-                                      torch.tensor(float(b.batch_size), device=engine.device)])  # fmt: skip
+                                      torch.full((), float(b.batch_size), device=engine.device)])  # fmt: skip
                 bar.update()
         if engine.device.type == "cuda":
             torch.cuda.synchronize()

@@ -89,6 +89,8 @@ def _load(args: argparse.Namespace) -> Any:
     if getattr(store, "train_mask", None) is None:
         split = torch.rand(store.num_nodes, generator=torch.Generator().manual_seed(args.seed))
         store.train_mask, store.val_mask = split < 0.8, split >= 0.8
+    elif getattr(store, "val_mask", None) is None:
+        store.val_mask = ~store.train_mask
     return data
 
 
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     engine.step()
                     losses.append(loss.detach())  # (read at the end: no host sync per step on a GPU)
                 stats += torch.stack([loss.detach() * k, (out.argmax(1) == y).sum().float(),
-                                      torch.tensor(float(k), device=engine.device)])  # fmt: skip
+                                      torch.full((), float(k), device=engine.device)])  # fmt: skip
                 bar.update()
         if engine.device.type == "cuda":
             torch.cuda.synchronize()

@@ -29,12 +29,19 @@ def test_the_baseline_moves_large_saved_tensors_and_keeps_gradients_bitwise(devi
     cfg = LlamaConfig(seq_len=32, layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=160)
     model = Llama(cfg, seed=1).to(device)
     x = torch.randint(0, cfg.vocab_size, (3, 33), generator=torch.Generator().manual_seed(2)).to(device)
-    want = _grads(model, x, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    large = []  # what autograd saves that the baseline should move: 4 KiB or more, not a parameter
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() * t.element_size() >= 4096 and not isinstance(t, torch.nn.Parameter):
+            large.append(t.numel() * t.element_size())
+        return t
+
+    want = _grads(model, x, torch.autograd.graph.saved_tensors_hooks(count, lambda t: t))
     hooks = _hook_offload.SavedTensorOffload(min_bytes=4096, device_only=device != "cpu")
     got = _grads(model, x, hooks)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
-    assert hooks.moved_bytes > 0
+    assert hooks.moved_tensors == len(large) > 0 and hooks.moved_bytes == sum(large)
     small = _hook_offload.SavedTensorOffload(min_bytes=1 << 30, device_only=False)
     _grads(model, x, small)
     assert small.moved_bytes == 0  # under min_bytes nothing moves

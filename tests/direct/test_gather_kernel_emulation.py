@@ -137,8 +137,9 @@ def test_unaligned_output_falls_back_to_narrow_stores(emu) -> None:
 
 # The naive kernel takes ids in the order given, so it is run unsorted only.
 @pytest.mark.parametrize(("sort", "naive"), [(True, False), (False, False), (False, True)])
-def test_bad_ids_flagged_and_rows_zeroed(emu, sort, naive) -> None:
-    rows, rb = 50, 40
+@pytest.mark.parametrize("rb", [40, 300])  # 300: the wide-load kernel's path
+def test_bad_ids_flagged_and_rows_zeroed(emu, sort, naive, rb) -> None:
+    rows = 50
     table = _byte_table(rows, rb, 0, seed=9)
     idx = torch.tensor([3, 50, 7, -2, 50, 49, 0], dtype=torch.int64)
     out, flag, _ = _run(emu, table, idx, sort=sort, naive=naive)

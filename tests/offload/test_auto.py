@@ -435,3 +435,17 @@ def test_a_hide_only_plan_that_peaks_above_keeping_everything_keeps_everything(t
     else:
         assert all(p is plans[0] for p in plans)
     assert_same_grads(want, got)
+
+
+def test_the_host_pool_goes_back_only_when_nothing_in_it_is_in_use():
+    """A keep-everything plan (the fallback above) gives the pool back; a slot still in use keeps it."""
+    from dsx.offload.store import HostPool
+
+    pool = HostPool(1 << 20, pin=False)
+    pool.allocate()
+    off, view = pool.alloc(5000)
+    assert view.numel() >= 5000 and not pool.release()  # a slot in use: kept
+    pool.free(off, 5000)
+    assert pool.release() and pool._buf is None and not pool.release()
+    pool.allocate()  # taken again by the next plan that moves bytes
+    assert pool.alloc(5000) is not None

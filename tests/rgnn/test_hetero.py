@@ -136,3 +136,21 @@ def test_bad_input_is_named(data) -> None:
     x["field"] = torch.randn(sizes["field"], 4)
     with pytest.raises(ValueError, match="different feature widths"):
         conv(x, eid)
+
+
+def test_a_models_hgt_layers_share_one_prepared_graph_and_clear_cache_drops_it(data) -> None:
+    (b,) = _batches(data, 1)
+    convs = [rg.HGTConv(8, 8, data.metadata(), heads=2, kernel_backend="reference") for _ in range(2)]
+    opts = convs[0].options()
+    g1, off1 = convs[0]._homogeneous(b.x_dict, b.edge_index_dict, opts)
+    g2, off2 = convs[1]._homogeneous(b.x_dict, b.edge_index_dict, opts)
+    assert g1 is g2 and off1 == off2  # prepared once per batch, whatever the number of layers
+    rg.clear_cache()
+    assert convs[1]._homogeneous(b.x_dict, b.edge_index_dict, opts)[0] is not g1
+
+
+def test_an_empty_layout_is_made_on_the_given_device(data) -> None:
+    sizes = {t: data[t].num_nodes for t in data.node_types}
+    layout = rg.typed_layout(sizes, {}, data.edge_types, device="meta")
+    assert layout.edge_index.device.type == "meta" and layout.edge_index.shape == (2, 0)
+    assert rg.typed_layout(sizes, {}, data.edge_types).edge_index.device.type == "cpu"

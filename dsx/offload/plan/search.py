@@ -121,7 +121,8 @@ def make_plan(
     bw = _bandwidths(bandwidths, cfg)
     n = len(profiles)
     depth = cfg.prefetch_depth or _depth(profiles, bw)
-    keep_all = [Action.KEEP] * n
+    # doing nothing: every layer kept, but those profiled only as recomputed (they cannot be kept)
+    keep_all = [_fit(Action.KEEP, p) for p in profiles]
     base_t, _, keep_peak = simulate(profiles, keep_all, bw, depth)
     budget_bytes = None if cfg.memory_budget_gb is None else int(cfg.memory_budget_gb * GB)
     if cfg.policy == "none":
@@ -190,14 +191,9 @@ def make_plan(
         if fills:
             _, actions, caps, depth = min(fills, key=lambda f: (f[0], -sum(f[2].values()), f[3]))
         # Never worse than doing nothing: a hide-only plan that lowers no peak would move bytes (and take
-        # the link, and the risk of a stall the model did not see) for nothing; keep every layer instead
-        # (those profiled only as recomputed stay recomputed: they cannot be kept).
-        nothing = [_fit(Action.KEEP, p) for p in profiles]
-        if (
-            actions != nothing
-            and simulate(profiles, actions, bw, depth, caps)[2] >= simulate(profiles, nothing, bw, depth)[2]
-        ):
-            actions, caps = nothing, {}
+        # the link, and the risk of a stall the model did not see) for nothing; keep every layer instead.
+        if actions != keep_all and simulate(profiles, actions, bw, depth, caps)[2] >= keep_peak:
+            actions, caps = keep_all, {}
     t, stall, peak = simulate(profiles, actions, bw, depth, caps)
     planned = sum(_split(profiles, actions, caps)[0])
     usage, capacity = tier_usage(profiles, actions, bw, caps), tier_capacity(cfg)

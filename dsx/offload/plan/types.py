@@ -223,7 +223,8 @@ class Plan:
             f"{step} vs {(b['baseline_step_s'] + self.outside_s) * 1e3:.1f} ms keeping "
             f"everything (stall {self.stall_s * 1e3:.1f} ms); peak activations {self.peak_bytes / GB:.2f} GiB vs "
             f"{b['keep_all_bytes'] / GB:.2f} GiB keeping everything "
-            f"({(b['keep_all_bytes'] - self.peak_bytes) / GB:.2f} GiB lower), budget "
+            f"({abs(b['keep_all_bytes'] - self.peak_bytes) / GB:.2f} GiB "
+            f"{'higher' if self.peak_bytes > b['keep_all_bytes'] else 'lower'}), budget "
             + (f"{b['budget_bytes'] / GB:.2f} GiB" if b["budget_bytes"] is not None else "none (hide only)")
             + f"; prefetch depth {self.prefetch_depth}; write barrier {'on' if self.write_barrier else 'off'}"
             + f"; searched in {self.search_s:.1f} s"
