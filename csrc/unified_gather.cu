@@ -73,6 +73,25 @@ DSX_HD void report_bad(const GatherArgs& a, int64_t r, int64_t begin, int64_t en
   }
 }
 
+// Index i's row r and the output positions [i, end) that ask for it (with dedup, the run of equal sorted ids
+// that i heads); false where there is nothing to copy: i is not the head of its run, or r is a bad id (then
+// reported, its outputs zeroed).
+template <typename IdxT>
+DSX_HD bool row_run(const GatherArgs& a, const IdxT* __restrict__ idx, int64_t i, int lane, int lanes, int64_t& r,
+                    int64_t& end) {
+  r = static_cast<int64_t>(idx[i]);
+  if (a.dedup && i > 0 && static_cast<int64_t>(idx[i - 1]) == r) return false;
+  end = i + 1;
+  if (a.dedup) {
+    while (end < a.n && static_cast<int64_t>(idx[end]) == r) ++end;
+  }
+  if (r < 0 || r >= a.num_rows) {
+    report_bad(a, r, i, end, lane, lanes);
+    return false;
+  }
+  return true;
+}
+
 // One thread of the tuned kernel (block, grid size in blocks, thread index in the block).
 template <typename IdxT, int W, int GROUP>
 DSX_HD void gather_thread(const GatherArgs& a, int64_t block, int64_t grid, int tid) {
@@ -83,16 +102,8 @@ DSX_HD void gather_thread(const GatherArgs& a, int64_t block, int64_t grid, int 
   const int lane = tid % GROUP;
   const int64_t stride = grid * kGroupsPerBlock;
   for (int64_t i = block * kGroupsPerBlock + tid / GROUP; i < a.n; i += stride) {
-    const int64_t r = static_cast<int64_t>(idx[i]);
-    if (a.dedup && i > 0 && static_cast<int64_t>(idx[i - 1]) == r) continue;  // not the head of its run
-    int64_t end = i + 1;
-    if (a.dedup) {
-      while (end < a.n && static_cast<int64_t>(idx[end]) == r) ++end;
-    }
-    if (r < 0 || r >= a.num_rows) {
-      report_bad(a, r, i, end, lane, GROUP);
-      continue;
-    }
+    int64_t r = 0, end = 0;
+    if (!row_run(a, idx, i, lane, GROUP, r, end)) continue;
     const uint8_t* __restrict__ src = a.table + r * a.row_bytes;
     // Start at the 128-byte line boundary at or below the row, so each instruction asks for whole lines.
     int64_t head = 0;
@@ -130,16 +141,8 @@ DSX_HD void gather_wide_thread(const GatherArgs& a, int64_t block, int64_t grid,
   const int lane = tid % GROUP;
   const int64_t stride = grid * kGroupsPerBlock;
   for (int64_t i = block * kGroupsPerBlock + tid / GROUP; i < a.n; i += stride) {
-    const int64_t r = static_cast<int64_t>(idx[i]);
-    if (a.dedup && i > 0 && static_cast<int64_t>(idx[i - 1]) == r) continue;
-    int64_t end = i + 1;
-    if (a.dedup) {
-      while (end < a.n && static_cast<int64_t>(idx[end]) == r) ++end;
-    }
-    if (r < 0 || r >= a.num_rows) {
-      report_bad(a, r, i, end, lane, GROUP);
-      continue;
-    }
+    int64_t r = 0, end = 0;
+    if (!row_run(a, idx, i, lane, GROUP, r, end)) continue;
     const uint8_t* __restrict__ src = a.table + r * a.row_bytes;
     const int64_t head = static_cast<int64_t>(reinterpret_cast<uintptr_t>(src) & 127);
     for (int64_t k0 = lane * 16 - head; k0 < a.row_bytes; k0 += kStep * kUnroll) {

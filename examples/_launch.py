@@ -15,7 +15,7 @@ import torch.distributed as dist
 from dsx.ops import announce_comm_build
 from dsx.runtime.process import single_process_env
 
-__all__ = ["init_distributed", "param_digest"]
+__all__ = ["all_sum", "init_distributed", "param_digest"]
 
 
 def init_distributed(local_rank: int) -> tuple[int, int]:
@@ -26,6 +26,13 @@ def init_distributed(local_rank: int) -> tuple[int, int]:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     return dist.get_rank(), dist.get_world_size()
+
+
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the ranks in place (a collective), or ``t`` itself in one process."""
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
 
 
 def param_digest(model: torch.nn.Module) -> str:

@@ -33,7 +33,7 @@ from dsx.data.rmat import rmat_graph
 from dsx.direct import DistributedNeighborLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the start-up the examples share
-from _launch import init_distributed, param_digest
+from _launch import all_sum, init_distributed, param_digest
 
 __all__ = ["main", "parse_args"]
 
@@ -120,12 +120,6 @@ def _memory(ux: Any) -> dict[str, Any]:
     return out
 
 
-def _sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return t
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from torch_geometric.nn import GraphSAGE
 
@@ -179,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         bar.close()
-        s = _sum(stats).tolist()
+        s = all_sum(stats).tolist()
         return s[0] / max(s[2], 1), s[1] / max(s[2], 1), dt
 
     history = []

@@ -26,7 +26,6 @@ from typing import Any
 
 import deepspeed
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
@@ -39,7 +38,7 @@ from dsx.direct import DistributedHeteroNeighborLoader
 from dsx.models.hetero_gnn import MODELS, HeteroClassifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the start-up the examples share
-from _launch import init_distributed, param_digest
+from _launch import all_sum, init_distributed, param_digest
 
 __all__ = ["main", "parse_args"]
 
@@ -92,12 +91,6 @@ def _load(args: argparse.Namespace) -> Any:
     elif getattr(store, "val_mask", None) is None:
         store.val_mask = ~store.train_mask
     return data
-
-
-def _sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return t
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -166,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         bar.close()
-        s = _sum(stats).tolist()
+        s = all_sum(stats).tolist()
         return s[0] / max(s[2], 1), s[1] / max(s[2], 1), dt
 
     history = []
