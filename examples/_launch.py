@@ -1,4 +1,5 @@
-"""Start-up shared by the example jobs: the distributed init, also for one process without a launcher.
+"""What the example jobs share: the distributed init (also for one process without a launcher), and the
+node-classification epoch of the GNN examples.
 
 The examples put this folder on ``sys.path`` and import it as ``_launch``; it is not part of the dsx package.
 """
@@ -7,15 +8,21 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 import deepspeed
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
 
 from dsx.ops import announce_comm_build
 from dsx.runtime.process import single_process_env
 
-__all__ = ["all_sum", "init_distributed", "param_digest"]
+__all__ = ["all_sum", "init_distributed", "param_digest", "run_epoch"]
 
 
 def init_distributed(local_rank: int) -> tuple[int, int]:
@@ -47,3 +54,48 @@ def param_digest(model: torch.nn.Module) -> str:
             h.update(name.encode())
             h.update(p.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def run_epoch(
+    engine: Any,
+    loader: Any,
+    forward: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],
+    training: bool,
+    epoch: int,
+    *,
+    max_batches: int = 0,
+    progress: bool = True,
+    losses: list[torch.Tensor] | None = None,
+) -> tuple[float, float, float]:
+    """One pass of a node-classification ``loader`` through the DeepSpeed ``engine``: (mean loss, accuracy,
+    seconds), loss and accuracy over every rank's seeds. ``forward(batch) -> (logits, labels)`` of the
+    batch's seeds; ``max_batches`` (0: all) stops early; training steps append their loss to ``losses``
+    (kept on the device: no host synchronisation per step on a GPU)."""
+    loader.set_epoch(epoch)
+    engine.train(training)
+    stats = torch.zeros(3, device=engine.device)  # loss sum, correct, seeds
+    n = len(loader) if not max_batches else min(len(loader), max_batches)
+    bar = tqdm(total=n, desc=f"epoch {epoch} {'train' if training else 'val'}", disable=not progress,
+               file=sys.stdout)  # fmt: skip
+    t0 = time.perf_counter()
+    with torch.set_grad_enabled(training):
+        for i, b in enumerate(loader):
+            if i == n:
+                break
+            out, y = forward(b)
+            loss = F.cross_entropy(out, y)
+            if training:
+                engine.backward(loss)
+                engine.step()
+                if losses is not None:
+                    losses.append(loss.detach())
+            k = y.numel()
+            stats += torch.stack([loss.detach() * k, (out.argmax(1) == y).sum().float(),
+                                  torch.full((), float(k), device=engine.device)])  # fmt: skip
+            bar.update()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    bar.close()
+    s = all_sum(stats).tolist()
+    return s[0] / max(s[2], 1), s[1] / max(s[2], 1), dt

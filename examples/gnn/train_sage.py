@@ -15,15 +15,12 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from tqdm import tqdm
 
 import dsx
 import dsx.direct
@@ -33,7 +30,7 @@ from dsx.data.rmat import rmat_graph
 from dsx.direct import DistributedNeighborLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the start-up the examples share
-from _launch import all_sum, init_distributed, param_digest
+from _launch import init_distributed, param_digest, run_epoch
 
 __all__ = ["main", "parse_args"]
 
@@ -145,36 +142,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train = DistributedNeighborLoader(data, fanouts, bs, shuffle=True, input_nodes=data.train_mask, **kw)
     val = DistributedNeighborLoader(data, fanouts, bs, input_nodes=data.val_mask, **kw)
 
+    def forward(b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        hops = {} if args.no_trim else dict(num_sampled_nodes_per_hop=b.num_sampled_nodes,
+                                             num_sampled_edges_per_hop=b.num_sampled_edges)  # fmt: skip
+        return engine(b.x, b.edge_index, **hops)[: b.batch_size], b.y[: b.batch_size]
+
     def run(loader: Any, training: bool, epoch: int) -> tuple[float, float, float]:
-        loader.set_epoch(epoch)
-        engine.train(training)
-        stats = torch.zeros(3, device=engine.device)  # loss sum, correct, seeds
-        n = len(loader) if not args.max_batches else min(len(loader), args.max_batches)
-        bar = tqdm(total=n, desc=f"epoch {epoch} {'train' if training else 'val'}", disable=rank != 0 or args.no_progress,
-                   file=sys.stdout)  # fmt: skip
-        t0 = time.perf_counter()
-        with torch.set_grad_enabled(training):
-            for i, b in enumerate(loader):
-                if i == n:
-                    break
-                hops = {} if args.no_trim else dict(num_sampled_nodes_per_hop=b.num_sampled_nodes,
-                                                     num_sampled_edges_per_hop=b.num_sampled_edges)  # fmt: skip
-                out = engine(b.x, b.edge_index, **hops)[: b.batch_size]
-                y = b.y[: b.batch_size]
-                loss = F.cross_entropy(out, y)
-                if training:
-                    engine.backward(loss)
-                    engine.step()
-                    losses.append(loss.detach())  # (read at the end: no host sync per step on a GPU)
-                stats += torch.stack([loss.detach() * b.batch_size, (out.argmax(1) == y).sum().float(),
-                                      torch.full((), float(b.batch_size), device=engine.device)])  # fmt: skip
-                bar.update()
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        bar.close()
-        s = all_sum(stats).tolist()
-        return s[0] / max(s[2], 1), s[1] / max(s[2], 1), dt
+        return run_epoch(engine, loader, forward, training, epoch, max_batches=args.max_batches,
+                         progress=rank == 0 and not args.no_progress, losses=losses)  # fmt: skip
 
     history = []
     losses: list[torch.Tensor] = []  # this rank's loss at each training step

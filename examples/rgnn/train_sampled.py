@@ -20,14 +20,11 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
 import dsx
 import dsx.direct
@@ -38,7 +35,7 @@ from dsx.direct import DistributedHeteroNeighborLoader
 from dsx.models.hetero_gnn import MODELS, HeteroClassifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the start-up the examples share
-from _launch import all_sum, init_distributed, param_digest
+from _launch import init_distributed, param_digest, run_epoch
 
 __all__ = ["main", "parse_args"]
 
@@ -131,36 +128,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     val = DistributedHeteroNeighborLoader(data, fanouts, (target, data[target].val_mask), bs, **kw)
     losses: list[torch.Tensor] = []
 
+    def forward(b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        k = b[target].batch_size
+        nodes = {t: b[t].num_nodes for t in b.node_types}
+        return engine(b.x_dict, b.edge_index_dict, nodes)[:k], b[target].y[:k]
+
     def run(loader: Any, training: bool, epoch: int) -> tuple[float, float, float]:
-        loader.set_epoch(epoch)
-        engine.train(training)
-        stats = torch.zeros(3, device=engine.device)  # loss sum, correct, seeds
-        n = len(loader) if not args.max_batches else min(len(loader), args.max_batches)
-        bar = tqdm(total=n, desc=f"epoch {epoch} {'train' if training else 'val'}",
-                   disable=rank != 0 or args.no_progress, file=sys.stdout)  # fmt: skip
-        t0 = time.perf_counter()
-        with torch.set_grad_enabled(training):
-            for i, b in enumerate(loader):
-                if i == n:
-                    break
-                k = b[target].batch_size
-                nodes = {t: b[t].num_nodes for t in b.node_types}
-                out = engine(b.x_dict, b.edge_index_dict, nodes)[:k]
-                y = b[target].y[:k]
-                loss = F.cross_entropy(out, y)
-                if training:
-                    engine.backward(loss)
-                    engine.step()
-                    losses.append(loss.detach())  # (read at the end: no host sync per step on a GPU)
-                stats += torch.stack([loss.detach() * k, (out.argmax(1) == y).sum().float(),
-                                      torch.full((), float(k), device=engine.device)])  # fmt: skip
-                bar.update()
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        bar.close()
-        s = all_sum(stats).tolist()
-        return s[0] / max(s[2], 1), s[1] / max(s[2], 1), dt
+        return run_epoch(engine, loader, forward, training, epoch, max_batches=args.max_batches,
+                         progress=rank == 0 and not args.no_progress, losses=losses)  # fmt: skip
 
     history = []
     for epoch in range(args.epochs):
