@@ -22,7 +22,7 @@ from tqdm import tqdm
 from dsx.ops import announce_comm_build
 from dsx.runtime.process import single_process_env
 
-__all__ = ["all_sum", "init_distributed", "param_digest", "run_epoch"]
+__all__ = ["all_sum", "fit", "init_distributed", "param_digest", "run_epoch"]
 
 
 def init_distributed(local_rank: int) -> tuple[int, int]:
@@ -99,3 +99,31 @@ def run_epoch(
     bar.close()
     s = all_sum(stats).tolist()
     return s[0] / max(s[2], 1), s[1] / max(s[2], 1), dt
+
+
+def fit(
+    engine: Any,
+    train: Any,
+    val: Any,
+    forward: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],
+    epochs: int,
+    *,
+    max_batches: int = 0,
+    progress: bool = True,
+    log: bool = True,
+) -> tuple[list[dict[str, float]], list[torch.Tensor]]:
+    """``epochs`` of training on ``train`` then evaluation on ``val`` (:func:`run_epoch`); the per-epoch
+    history (loss, train and validation accuracy, epoch seconds; printed where ``log``, progress bars where
+    ``progress``) and the loss of every training step."""
+    history: list[dict[str, float]] = []
+    losses: list[torch.Tensor] = []
+    for epoch in range(epochs):
+        kw = dict(max_batches=max_batches, progress=progress)
+        loss, acc, dt = run_epoch(engine, train, forward, True, epoch, losses=losses, **kw)
+        _, vacc, _ = run_epoch(engine, val, forward, False, epoch, **kw)
+        history.append({"epoch": epoch, "loss": loss, "train_acc": acc, "val_acc": vacc, "epoch_s": dt})
+        if log:
+            print(
+                f"epoch {epoch}: loss {loss:.4f} train acc {acc:.4f} val acc {vacc:.4f} epoch time {dt:.2f} s"
+            )
+    return history, losses

@@ -30,7 +30,7 @@ from dsx.data.rmat import rmat_graph
 from dsx.direct import DistributedNeighborLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the start-up the examples share
-from _launch import init_distributed, param_digest, run_epoch
+from _launch import fit, init_distributed, param_digest
 
 __all__ = ["main", "parse_args"]
 
@@ -147,20 +147,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                              num_sampled_edges_per_hop=b.num_sampled_edges)  # fmt: skip
         return engine(b.x, b.edge_index, **hops)[: b.batch_size], b.y[: b.batch_size]
 
-    def run(loader: Any, training: bool, epoch: int) -> tuple[float, float, float]:
-        return run_epoch(engine, loader, forward, training, epoch, max_batches=args.max_batches,
-                         progress=rank == 0 and not args.no_progress, losses=losses)  # fmt: skip
-
-    history = []
-    losses: list[torch.Tensor] = []  # this rank's loss at each training step
-    for epoch in range(args.epochs):
-        loss, acc, dt = run(train, True, epoch)
-        _, vacc, _ = run(val, False, epoch)
-        history.append({"epoch": epoch, "loss": loss, "train_acc": acc, "val_acc": vacc, "epoch_s": dt})
-        if rank == 0:
-            print(
-                f"epoch {epoch}: loss {loss:.4f} train acc {acc:.4f} val acc {vacc:.4f} epoch time {dt:.2f} s"
-            )
+    history, losses = fit(engine, train, val, forward, args.epochs, max_batches=args.max_batches,
+                          progress=rank == 0 and not args.no_progress, log=rank == 0)  # fmt: skip
     mem = _memory(ux)
     mems = [None] * dist.get_world_size()
     dist.all_gather_object(mems, mem)

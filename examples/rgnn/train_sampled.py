@@ -35,7 +35,7 @@ from dsx.direct import DistributedHeteroNeighborLoader
 from dsx.models.hetero_gnn import MODELS, HeteroClassifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the start-up the examples share
-from _launch import init_distributed, param_digest, run_epoch
+from _launch import fit, init_distributed, param_digest
 
 __all__ = ["main", "parse_args"]
 
@@ -126,26 +126,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         data, fanouts, (target, data[target].train_mask), bs, shuffle=True, **kw
     )
     val = DistributedHeteroNeighborLoader(data, fanouts, (target, data[target].val_mask), bs, **kw)
-    losses: list[torch.Tensor] = []
 
     def forward(b: Any) -> tuple[torch.Tensor, torch.Tensor]:
         k = b[target].batch_size
         nodes = {t: b[t].num_nodes for t in b.node_types}
         return engine(b.x_dict, b.edge_index_dict, nodes)[:k], b[target].y[:k]
 
-    def run(loader: Any, training: bool, epoch: int) -> tuple[float, float, float]:
-        return run_epoch(engine, loader, forward, training, epoch, max_batches=args.max_batches,
-                         progress=rank == 0 and not args.no_progress, losses=losses)  # fmt: skip
-
-    history = []
-    for epoch in range(args.epochs):
-        loss, acc, dt = run(train, True, epoch)
-        _, vacc, _ = run(val, False, epoch)
-        history.append({"epoch": epoch, "loss": loss, "train_acc": acc, "val_acc": vacc, "epoch_s": dt})
-        if rank == 0:
-            print(
-                f"epoch {epoch}: loss {loss:.4f} train acc {acc:.4f} val acc {vacc:.4f} epoch time {dt:.2f} s"
-            )
+    history, losses = fit(engine, train, val, forward, args.epochs, max_batches=args.max_batches,
+                          progress=rank == 0 and not args.no_progress, log=rank == 0)  # fmt: skip
     peak = torch.cuda.max_memory_allocated() / 1e9 if engine.device.type == "cuda" else None
     summary = {
         "model": args.model, "layers": args.layers, "world_size": world, "feature_placement": args.feature_placement,
