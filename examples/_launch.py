@@ -6,6 +6,7 @@ The examples put this folder on ``sys.path`` and import it as ``_launch``; it is
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import sys
@@ -22,7 +23,7 @@ from tqdm import tqdm
 from dsx.ops import announce_comm_build
 from dsx.runtime.process import single_process_env
 
-__all__ = ["all_sum", "fit", "init_distributed", "param_digest", "run_epoch"]
+__all__ = ["add_loop_args", "all_sum", "fit", "init_distributed", "param_digest", "run_epoch"]
 
 
 def init_distributed(local_rank: int) -> tuple[int, int]:
@@ -54,6 +55,18 @@ def param_digest(model: torch.nn.Module) -> str:
             h.update(name.encode())
             h.update(p.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def add_loop_args(p: argparse.ArgumentParser) -> None:
+    """The GNN examples' training-loop flags: epochs, batches per epoch, where features live, seed, summary,
+    progress bars."""
+    p.add_argument("--epochs", type=int, default=3, help="passes over the training seeds")
+    p.add_argument("--max-batches", type=int, default=0, help="stop each epoch after N batches (0: all)")
+    p.add_argument("--feature-placement", choices=["host", "gpu"], default="host",
+                   help="host: pinned, shared host memory gathered zero-copy; gpu: a copy on each GPU")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="graph, model and sampling seed")
+    p.add_argument("--log-json", default=None, help="write the summary here (rank 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def run_epoch(

@@ -30,7 +30,7 @@ from dsx.data.rmat import rmat_graph
 from dsx.direct import DistributedNeighborLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the start-up the examples share
-from _launch import fit, init_distributed, param_digest
+from _launch import add_loop_args, fit, init_distributed, param_digest
 
 __all__ = ["main", "parse_args"]
 
@@ -42,7 +42,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                    help="this rank's GPU on its machine (set by the launcher)")  # fmt: skip
-    p.add_argument("--epochs", type=int, default=3, help="passes over the training seeds")
     p.add_argument("--nodes", type=int, default=20_000, help="nodes of the generated R-MAT graph")
     p.add_argument("--edges", type=int, default=200_000, help="edges of the generated R-MAT graph")
     p.add_argument("--features", type=int, default=32, help="feature width of the generated graph")
@@ -50,9 +49,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128, help="GraphSAGE hidden size")
     p.add_argument("--fanouts", default="15,10,5", help="neighbours sampled per hop, comma-separated")
     p.add_argument("--dataset", default=None, help="torch.save'd torch_geometric.data.Data")
-    p.add_argument("--feature-placement", choices=["host", "gpu"], default="host",
-                   help="host: pinned, shared host memory gathered zero-copy; gpu: a copy on each GPU")  # fmt: skip
-    p.add_argument("--max-batches", type=int, default=0, help="stop each epoch after N batches (0: all)")
     p.add_argument("--train-fraction", type=float, default=0.0,
                    help="keep this fraction of all nodes as training seeds (and as many validation seeds); "
                         "0: the dataset's masks (rmat: 80 / 20 %%)")  # fmt: skip
@@ -62,9 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run every layer on every sampled node "
         "(default: PyG's trim_to_layer, each layer only on nodes that still reach the seeds)",
     )
-    p.add_argument("--seed", type=int, default=0, help="graph, model and sampling seed")
-    p.add_argument("--log-json", default=None, help="write the summary here (rank 0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_loop_args(p)
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args(argv)
     if args.deepspeed_config is None:

@@ -35,7 +35,7 @@ from dsx.direct import DistributedHeteroNeighborLoader
 from dsx.models.hetero_gnn import MODELS, HeteroClassifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the start-up the examples share
-from _launch import fit, init_distributed, param_digest
+from _launch import add_loop_args, fit, init_distributed, param_digest
 
 __all__ = ["main", "parse_args"]
 
@@ -59,13 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=64, help="hidden size")
     p.add_argument("--heads", type=int, default=2, help="attention heads (rgat, hgt)")
     p.add_argument("--fanouts", default="25,20", help="neighbours sampled per hop and edge type")
-    p.add_argument("--epochs", type=int, default=3, help="passes over the training seeds")
-    p.add_argument("--max-batches", type=int, default=0, help="stop each epoch after N batches (0: all)")
-    p.add_argument("--feature-placement", choices=["host", "gpu"], default="host",
-                   help="host: pinned, shared host memory gathered zero-copy; gpu: a copy on each GPU")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="graph, model and sampling seed")
-    p.add_argument("--log-json", default=None, help="write the summary here (rank 0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_loop_args(p)
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args(argv)
     if args.deepspeed_config is None:
