@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsx.direct.floyd import floyd
+
 __all__ = [
     "NeighborSampler",
     "SampledSubgraph",
@@ -175,23 +177,6 @@ def fanout_take(rowptr: torch.Tensor, nodes: torch.Tensor, k: int) -> tuple[torc
     start = rowptr[nodes]
     deg = rowptr[nodes + 1] - start
     return start, (deg if k < 0 else deg.clamp(max=k))
-
-
-def floyd(deg: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``[n, k]`` distinct positions in ``[0, deg)`` per row, a uniform ``k``-subset (rows with ``deg <= k``
-    hold ``0 .. k-1``; callers use only the first ``deg`` of those). Draws on ``deg``'s device."""
-    n, dev = deg.numel(), deg.device
-    u = torch.rand(n, k, device=dev, generator=generator, dtype=torch.float64)
-    # Step t draws r uniform in [0, j_t], j_t = base + t. The draws do not depend on earlier choices (only
-    # the collision rule does), so all k of them are made at once; the loop only resolves collisions.
-    # Rows with deg <= k: base 0, j_t = t, and every r < t is taken already: the result is 0 .. k-1.
-    jj = (deg - k).clamp(min=0).unsqueeze(1) + torch.arange(k, device=dev)
-    rr = torch.minimum((u * (jj + 1)).long(), jj)
-    chosen = rr.clone()  # column t is final once the collisions of columns < t are resolved
-    for t in range(1, k):
-        hit = (chosen[:, :t] == rr[:, t : t + 1]).any(1)
-        chosen[:, t] = torch.where(hit, jj[:, t], rr[:, t])
-    return chosen
 
 
 def sample_positions(

@@ -9,9 +9,9 @@ sits above and does.
 
 from __future__ import annotations
 
+from dsx.ops.triton_source import cache_dir, load_source
 from dsx.rgnn.codegen.edge import generate_edge_kernel_source
 from dsx.rgnn.codegen.gemm import PRECISIONS, generate_gather_gemm_source
-from dsx.rgnn.codegen.loader import cache_dir, load_source
 from dsx.rgnn.codegen.spec import EdgeSpec
 
 __all__ = [

@@ -73,9 +73,9 @@ chunks of ``BLOCK_E``; it reads each edge's message row (``H * D`` contiguous va
 
 from __future__ import annotations
 
+from dsx.ops.triton_backend import resolve_backend
 from dsx.rgnn.codegen import generate_edge_kernel_source, generate_gather_gemm_source
 from dsx.rgnn.codegen.spec import EdgeSpec
-from dsx.rgnn.kernels.backend import resolve_backend
 from dsx.rgnn.kernels.edge import fused_edge
 from dsx.rgnn.kernels.gather_gemm import gather_gemm
 from dsx.rgnn.kernels.reference import fused_edge_ref, gather_gemm_ref

@@ -6,9 +6,10 @@ import functools
 
 import torch
 
-from dsx.rgnn.codegen import generate_edge_kernel_source, load_source
+from dsx.ops.triton_backend import resolve_backend
+from dsx.ops.triton_source import load_source
+from dsx.rgnn.codegen import generate_edge_kernel_source
 from dsx.rgnn.codegen.spec import EdgeSpec
-from dsx.rgnn.kernels.backend import resolve_backend
 from dsx.rgnn.kernels.reference import fused_edge_ref
 from dsx.rgnn.kernels.validate import check_edge_args, check_edge_indices
 

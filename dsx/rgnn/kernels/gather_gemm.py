@@ -7,9 +7,10 @@ import weakref
 
 import torch
 
-from dsx.rgnn.codegen import generate_gather_gemm_source, load_source
+from dsx.ops.triton_backend import resolve_backend
+from dsx.ops.triton_source import load_source
+from dsx.rgnn.codegen import generate_gather_gemm_source
 from dsx.rgnn.graph import tensor_version
-from dsx.rgnn.kernels.backend import resolve_backend
 from dsx.rgnn.kernels.reference import gather_gemm_ref
 from dsx.rgnn.kernels.validate import check_index, check_ptr
 

@@ -1,4 +1,5 @@
-"""Write generated Triton source to a cache file, import it, and keep the module per key in memory.
+"""Write Triton kernel source (generated, or a fixed kernel kept as text) to a cache file, import it, and keep the
+module per key in memory.
 
 Triton compiles a ``@triton.jit`` function from its source file (``inspect.getsource``), so generated code must
 live in a real file. The file name is a hash of the source, the Triton version and the mode, so a changed

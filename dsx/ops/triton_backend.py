@@ -1,4 +1,5 @@
-"""Backend selection for the relational-GNN kernels: compiled Triton, Triton interpreter, or PyTorch."""
+"""Which backend runs dsx's Triton kernels (relational GNN layers, the sampler's draws): compiled Triton, the
+Triton interpreter, or the PyTorch reference."""
 
 from __future__ import annotations
 
