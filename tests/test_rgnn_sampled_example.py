@@ -15,9 +15,10 @@ from tests.harness import REPO, load_example
 
 @pytest.fixture(autouse=True)
 def _restore_process_defaults():
-    """The example leaves its engine's sections as the process defaults; later tests start from these."""
-    with defaults.set("rgnn"), defaults.set("unified"):
-        yield
+    """The example leaves its engine's sections as the process defaults (installed while the engine lives,
+    which is until it is collected); later tests start from the built-in ones."""
+    yield
+    defaults.reset()
 
 
 def test_synthetic_mag_has_the_schema_counts_and_structure() -> None:

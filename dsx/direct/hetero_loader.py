@@ -77,7 +77,7 @@ class HeteroNeighborLoader(PipelinedLoader):
         ``(node_type, index, boolean mask or None)`` or a node type (all its nodes): the seeds.
     batch_size, shuffle, drop_last:
         As in ``torch_geometric.loader.NeighborLoader``.
-    device, feature_placement, csr_placement, prefetch, engine, scheduler, rank, world_size, seed:
+    device, feature_placement, csr_placement, prefetch, engine, scheduler, rank, world_size, seed, transform:
         As in :class:`dsx.direct.NeighborLoader`; ``feature_placement`` applies to every node type's ``x``,
         ``csr_placement="auto"`` puts all edge types' CSRs on the device if together they fit in half its
         free memory.

@@ -66,6 +66,10 @@ class NeighborLoader(PipelinedLoader):
     seed:
         Seeds the shuffle (identical on all ranks) and the sampler (default 0); ``set_epoch`` changes the
         shuffle.
+    transform:
+        As in PyG: a function applied to each batch before it is returned. It runs in the pipeline, on the
+        loader's thread and (CUDA) stream, so its work overlaps the caller's step on the batch before
+        (``dsx.rgnn.PrepareGraph`` prepares the relational layers' graph there).
     """
 
     def __init__(

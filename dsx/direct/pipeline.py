@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any, TypedDict
@@ -62,11 +62,12 @@ class LoaderOptions(TypedDict, total=False):
     rank: int
     world_size: int
     seed: int
+    transform: Callable[[Any], Any] | None
 
 
 _OPTION_DEFAULTS: dict[str, Any] = {
     "device": None, "feature_placement": "host", "csr_placement": "auto", "prefetch": None, "engine": None,
-    "scheduler": None, "rank": 0, "world_size": 1, "seed": 0,
+    "scheduler": None, "rank": 0, "world_size": 1, "seed": 0, "transform": None,
 }  # fmt: skip
 
 
@@ -137,6 +138,19 @@ def gather_rows(table: Any, ut: Any, n_id: torch.Tensor, device: torch.device) -
     return table[n_id.to(table.device)].to(device)
 
 
+def _record_stream(v: Any, stream: torch.cuda.Stream) -> None:
+    """A batch value made on the loader's stream is in use on ``stream``: CUDA tensors, objects that record
+    their own tensors (``dsx.rgnn.RelGraph``, put in a batch by a transform), and lists or tuples of them."""
+    if isinstance(v, torch.Tensor):
+        if v.is_cuda:
+            v.record_stream(stream)
+    elif isinstance(v, (list, tuple)):
+        for item in v:
+            _record_stream(item, stream)
+    elif callable(getattr(v, "record_stream", None)):
+        v.record_stream(stream)
+
+
 class PipelinedLoader:
     """Seeds, epochs, rank shares and the scheduler pipeline of a neighbor loader (see the module's doc).
 
@@ -185,6 +199,11 @@ class PipelinedLoader:
         self._runs = itertools.count()
         self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
         self.rank, self.world_size, self.seed, self.epoch = rank, world_size, int(opt["seed"]), 0
+        self.transform = opt["transform"]
+        if self.transform is not None and not callable(self.transform):
+            raise TypeError(
+                f"transform must be callable (batch -> batch), got {type(self.transform).__name__}"
+            )
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The sampler's generator: seeded per rank, so that ranks draw different neighborhoods."""
@@ -256,20 +275,24 @@ class PipelinedLoader:
         chunks = self._batches()
         if self.prefetch <= 0:
             for c in chunks:
-                yield self._make(c)
+                yield self._transformed(c)
         else:
             yield from self._pipelined(chunks)
         for ut in self._unified_tensors():
             ut.check()  # deferred out-of-range flags surface at epoch end
 
+    def _transformed(self, chunk: torch.Tensor) -> Any:
+        batch = self._make(chunk)
+        return batch if self.transform is None else self.transform(batch)
+
     def _prepare(self, chunk: torch.Tensor, stream: Any) -> tuple[Any, Any]:
         """One batch, on the scheduler's loader thread: sampled and gathered on ``stream`` (CUDA) and
         followed by an event the caller's stream waits on."""
         if stream is None:
-            return self._make(chunk), None
+            return self._transformed(chunk), None
         torch.cuda.set_device(self.device)  # the pool's thread is shared with other loaders
         with torch.cuda.stream(stream):
-            batch = self._make(chunk)
+            batch = self._transformed(chunk)
             ready = torch.cuda.Event()
             ready.record(stream)
         return batch, ready
@@ -308,8 +331,7 @@ class PipelinedLoader:
                     cur.wait_event(ready)
                     for store in batch.stores:  # Data: one store; HeteroData: one per node and edge type
                         for v in store.values():
-                            if isinstance(v, torch.Tensor) and v.is_cuda:
-                                v.record_stream(cur)
+                            _record_stream(v, cur)
                 yield batch
         finally:
             # The caller went away (break, error, generator closed): batches not started are dropped; one

@@ -19,14 +19,21 @@ from __future__ import annotations
 from dsx.rgnn import passes
 from dsx.rgnn.compile import CompiledProgram, compile
 from dsx.rgnn.graph import RelGraph, prepare
-from dsx.rgnn.hetero import RelationalHetero, TypedLayout, clear_cache, typed_graph, typed_layout
+from dsx.rgnn.hetero import (
+    PrepareGraph,
+    RelationalHetero,
+    TypedLayout,
+    clear_cache,
+    typed_graph,
+    typed_layout,
+)
 from dsx.rgnn.hgt import HGTConv
 from dsx.rgnn.interpreter import interpret
 from dsx.rgnn.ir import Program, Value
 from dsx.rgnn.layers import RGATConv, RGCNConv
 
 __all__ = [
-    "CompiledProgram", "HGTConv", "Program", "RGATConv", "RGCNConv", "RelGraph", "RelationalHetero",
+    "CompiledProgram", "HGTConv", "PrepareGraph", "Program", "RGATConv", "RGCNConv", "RelGraph", "RelationalHetero",
     "TypedLayout", "Value", "clear_cache", "compile", "interpret", "passes", "prepare", "typed_graph",
     "typed_layout",
 ]  # fmt: skip

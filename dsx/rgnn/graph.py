@@ -13,6 +13,7 @@ cheap enough to redo per sampled mini-batch (``benchmarks/bench_rgnn.py`` report
 from __future__ import annotations
 
 import functools
+import threading
 from collections import OrderedDict
 
 import torch
@@ -24,6 +25,8 @@ INT32_MAX = 2**31 - 1
 INDEX_DTYPES = (torch.int32, torch.int64)
 _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 8
+# a loader thread may prepare a batch's graph (dsx.rgnn.PrepareGraph) while the training thread reads the cache
+_LOCK = threading.Lock()
 
 
 class RelGraph:
@@ -70,6 +73,13 @@ class RelGraph:
         self._edge_index = edge_index  # the caller's tensor (no copy): only ``perm`` reads it again
         self._wanted: set[str] = set()
         self._fresh = False  # True while fields seeded by prepare() await the first require()
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """``Tensor.record_stream`` for every tensor the graph holds now: a graph built on one stream (a
+        loader's) and read on another is not recycled by the caching allocator before that stream is done."""
+        for v in (*self.__dict__.values(), self._edge_index):
+            if isinstance(v, torch.Tensor) and v.is_cuda:
+                v.record_stream(stream)
 
     @property
     def device(self) -> torch.device:
@@ -203,7 +213,7 @@ def check_index_tensor(t: object, name: str, what: str) -> None:
         raise TypeError(f"{name} must be an int32 or int64 tensor ({what}), got {t.dtype}")
 
 
-def _validate(edge_index, edge_type, num_src, num_dst, num_relations, index_dtype):
+def _validate(edge_index, edge_type, num_src, num_dst, num_relations, index_dtype, checked=False):
     if edge_index.dim() != 2 or edge_index.shape[0] != 2:
         raise ValueError(f"edge_index must be a [2, E] tensor, got {tuple(edge_index.shape)}")
     if edge_type.dim() != 1 or edge_type.numel() != edge_index.shape[1]:
@@ -223,7 +233,7 @@ def _validate(edge_index, edge_type, num_src, num_dst, num_relations, index_dtyp
         raise ValueError(
             f"num_nodes * num_relations = {num_src * num_relations} overflows the int64 pair key"
         )
-    if edge_index.shape[1] == 0:
+    if edge_index.shape[1] == 0 or checked:
         return
     # one host synchronisation for the six bounds (a sampled mini-batch pays this per batch)
     lo, hi = edge_index.aminmax(dim=1)
@@ -275,6 +285,7 @@ def prepare(
     index_dtype: torch.dtype = torch.int64,
     cache: bool = True,
     needs: tuple[str, ...] = (),
+    checked: bool = False,
 ) -> RelGraph:
     """Validate and index a relational graph; cached per (edge_index, edge_type) tensor objects.
 
@@ -286,6 +297,10 @@ def prepare(
     ``edge_type`` or index tensors that are not int32 / int64 (as PyG's layers do), ``ValueError`` naming the
     offending value for out-of-range relation ids or node indices and mismatched sizes. Graphs built from
     inference tensors are not cached.
+
+    ``checked=True``: the caller has range-checked the node and relation ids (:func:`dsx.rgnn.typed_layout`
+    does, for every edge type at once); the shapes are still checked, the ids' bounds and their host
+    synchronisation are skipped.
     """
     check_index_tensor(edge_index, "edge_index", "a [2, E] tensor of (source, destination) node ids")
     check_index_tensor(edge_type, "edge_type", "one relation id per edge, an [E] tensor")
@@ -293,23 +308,28 @@ def prepare(
     cache = cache and not (edge_index.is_inference() or edge_type.is_inference())
     key = (id(edge_index), id(edge_type), num_src, num_dst, num_relations, index_dtype)
     versions = (tensor_version(edge_index), tensor_version(edge_type)) if cache else None
-    if cache and key in _CACHE:
-        entry = _CACHE[key]
+    with _LOCK:
+        entry = _CACHE.get(key) if cache else None
         # Identity is checked through the stored references (the cache keeps them alive, so ids cannot be
         # reused), the in-place version guards against edits of the same tensor.
-        if entry[0] is edge_index and entry[1] is edge_type and entry[2] == versions:
+        if entry is not None and entry[0] is edge_index and entry[1] is edge_type and entry[2] == versions:
             _CACHE.move_to_end(key)
-            graph = entry[3]
-            return graph.require(*needs) if needs else graph
-    _validate(edge_index, edge_type, num_src, num_dst, num_relations, index_dtype)
+        else:
+            entry = None
+    if entry is not None:
+        graph = entry[3]
+        return graph.require(*needs) if needs else graph
+    _validate(edge_index, edge_type, num_src, num_dst, num_relations, index_dtype, checked)
     graph = _build(edge_index, edge_type, num_src, num_dst, num_relations).require(*needs)
     if cache:
-        _CACHE[key] = (edge_index, edge_type, versions, graph)
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
+        with _LOCK:
+            _CACHE[key] = (edge_index, edge_type, versions, graph)
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
     return graph
 
 
 def clear_cache() -> None:
     """Drop every cached :class:`RelGraph` (and the references to the graphs' index tensors)."""
-    _CACHE.clear()
+    with _LOCK:
+        _CACHE.clear()

@@ -20,6 +20,7 @@ HGT, keeping the prepared graph itself.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,14 +30,25 @@ from torch import nn
 
 from dsx.rgnn.graph import RelGraph, check_index_tensor, prepare, tensor_version
 from dsx.rgnn.graph import clear_cache as clear_graph_cache
+from dsx.rgnn.layers import RGATConv, RGCNConv
 
-__all__ = ["EdgeType", "RelationalHetero", "TypedLayout", "clear_cache", "typed_graph", "typed_layout"]
+__all__ = [
+    "EdgeType",
+    "PrepareGraph",
+    "RelationalHetero",
+    "TypedLayout",
+    "clear_cache",
+    "typed_graph",
+    "typed_layout",
+]
 
 EdgeType = tuple[str, str, str]
 _LAYOUTS: OrderedDict[tuple, tuple[list[torch.Tensor], TypedLayout]] = OrderedDict()
-_LAYOUTS_KEPT = 4  # batches in flight at once: a model's layers on one batch, plus an evaluation batch
 _GRAPHS: OrderedDict[tuple, tuple[list[torch.Tensor], RelGraph, dict[str, int]]] = OrderedDict()
-_GRAPHS_KEPT = 2  # the batch a model's layers run on, and one more (an evaluation batch between)
+# Batches whose graphs are alive at once: the one a model's layers run on, the loader's prefetched ones
+# (PrepareGraph builds them ahead), and an evaluation batch between.
+_LAYOUTS_KEPT = _GRAPHS_KEPT = 4
+_LOCK = threading.Lock()  # the loader's thread (PrepareGraph) and the training thread share the caches
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,12 @@ class TypedLayout:
                 "(a torch.nn.Linear per type, or an nn.Embedding for featureless types)"
             )
         return torch.cat([x_dict[t] for t in self.sizes], 0)
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """``Tensor.record_stream`` for the layout's tensors (see :meth:`dsx.rgnn.RelGraph.record_stream`)."""
+        for t in (self.edge_index, self.edge_type):
+            if t.is_cuda:
+                t.record_stream(stream)
 
     def split(self, out: torch.Tensor, node_types: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Rows of ``out`` (layout order) per node type: views, no copy."""
@@ -101,15 +119,28 @@ def typed_layout(
         tuple(rel_of),
         str(device),
     )
-    if cache and key in _LAYOUTS:
-        _LAYOUTS.move_to_end(key)
-        return _LAYOUTS[key][1]
+    hit = _cached(_LAYOUTS, key) if cache else None
+    if hit is not None:
+        return hit[1]
     layout = _build(dict(sizes), items, rel_of, torch.device(device or "cpu"))
     if cache:  # the entry keeps the keyed tensors alive, so their ids cannot be reused by others
-        _LAYOUTS[key] = ([ei for _, ei in items], layout)
-        while len(_LAYOUTS) > _LAYOUTS_KEPT:
-            _LAYOUTS.popitem(last=False)
+        _keep(_LAYOUTS, key, ([ei for _, ei in items], layout), _LAYOUTS_KEPT)
     return layout
+
+
+def _cached(cache: OrderedDict, key: tuple) -> tuple | None:
+    with _LOCK:
+        entry = cache.get(key)
+        if entry is not None:
+            cache.move_to_end(key)
+        return entry
+
+
+def _keep(cache: OrderedDict, key: tuple, entry: tuple, kept: int) -> None:
+    with _LOCK:
+        cache[key] = entry
+        while len(cache) > kept:
+            cache.popitem(last=False)
 
 
 def _build(
@@ -120,10 +151,9 @@ def _build(
         offset[t], start = start, start + int(n)
     nonempty = [(e, ei) for e, ei in items if ei.numel()]
     if nonempty:  # one host synchronisation for every edge type's range
-        bounds = torch.stack(
-            [torch.stack([ei.min(), ei[0].max(), ei[1].max()]).long() for _, ei in nonempty]
-        ).tolist()
-        for (e, _), (lo, hi_s, hi_d) in zip(nonempty, bounds):
+        bounds = torch.stack([torch.stack(ei.aminmax(dim=1)).long() for _, ei in nonempty]).tolist()
+        for (e, _), ((lo_s, lo_d), (hi_s, hi_d)) in zip(nonempty, bounds):
+            lo = min(lo_s, lo_d)
             if lo < 0 or hi_s >= sizes[e[0]] or hi_d >= sizes[e[-1]]:
                 raise ValueError(
                     f"edge type {e}: node ids out of range (sources up to {hi_s} for {sizes[e[0]]} {e[0]!r} "
@@ -157,25 +187,24 @@ def typed_graph(
         tuple(tuple(e) for e in edge_types),
         str(device),
     )
-    if cache and key in _GRAPHS:
-        _GRAPHS.move_to_end(key)
-        graph, offset = _GRAPHS[key][1:]
+    hit = _cached(_GRAPHS, key) if cache else None
+    if hit is not None:
+        graph, offset = hit[1:]
         return graph.require(*needs), offset
     layout = typed_layout(sizes, edge_index_dict, edge_types, cache=False, device=device)
     graph = prepare(layout.edge_index, layout.edge_type, layout.num_nodes, max(1, len(edge_types)), cache=False,
-                    needs=needs)  # fmt: skip
+                    needs=needs, checked=True)  # fmt: skip
     graph.release_edges()
     if cache:  # the entry keeps the keyed tensors alive, so their ids cannot be reused by others
-        _GRAPHS[key] = ([ei for _, ei in items], graph, layout.offset)
-        while len(_GRAPHS) > _GRAPHS_KEPT:
-            _GRAPHS.popitem(last=False)
+        _keep(_GRAPHS, key, ([ei for _, ei in items], graph, layout.offset), _GRAPHS_KEPT)
     return graph, layout.offset
 
 
 def clear_cache() -> None:
     """Drop every cached layout and graph: these, and :func:`dsx.rgnn.prepare`'s."""
-    _LAYOUTS.clear()
-    _GRAPHS.clear()
+    with _LOCK:
+        _LAYOUTS.clear()
+        _GRAPHS.clear()
     clear_graph_cache()
 
 
@@ -203,9 +232,61 @@ class RelationalHetero(nn.Module):
     ) -> dict[str, torch.Tensor]:
         sizes = {t: x.size(0) for t, x in x_dict.items()}
         device = next(iter(x_dict.values())).device if x_dict else None
-        layout = typed_layout(sizes, edge_index_dict, self.edge_types, device=device)
+        layout = self.prepare_graph(sizes, edge_index_dict, device)[0]
         out = self.conv(layout.concat(x_dict), layout.edge_index, layout.edge_type)
         return layout.split(out, [t for t in x_dict if t in self.dst_node_types])
 
+    def prepare_graph(
+        self, sizes: Mapping[str, int], edge_index_dict: Mapping[EdgeType, torch.Tensor], device: torch.device
+    ) -> tuple[TypedLayout, RelGraph | None]:
+        """The layout, and for dsx's convs the prepared graph, that a forward on these node counts and edges
+        reads (both cached: :class:`PrepareGraph` builds them ahead on the loader's thread)."""
+        layout = typed_layout(sizes, edge_index_dict, self.edge_types, device=device)
+        if not isinstance(self.conv, (RGATConv, RGCNConv)) or not layout.edge_type.numel():
+            return layout, None
+        # the layout's ids are checked: the conv's own prepare() finds this graph in the cache
+        graph = prepare(layout.edge_index, layout.edge_type, layout.num_nodes, len(self.edge_types),
+                        needs=self.conv.graph_needs(), checked=True)  # fmt: skip
+        return layout, graph
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.conv!r}, edge_types={len(self.edge_types)})"
+
+
+class PrepareGraph:
+    """A loader ``transform`` that prepares, on the loader's thread and stream, the graph a model's relational
+    layers will read on each batch: the training step then finds it in the cache instead of building it.
+
+        model = HeteroClassifier("rgcn", data.metadata(), {"paper": 128}, 64, 349).cuda()
+        loader = dsx.direct.HeteroNeighborLoader(data, [25, 20], ("paper", train_idx), batch_size=1024,
+                                                 device="cuda", transform=dsx.rgnn.PrepareGraph(model))
+
+    It serves every :class:`RelationalHetero` and :class:`dsx.rgnn.HGTConv` in ``model`` that gets the batch's
+    ``edge_index_dict`` and ``x_dict`` with one row per node in the batch's node-type order (as
+    :class:`dsx.models.hetero_gnn.HeteroClassifier` passes them); a layer fed otherwise builds its graph itself,
+    as without the transform. The batch keeps what was built in ``batch.prepared_graph`` (alive while the batch
+    is), and the loader records those tensors on the training stream.
+
+    Performance: graph preparation (sorting the batch's edges, one host synchronisation for the range check and
+    one per unique-pair map) leaves the training step for the loader's pipeline, where it overlaps the step
+    before.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = [m for m in model.modules() if callable(getattr(m, "prepare_graph", None))]
+        if not self.layers:
+            raise ValueError(
+                f"{type(model).__name__} has no layer that prepares a typed graph (dsx.rgnn.RelationalHetero "
+                "or dsx.rgnn.HGTConv): PrepareGraph would do nothing"
+            )
+
+    def __call__(self, batch: object) -> object:
+        sizes = {t: batch[t].num_nodes for t in batch.node_types}
+        edges = batch.edge_index_dict
+        device = next(iter(edges.values())).device if edges else None
+        batch.prepared_graph = [self._one(layer, sizes, edges, device) for layer in self.layers]
+        return batch
+
+    @staticmethod
+    def _one(layer: nn.Module, sizes: dict, edges: dict, device: torch.device | None) -> tuple:
+        return tuple(v for v in layer.prepare_graph(sizes, edges, device) if hasattr(v, "record_stream"))

@@ -99,7 +99,13 @@ class HGTConv(LayerOptions, nn.Module):
         prepared graph, shared with the model's other layers on the same ``edge_index_dict``."""
         sizes = {t: x.size(0) for t, x in x_dict.items()}
         device = next(iter(x_dict.values())).device if x_dict else None
-        return typed_graph(sizes, edge_index_dict, self.edge_types, opts.graph_needs("rel"), device=device)
+        return self.prepare_graph(sizes, edge_index_dict, device, opts)
+
+    def prepare_graph(self, sizes, edge_index_dict, device, opts: Options | None = None):
+        """The prepared graph and node-type offsets a forward on these node counts and edges reads (cached;
+        :class:`dsx.rgnn.PrepareGraph` builds it ahead on the loader's thread)."""
+        needs = (opts or self.options()).graph_needs("rel")
+        return typed_graph(sizes, edge_index_dict, self.edge_types, needs, device=device)
 
     def forward(self, x_dict: dict[str, torch.Tensor], edge_index_dict: dict) -> dict[str, torch.Tensor]:
         f, h = self.out_channels, self.heads

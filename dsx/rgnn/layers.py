@@ -16,7 +16,7 @@ from torch import nn
 
 from dsx.rgnn.dispatch import run_program
 from dsx.rgnn.graph import prepare
-from dsx.rgnn.options import LayerOptions
+from dsx.rgnn.options import LayerOptions, Options
 from dsx.rgnn.programs import rgat_program, rgcn_program
 
 __all__ = ["RGATConv", "RGCNConv"]
@@ -88,6 +88,10 @@ class RGCNConv(LayerOptions, nn.Module):
         w = self.comp @ self.weight.reshape(self.num_bases, -1)
         return w.view(self.num_relations, self.in_channels_l, self.out_channels)
 
+    def graph_needs(self, opts: Options | None = None) -> tuple[str, ...]:
+        """The :class:`~dsx.rgnn.RelGraph` fields a forward reads with these options (see ``prepare(needs=)``)."""
+        return (opts or self.options()).graph_needs(*(("inv_deg_rel",) if self.aggr == "mean" else ()))
+
     def forward(self, x, edge_index: torch.Tensor, edge_type: torch.Tensor | None = None) -> torch.Tensor:
         x_l, x_r = x if isinstance(x, tuple) else (x, x)
         if x_l is None or not x_l.is_floating_point():
@@ -97,7 +101,7 @@ class RGCNConv(LayerOptions, nn.Module):
             raise ValueError(f"x has {x_l.shape[-1]} features but in_channels={self.in_channels_l}")
         mean, opts = self.aggr == "mean", self.options()
         g = prepare(edge_index, edge_type, (x_l.size(0), x_r.size(0)), self.num_relations,
-                    needs=opts.graph_needs(*(("inv_deg_rel",) if mean else ())))  # fmt: skip
+                    needs=self.graph_needs(opts))  # fmt: skip
         w = self.relation_weight()
         prog = rgcn_program(self.in_channels_l, self.out_channels, mean)
         out = run_program(opts, prog, g, {"x": x_l}, {"W": w}).view(g.num_dst, self.out_channels)
@@ -189,6 +193,10 @@ class RGATConv(LayerOptions, nn.Module):
             for a in (self.att_src, self.att_dst)
         )
 
+    def graph_needs(self, opts: Options | None = None) -> tuple[str, ...]:
+        """The :class:`~dsx.rgnn.RelGraph` fields a forward reads with these options (see ``prepare(needs=)``)."""
+        return (opts or self.options()).graph_needs("dst_row_idx", "dst_rel_ptr", "edge_dst_row")
+
     def forward(self, x: torch.Tensor, edge_index: torch.Tensor, edge_type: torch.Tensor | None = None,
                 edge_attr=None, size=None, return_attention_weights=None) -> torch.Tensor:  # fmt: skip
         _unsupported("RGATConv", edge_attr=edge_attr is not None, size=size is not None,
@@ -196,8 +204,7 @@ class RGATConv(LayerOptions, nn.Module):
         if not x.is_floating_point() or x.shape[-1] != self.in_channels:
             raise ValueError(f"x must be float [N, {self.in_channels}], got {x.dtype} {tuple(x.shape)}")
         n, heads, c, opts = x.size(0), self.heads, self.out_channels, self.options()
-        g = prepare(edge_index, edge_type, n, self.num_relations,
-                    needs=opts.graph_needs("dst_row_idx", "dst_rel_ptr", "edge_dst_row"))  # fmt: skip
+        g = prepare(edge_index, edge_type, n, self.num_relations, needs=self.graph_needs(opts))
         w = self.relation_weight()
         a_src, a_dst = self._att_weights(w)  # [R or 1, HC, H]
         prog = rgat_program(self.in_channels, c, heads, self.negative_slope, self.semantics == "hector")

@@ -28,6 +28,7 @@ import torch
 
 import dsx
 import dsx.direct
+import dsx.rgnn
 from dsx.cli import run_entry_point
 from dsx.config import load_deepspeed_config
 from dsx.data.mag import synthetic_mag
@@ -116,8 +117,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             shared.append(dsx.direct.unified(data[t].x, name=f"mag_{t}_x"))
             data[t].x = shared[-1]
     kw = dict(device=engine.device, feature_placement=args.feature_placement, engine=engine, seed=args.seed)
+    # dsx's layers: each batch's graph is prepared in the loader's pipeline, overlapping the step before
+    prep = dsx.rgnn.PrepareGraph(engine.module) if args.layers == "dsx" else None
     train = DistributedHeteroNeighborLoader(
-        data, fanouts, (target, data[target].train_mask), bs, shuffle=True, **kw
+        data, fanouts, (target, data[target].train_mask), bs, shuffle=True, transform=prep, **kw
     )
     val = DistributedHeteroNeighborLoader(data, fanouts, (target, data[target].val_mask), bs, **kw)
 

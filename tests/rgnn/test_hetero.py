@@ -154,3 +154,47 @@ def test_an_empty_layout_is_made_on_the_given_device(data) -> None:
     layout = rg.typed_layout(sizes, {}, data.edge_types, device="meta")
     assert layout.edge_index.device.type == "meta" and layout.edge_index.shape == (2, 0)
     assert rg.typed_layout(sizes, {}, data.edge_types).edge_index.device.type == "cpu"
+
+
+@pytest.mark.parametrize("model_name", ["rgcn", "rgat", "hgt"])
+def test_prepare_graph_in_the_loader_serves_the_models_layers(data, model_name, monkeypatch) -> None:
+    import threading
+
+    from dsx.models.hetero_gnn import HeteroClassifier
+    from dsx.rgnn import graph as graph_mod
+    from dsx.rgnn import hetero as hetero_mod
+
+    main = threading.current_thread()
+    built_here = []
+    for mod in (graph_mod, hetero_mod):  # count the graph builds that run on the training thread
+        real = mod._build
+        monkeypatch.setattr(
+            mod, "_build", lambda *a, _r=real: built_here.append(threading.current_thread() is main) or _r(*a)
+        )
+    torch.manual_seed(0)
+    model = HeteroClassifier(model_name, data.metadata(), {t: 8 for t in data.node_types}, 8, 4, heads=2)
+    for conv in model.convs:  # the PyTorch twins: the graph, not the kernels, is under test
+        (conv.conv if hasattr(conv, "conv") else conv).kernel_backend = "reference"
+    opts = dict(batch_size=16, shuffle=True, seed=1, device="cpu")
+    plain = HeteroNeighborLoader(data, [4, 3], ("paper", None), prefetch=0, **opts)
+    prepped = HeteroNeighborLoader(data, [4, 3], ("paper", None), prefetch=2, transform=rg.PrepareGraph(model),
+                                   **opts)  # fmt: skip
+    want = [model(b.x_dict, b.edge_index_dict, {t: b[t].num_nodes for t in b.node_types}) for b in plain]
+    assert sum(built_here) >= len(want)  # the plain batches' graphs were built here: the count can fail
+    rg.clear_cache()  # (so that the plain batches' entries do not push the prefetched ones out)
+    n = 0
+    for b1, out0 in zip(prepped, want):
+        assert b1.prepared_graph
+        before = sum(built_here)
+        out1 = model(b1.x_dict, b1.edge_index_dict, {t: b1[t].num_nodes for t in b1.node_types})
+        assert sum(built_here) == before, "the step rebuilt a graph the loader had prepared"
+        torch.testing.assert_close(out1, out0)
+        n += 1
+    assert n == len(plain) > 2
+
+
+def test_prepare_graph_and_transform_refuse_what_cannot_work(data) -> None:
+    with pytest.raises(ValueError, match="no layer that prepares"):
+        rg.PrepareGraph(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="transform must be callable"):
+        HeteroNeighborLoader(data, [4, 3], ("paper", None), batch_size=16, device="cpu", transform=3)
