@@ -12,8 +12,9 @@ One process, one graph (``dsx.data.mag.synthetic_mag``: ogbn-mag's counts at ``-
 Every pipeline trains (forward, backward, Adam) ``--batches`` batches after ``--warmup``, ``--repeats``
 times, the pipelines interleaved within each repeat so that drifts of the machine touch all of them; the
 figure is the median batch time with its spread (min, max), and the epoch time is that median times the
-batches of an epoch (extrapolated, and said so in the JSON). ``prep_ms`` is dsx's per-batch graph preparation
-(typed layout and ``dsx.rgnn.prepare``) timed alone on the same batches. ``--learn-steps N`` then trains
+batches of an epoch (extrapolated, and said so in the JSON). dsx's loaders prepare each batch's graph in their pipeline
+(``dsx.rgnn.PrepareGraph``); ``prep_ms`` is that preparation (typed layout and ``dsx.rgnn.prepare``) timed
+alone on the same batches, and ``--breakdown`` shows what the step still waits for. ``--learn-steps N`` then trains
 dsx_gpu and the fastest PyG pipeline N steps each from the same initial weights and records the loss curve
 and the validation accuracy: the same learning, not only the same speed.
 
@@ -29,6 +30,7 @@ import gc
 import math
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median and spread)")
     p.add_argument("--pyg-workers", default="4,8,12", help="PyG NeighborLoader num_workers to try")
     p.add_argument("--learn-steps", type=int, default=150, help="steps of the same-learning comparison")
+    p.add_argument("--breakdown", type=int, default=0, metavar="N",
+                   help="also time N batches per pipeline stage by stage (wait for the batch, forward, backward, "
+                        "optimizer) and trace dsx's steps with torch.profiler: where a batch's time goes")  # fmt: skip
+    p.add_argument(
+        "--trace-dir", default=None, help="where --breakdown's Chrome traces go (default: a temp dir)"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.scale, args.hidden, args.batch_size, args.fanouts = 0.002, 16, 64, "5,4"
@@ -103,6 +111,31 @@ class _Pipeline:
         self.opt.step()
         return loss.detach()
 
+    def stages(self, n: int) -> dict[str, float]:
+        """Median ms per stage over ``n`` batches, the device synchronised after each stage."""
+        ms: dict[str, list[float]] = {k: [] for k in ("batch", "forward", "backward", "optimizer")}
+        for _ in range(n):
+            _sync(self.dev)
+            t = [time.perf_counter()]
+            b = self.next_batch()
+            k = b[self.target].batch_size
+            _sync(self.dev)
+            t.append(time.perf_counter())
+            out = self.model(b.x_dict, b.edge_index_dict, {t_: b[t_].num_nodes for t_ in b.node_types})[:k]
+            loss = F.cross_entropy(out, b[self.target].y[:k])
+            _sync(self.dev)
+            t.append(time.perf_counter())
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            _sync(self.dev)
+            t.append(time.perf_counter())
+            self.opt.step()
+            _sync(self.dev)
+            t.append(time.perf_counter())
+            for key, a, z in zip(ms, t, t[1:]):
+                ms[key].append(1e3 * (z - a))
+        return {k: statistics.median(v) for k, v in ms.items()}
+
     def time_batches(self, warmup: int, n: int) -> float:
         """Seconds per batch over ``n`` batches after ``warmup``."""
         for _ in range(warmup):
@@ -137,6 +170,34 @@ def _prep_ms(pipe: _Pipeline, batches: int) -> float:
         _sync(pipe.dev)
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
+
+
+def _trace(pipe: _Pipeline, steps: int, trace_dir: Path) -> dict[str, Any]:
+    """``steps`` steps of ``pipe`` under torch.profiler: the GPU's busy time, host blocking (see
+    ``_kernel_trace``) and the kernels that took the most time."""
+    from _kernel_trace import summarize
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pipe.dev.type == "cuda" else [])
+    pipe.step()
+    _sync(pipe.dev)
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            pipe.step()
+        _sync(pipe.dev)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    path = trace_dir / f"{pipe.name}.json"
+    prof.export_chrome_trace(str(path))
+    ev = prof.key_averages()
+    kernels = sorted(
+        (e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: -e.self_device_time_total,
+    )
+    out = summarize(path) if pipe.dev.type == "cuda" else {}
+    return {"steps": steps, **out,
+            "top_kernels_ms_per_step": {e.key[:80]: round(e.self_device_time_total / 1e3 / steps, 3)
+                                        for e in kernels[:15]},
+            "kernel_launches_per_step": sum(e.count for e in kernels) / steps}  # fmt: skip
 
 
 def _learn(pipe: _Pipeline, model0: torch.nn.Module, steps: int, val: Any, target: str) -> dict[str, Any]:
@@ -198,10 +259,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 out["runs"][name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                 print(model_name, name, out["runs"][name], flush=True)
         for name, placement in (("dsx_host", "host"), ("dsx_gpu", "gpu")):
+            model = copy.deepcopy(model0).to(dev)
             loader = dsx.direct.HeteroNeighborLoader(data, fanouts, (target, train_idx),
                                                      batch_size=args.batch_size, shuffle=True, device=dev,
-                                                     feature_placement=placement, prefetch=2)  # fmt: skip
-            pipes.append(_Pipeline(name, loader, copy.deepcopy(model0), dev, target))
+                                                     feature_placement=placement, prefetch=2,
+                                                     transform=rg.PrepareGraph(model))  # fmt: skip
+            pipes.append(_Pipeline(name, loader, model, dev, target))
         times: dict[str, list[float]] = {p.name: [] for p in pipes}
         for rep in range(args.repeats):
             for p in pipes:
@@ -225,6 +288,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      "batch_ms_max": 1e3 * max(ts), "batch_ms_all": [1e3 * t for t in ts],
                                      "epoch_s": med * res["batches_per_epoch"]}  # fmt: skip
         by = {p.name: p for p in pipes}
+        if args.breakdown:
+            out["breakdown_ms"] = {p.name: p.stages(args.breakdown) for p in pipes}
+            traces = Path(args.trace_dir or tempfile.mkdtemp(prefix="bench_hetero_traces_")) / model_name
+            out["trace"] = {p.name: _trace(p, 3, traces) for p in pipes if p.name.startswith("dsx")}
+            print(model_name, "breakdown", out["breakdown_ms"], out["trace"], flush=True)
         if "dsx_gpu" in by:
             out["prep_ms"] = _prep_ms(by["dsx_gpu"], max(3, args.batches // 2))
             out["prep_share_of_batch"] = out["prep_ms"] / out["runs"]["dsx_gpu"]["batch_ms"]
@@ -280,8 +348,8 @@ def plot(res: dict[str, Any], out: str) -> None:
                 s = r["epoch_s"] / r["batch_ms"]
                 xs.append(j + i * width)
                 ys.append(r["epoch_s"])
-                lo.append(r["epoch_s"] - r["batch_ms_min"] * s)
-                hi.append(r["batch_ms_max"] * s - r["epoch_s"])
+                lo.append(max(0.0, r["epoch_s"] - r["batch_ms_min"] * s))
+                hi.append(max(0.0, r["batch_ms_max"] * s - r["epoch_s"]))
         axes[0].bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=name)
     axes[0].set_xticks([j + 0.4 - width / 2 for j in range(len(models))], models)
     axes[0].set_ylabel("epoch time, s (median of repeats; bars: min..max)")
