@@ -21,7 +21,9 @@ from tests.direct.test_hetero_loader import check_batch, hetero_graph
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     data = hetero_graph()
-    loader = DistributedHeteroNeighborLoader(data, [3, 2], ("paper", None), batch_size=8, shuffle=True)
+    loader = DistributedHeteroNeighborLoader(
+        data, [3, 2], ("paper", None), batch_size=8, shuffle=True, device="cpu"
+    )
     fanouts = {et: [3, 2] for et in data.edge_types}
     seeds = {}
     for epoch in range(2):

@@ -23,6 +23,9 @@ from dsx.direct.sampler import to_csr
 from dsx.runtime.scheduler import Scheduler
 from tests.harness import REPO, launch
 
+# the launched test is about gloo ranks on CPU, also on a machine with GPUs (as many ranks as it has or not)
+CPU_RANKS = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 WRITES, REV_WRITES = ("author", "writes", "paper"), ("paper", "rev_writes", "author")
 CITES, TOPIC, REV_TOPIC = (
@@ -208,7 +211,9 @@ def test_seed_inputs_and_types_without_features(data) -> None:
     plain = HeteroData()  # "field" has neither x nor y: only its ids come back
     plain["paper"].x, plain["field"].num_nodes = data["paper"].x, 12
     plain[TOPIC].edge_index, plain[REV_TOPIC].edge_index = data[TOPIC].edge_index, data[REV_TOPIC].edge_index
-    ld = HeteroNeighborLoader(plain, [3, 3], ("field", torch.tensor([4, 0, 2])), batch_size=2, prefetch=0)
+    ld = HeteroNeighborLoader(
+        plain, [3, 3], ("field", torch.tensor([4, 0, 2])), batch_size=2, prefetch=0, device="cpu"
+    )
     batches = list(ld)
     assert [b["field"].batch_size for b in batches] == [2, 1] and "x" not in batches[0]["field"]
     for b, s in zip(batches, [torch.tensor([4, 0]), torch.tensor([2])]):
@@ -219,7 +224,7 @@ def test_seed_inputs_and_types_without_features(data) -> None:
     with unified(data["author"].x.clone(), shared="off") as ut:
         shared = hetero_graph()
         shared["author"].x = ut
-        ld = HeteroNeighborLoader(shared, [3], ("author", None), batch_size=25, prefetch=0)
+        ld = HeteroNeighborLoader(shared, [3], ("author", None), batch_size=25, prefetch=0, device="cpu")
         for b in ld:
             assert torch.equal(b["author"].x, data["author"].x[b["author"].n_id])
         ld.close()
@@ -254,7 +259,7 @@ def test_distributed_variant_across_two_launched_ranks(tmp_path) -> None:
     """Two ranks through the deepspeed launcher (gloo): each takes its rank and world size from the process
     group, the ranks' seeds of an epoch are disjoint and cover every paper, every batch passes the reference
     check, and the shuffle changes from epoch to epoch."""
-    res = launch(REPO / "tests/direct/_hetero_worker.py", [str(tmp_path)], 2)
+    res = launch(REPO / "tests/direct/_hetero_worker.py", [str(tmp_path)], 2, env=CPU_RANKS)
     res.check()
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["loader"] for r in ranks] == [[0, 2], [1, 2]]
@@ -321,7 +326,7 @@ def test_one_host_read_per_hop(data, monkeypatch) -> None:
 def test_pyg_trim_to_layer_keeps_the_seeds_outputs(data) -> None:
     torch.manual_seed(0)
     convs = [pygnn.HeteroConv({et: pygnn.SAGEConv((i, i), 16) for et in data.edge_types}) for i in (8, 16)]
-    loader = HeteroNeighborLoader(data, [4, 3], ("paper", None), batch_size=24, prefetch=0)
+    loader = HeteroNeighborLoader(data, [4, 3], ("paper", None), batch_size=24, prefetch=0, device="cpu")
     for b in loader:
         outs = []
         for trim in (False, True):
@@ -347,7 +352,7 @@ def test_dsx_and_pyg_hgtconv_agree_on_a_batch(data) -> None:
             p.add_(0.3 * torch.randn_like(p))
     ours = rg.HGTConv(8, 8, data.metadata(), heads=2)
     ours.load_state_dict(theirs.state_dict(), strict=True)
-    loader = HeteroNeighborLoader(data, [4, 3], ("paper", None), batch_size=32, prefetch=0)
+    loader = HeteroNeighborLoader(data, [4, 3], ("paper", None), batch_size=32, prefetch=0, device="cpu")
     for b in loader:
         want, got = theirs(b.x_dict, b.edge_index_dict), ours(b.x_dict, b.edge_index_dict)
         assert sorted(got) == sorted(want) == ["author", "field", "paper"]
