@@ -12,9 +12,9 @@ One process, one graph (``dsx.data.mag.synthetic_mag``: ogbn-mag's counts at ``-
 Every pipeline trains (forward, backward, Adam) ``--batches`` batches after ``--warmup``, ``--repeats``
 times, the pipelines interleaved within each repeat so that drifts of the machine touch all of them; the
 figure is the median batch time with its spread (min, max), and the epoch time is that median times the
-batches of an epoch (extrapolated, and said so in the JSON). dsx's loaders prepare each batch's graph in their pipeline
-(``dsx.rgnn.PrepareGraph``); ``prep_ms`` is that preparation (typed layout and ``dsx.rgnn.prepare``) timed
-alone on the same batches, and ``--breakdown`` shows what the step still waits for. ``--learn-steps N`` then trains
+batches of an epoch (extrapolated, and said so in the JSON). ``prep_ms`` is dsx's per-batch graph preparation (typed layout and
+``dsx.rgnn.prepare``) timed alone on the same batches; ``--prepare-graph loader`` moves it from the step into
+the loader's pipeline (``dsx.rgnn.PrepareGraph``), and ``--breakdown`` shows what the step waits for. ``--learn-steps N`` then trains
 dsx_gpu and the fastest PyG pipeline N steps each from the same initial weights and records the loss curve
 and the validation accuracy: the same learning, not only the same speed.
 
@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--breakdown", type=int, default=0, metavar="N",
                    help="also time N batches per pipeline stage by stage (wait for the batch, forward, backward, "
                         "optimizer) and trace dsx's steps with torch.profiler: where a batch's time goes")  # fmt: skip
+    p.add_argument("--prepare-graph", choices=["step", "loader"], default="step",
+                   help="where dsx prepares each batch's graph: in the training step (the layers' first call) or in "
+                        "the loader's pipeline (dsx.rgnn.PrepareGraph)")  # fmt: skip
     p.add_argument(
         "--trace-dir", default=None, help="where --breakdown's Chrome traces go (default: a temp dir)"
     )
@@ -260,10 +263,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(model_name, name, out["runs"][name], flush=True)
         for name, placement in (("dsx_host", "host"), ("dsx_gpu", "gpu")):
             model = copy.deepcopy(model0).to(dev)
+            prep = rg.PrepareGraph(model) if args.prepare_graph == "loader" else None
             loader = dsx.direct.HeteroNeighborLoader(data, fanouts, (target, train_idx),
                                                      batch_size=args.batch_size, shuffle=True, device=dev,
                                                      feature_placement=placement, prefetch=2,
-                                                     transform=rg.PrepareGraph(model))  # fmt: skip
+                                                     transform=prep)  # fmt: skip
             pipes.append(_Pipeline(name, loader, model, dev, target))
         times: dict[str, list[float]] = {p.name: [] for p in pipes}
         for rep in range(args.repeats):
