@@ -59,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default="paper", help="the node type whose labels are learned")
     p.add_argument("--hidden", type=int, default=64, help="hidden size")
     p.add_argument("--heads", type=int, default=2, help="attention heads (rgat, hgt)")
+    p.add_argument(
+        "--prepare-graph",
+        choices=["step", "loader"],
+        default="step",
+        help="dsx layers: prepare each batch's graph in the step or in the loader (dsx.rgnn.PrepareGraph)",
+    )
     p.add_argument("--fanouts", default="25,20", help="neighbours sampled per hop and edge type")
     add_loop_args(p)
     p = deepspeed.add_config_arguments(p)
@@ -117,8 +123,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             shared.append(dsx.direct.unified(data[t].x, name=f"mag_{t}_x"))
             data[t].x = shared[-1]
     kw = dict(device=engine.device, feature_placement=args.feature_placement, engine=engine, seed=args.seed)
-    # dsx's layers: each batch's graph is prepared in the loader's pipeline, overlapping the step before
-    prep = dsx.rgnn.PrepareGraph(engine.module) if args.layers == "dsx" else None
+    # --prepare-graph loader: each batch's graph is prepared in the loader's pipeline, beside the step before
+    prep = (
+        dsx.rgnn.PrepareGraph(engine.module)
+        if args.layers == "dsx" and args.prepare_graph == "loader"
+        else None
+    )
     train = DistributedHeteroNeighborLoader(
         data, fanouts, (target, data[target].train_mask), bs, shuffle=True, transform=prep, **kw
     )
