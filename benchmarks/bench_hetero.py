@@ -323,7 +323,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 val_pyg = PygLoader(data, num_neighbors=fanouts, input_nodes=(target, val_idx),
                                     batch_size=args.batch_size)  # fmt: skip
                 out["learning"][best] = _learn(by[best], model0, args.learn_steps, val_pyg, target)
-        print(model_name, out["summary"], flush=True)
+        print(model_name, out["summary"], f"{time.perf_counter() - t0:.0f} s", flush=True)
+        write_json(res, args.out, NAME)  # after every model: a run cut short keeps the models it finished
         for p in pipes:
             if p.name.startswith("dsx"):
                 p.loader.close()
