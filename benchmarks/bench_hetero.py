@@ -311,6 +311,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if "epoch_s" in host and "epoch_s" in gpu
             else None,
         }
+        for p in [q for q in pipes if q.name not in ("dsx_gpu", best)]:  # free their memory for learning
+            if p.name.startswith("dsx"):
+                p.loader.close()
+            pipes.remove(p)
+            by.pop(p.name)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
         if args.learn_steps and "dsx_gpu" in by:
             val_dsx = dsx.direct.HeteroNeighborLoader(data, fanouts, (target, val_idx),
                                                       batch_size=args.batch_size, device=dev,
@@ -322,7 +330,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
                 val_pyg = PygLoader(data, num_neighbors=fanouts, input_nodes=(target, val_idx),
                                     batch_size=args.batch_size)  # fmt: skip
-                out["learning"][best] = _learn(by[best], model0, args.learn_steps, val_pyg, target)
+                try:
+                    out["learning"][best] = _learn(by[best], model0, args.learn_steps, val_pyg, target)
+                except torch.OutOfMemoryError as exc:
+                    out["learning"][best] = {"error": f"OutOfMemoryError: {exc}"[:300]}
+                    torch.cuda.empty_cache()
         print(model_name, out["summary"], f"{time.perf_counter() - t0:.0f} s", flush=True)
         write_json(res, args.out, NAME)  # after every model: a run cut short keeps the models it finished
         for p in pipes:
@@ -363,6 +375,8 @@ def plot(res: dict[str, Any], out: str) -> None:
     axes[0].set_title(f"ogbn-mag-shaped graph x{res['config']['scale']}, fanouts {res['config']['fanouts']}")
     for m in models:
         for name, r in res["models"][m].get("learning", {}).items():
+            if "losses" not in r:
+                continue
             axes[1].plot(r["losses"], label=f"{m} {name} (val acc {r['val_acc']:.3f})")
     axes[1].set_xlabel("step")
     axes[1].set_ylabel("training loss")
