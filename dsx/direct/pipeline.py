@@ -42,7 +42,7 @@ __all__ = [
 # PyG NeighborLoader options that the dsx loaders do not implement: named in the error, not ignored.
 PYG_UNSUPPORTED = {
     "input_time", "replace", "subgraph_type", "disjoint", "temporal_strategy", "time_attr", "weight_attr",
-    "transform", "transform_sampler_output", "is_sorted", "filter_per_worker", "neighbor_sampler",
+    "transform_sampler_output", "is_sorted", "filter_per_worker", "neighbor_sampler",
     "directed", "num_workers", "persistent_workers", "pin_memory", "collate_fn", "sampler", "batch_sampler",
     "worker_init_fn", "prefetch_factor", "generator",
 }  # fmt: skip
