@@ -12,9 +12,10 @@ One process, one graph (``dsx.data.mag.synthetic_mag``: ogbn-mag's counts at ``-
 Every pipeline trains (forward, backward, Adam) ``--batches`` batches after ``--warmup``, ``--repeats``
 times, the pipelines interleaved within each repeat so that drifts of the machine touch all of them; the
 figure is the median batch time with its spread (min, max), and the epoch time is that median times the
-batches of an epoch (extrapolated, and said so in the JSON). ``prep_ms`` is dsx's per-batch graph preparation (typed layout and
-``dsx.rgnn.prepare``) timed alone on the same batches; ``--prepare-graph loader`` moves it from the step into
-the loader's pipeline (``dsx.rgnn.PrepareGraph``), and ``--breakdown`` shows what the step waits for. ``--learn-steps N`` then trains
+batches of an epoch (extrapolated, and said so in the JSON). ``prep_ms`` is dsx's per-batch graph
+preparation (typed layout and ``dsx.rgnn.prepare``) timed alone on the same batches; ``--prepare-graph
+loader`` moves it from the step into the loader's pipeline (``dsx.rgnn.PrepareGraph``), and ``--breakdown``
+shows what the step waits for. ``--learn-steps N`` then trains
 dsx_gpu and the fastest PyG pipeline N steps each from the same initial weights and records the loss curve
 and the validation accuracy: the same learning, not only the same speed.
 
@@ -67,11 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pyg-workers", default="4,8,12", help="PyG NeighborLoader num_workers to try")
     p.add_argument("--learn-steps", type=int, default=150, help="steps of the same-learning comparison")
     p.add_argument("--breakdown", type=int, default=0, metavar="N",
-                   help="also time N batches per pipeline stage by stage (wait for the batch, forward, backward, "
-                        "optimizer) and trace dsx's steps with torch.profiler: where a batch's time goes")  # fmt: skip
+                   help="also time N batches per pipeline stage by stage (wait for the batch, forward, "
+                        "backward, optimizer) and trace dsx's steps with torch.profiler: where a batch's time "
+                        "goes")  # fmt: skip
     p.add_argument("--prepare-graph", choices=["step", "loader"], default="step",
-                   help="where dsx prepares each batch's graph: in the training step (the layers' first call) or in "
-                        "the loader's pipeline (dsx.rgnn.PrepareGraph)")  # fmt: skip
+                   help="where dsx prepares each batch's graph: in the training step (the layers' first call) "
+                        "or in the loader's pipeline (dsx.rgnn.PrepareGraph)")  # fmt: skip
     p.add_argument(
         "--trace-dir", default=None, help="where --breakdown's Chrome traces go (default: a temp dir)"
     )

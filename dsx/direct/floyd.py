@@ -50,7 +50,9 @@ def floyd_kernel(u_ptr, deg_ptr, out_ptr, n, K: tl.constexpr, BLOCK: tl.constexp
         r = (u * (j + 1).to(tl.float64)).to(tl.int64)
         r = tl.where(r < j, r, j)
         hit = r < 0
-        for s in range(0, t):  # this thread wrote the row's earlier choices: program order holds
+        # The row's earlier choices were stored by this thread (the loads and stores share one layout of
+        # ``rows``), so program order makes them visible here.
+        for s in range(0, t):
             c = tl.load(out_ptr + base + s, mask=mask, other=-1)
             hit = hit | (c == r)
         tl.store(out_ptr + base + t, tl.where(hit, j, r), mask=mask)

@@ -204,6 +204,12 @@ class PipelinedLoader:
             raise TypeError(
                 f"transform must be callable (batch -> batch), got {type(self.transform).__name__}"
             )
+        limit = getattr(self.transform, "max_prefetch", None)
+        if limit is not None and self.prefetch > limit:
+            raise ValueError(
+                f"transform {type(self.transform).__name__} serves at most prefetch={limit} batches ahead, got "
+                f"prefetch={self.prefetch}; pass prefetch={limit} (or less) to the loader"
+            )
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The sampler's generator: seeded per rank, so that ranks draw different neighborhoods."""
@@ -283,7 +289,15 @@ class PipelinedLoader:
 
     def _transformed(self, chunk: torch.Tensor) -> Any:
         batch = self._make(chunk)
-        return batch if self.transform is None else self.transform(batch)
+        if self.transform is None:
+            return batch
+        out = self.transform(batch)
+        if not hasattr(out, "stores"):  # the pipeline records its tensors on the training stream
+            raise TypeError(
+                f"transform {type(self.transform).__name__} returned {type(out).__name__}; it must return the "
+                "batch (a torch_geometric Data or HeteroData)"
+            )
+        return out
 
     def _prepare(self, chunk: torch.Tensor, stream: Any) -> tuple[Any, Any]:
         """One batch, on the scheduler's loader thread: sampled and gathered on ``stream`` (CUDA) and

@@ -1,7 +1,19 @@
-"""Python side of the CUDA kernels in ``csrc/``: DeepSpeed ``OpBuilder`` subclasses (JIT or ahead of time)."""
+"""dsx's compiled ops: the CUDA kernels in ``csrc/`` as DeepSpeed ``OpBuilder`` subclasses (JIT or ahead of
+time), and the Triton plumbing (:mod:`dsx.ops.triton_backend`, :mod:`dsx.ops.triton_source`).
 
-from dsx.ops.notice import announce_builds, announce_comm_build, pending_builds
-from dsx.ops.unified_gather import UnifiedGatherBuilder, build_ops, load_unified_gather
+The OpBuilder names load on first use: importing DeepSpeed's op builder probes the accelerator, which a
+module that only wants the Triton helpers (the relational layers, the sampler) should not pay for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "announce_builds": "notice", "announce_comm_build": "notice", "pending_builds": "notice",
+    "UnifiedGatherBuilder": "unified_gather", "build_ops": "unified_gather", "load_unified_gather": "unified_gather",
+}  # fmt: skip
 
 __all__ = [
     "UnifiedGatherBuilder",
@@ -14,7 +26,15 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"dsx.ops.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'dsx.ops' has no attribute {name!r}")
+
+
 def cli_build(args: object) -> int:
     """``dsx build-ops``: build every dsx op now instead of on first use."""
+    from dsx.ops.unified_gather import build_ops
+
     build_ops(verbose=not getattr(args, "quiet", False))
     return 0

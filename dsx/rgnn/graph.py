@@ -77,7 +77,7 @@ class RelGraph:
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """``Tensor.record_stream`` for every tensor the graph holds now: a graph built on one stream (a
         loader's) and read on another is not recycled by the caching allocator before that stream is done."""
-        for v in (*self.__dict__.values(), self._edge_index):
+        for v in self.__dict__.values():  # (the caller's edge_index, while kept, is one of them)
             if isinstance(v, torch.Tensor) and v.is_cuda:
                 v.record_stream(stream)
 

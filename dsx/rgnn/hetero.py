@@ -30,7 +30,6 @@ from torch import nn
 
 from dsx.rgnn.graph import RelGraph, check_index_tensor, prepare, tensor_version
 from dsx.rgnn.graph import clear_cache as clear_graph_cache
-from dsx.rgnn.layers import RGATConv, RGCNConv
 
 __all__ = [
     "EdgeType",
@@ -177,7 +176,7 @@ def typed_graph(
     device: torch.device | str | None = None,
 ) -> tuple[RelGraph, dict[str, int]]:
     """The prepared graph (:func:`dsx.rgnn.prepare`) of :func:`typed_layout`'s layout and the node types'
-    offsets, kept for the last two ``edge_index_dict`` tensor sets: every layer of a model on one batch gets
+    offsets, kept for the last four ``edge_index_dict`` tensor sets: every layer of a model on one batch gets
     the first layer's graph. The graph drops the concatenated edge lists (24 bytes per edge) once built."""
     items = [(tuple(e), ei) for e, ei in edge_index_dict.items()]
     cache = not any(ei.is_inference() for _, ei in items)
@@ -242,11 +241,12 @@ class RelationalHetero(nn.Module):
         """The layout, and for dsx's convs the prepared graph, that a forward on these node counts and edges
         reads (both cached: :class:`PrepareGraph` builds them ahead on the loader's thread)."""
         layout = typed_layout(sizes, edge_index_dict, self.edge_types, device=device)
-        if not isinstance(self.conv, (RGATConv, RGCNConv)) or not layout.edge_type.numel():
-            return layout, None
+        needs = getattr(self.conv, "graph_needs", None)  # dsx's convs; PyG's prepare nothing
+        if needs is None or not layout.edge_type.numel() or layout.edge_index.is_inference():
+            return layout, None  # (inference tensors: nothing is cached, the conv prepares its graph itself)
         # the layout's ids are checked: the conv's own prepare() finds this graph in the cache
         graph = prepare(layout.edge_index, layout.edge_type, layout.num_nodes, len(self.edge_types),
-                        needs=self.conv.graph_needs(), checked=True)  # fmt: skip
+                        needs=needs(), checked=True)  # fmt: skip
         return layout, graph
 
     def __repr__(self) -> str:
@@ -271,6 +271,10 @@ class PrepareGraph:
     one per unique-pair map) leaves the training step for the loader's pipeline, where it overlaps the step
     before.
     """
+
+    #: a loader refuses more prefetched batches than this: the caches keep four batches' graphs (the step's,
+    #: the prefetched ones, an evaluation batch), so more would push prepared graphs out before their step
+    max_prefetch = _GRAPHS_KEPT - 2
 
     def __init__(self, model: nn.Module) -> None:
         self.layers = [m for m in model.modules() if callable(getattr(m, "prepare_graph", None))]

@@ -190,6 +190,8 @@ def test_prepare_graph_in_the_loader_serves_the_models_layers(data, model_name, 
         assert sum(built_here) == before, "the step rebuilt a graph the loader had prepared"
         torch.testing.assert_close(out1, out0)
         n += 1
+    plain.close()
+    prepped.close()
     assert n == len(plain) > 2
 
 
@@ -198,3 +200,13 @@ def test_prepare_graph_and_transform_refuse_what_cannot_work(data) -> None:
         rg.PrepareGraph(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="transform must be callable"):
         HeteroNeighborLoader(data, [4, 3], ("paper", None), batch_size=16, device="cpu", transform=3)
+    from dsx.models.hetero_gnn import HeteroClassifier
+
+    model = HeteroClassifier("rgcn", data.metadata(), {t: 8 for t in data.node_types}, 8, 4)
+    with pytest.raises(ValueError, match="at most prefetch=2"):  # more would push prepared graphs out
+        HeteroNeighborLoader(data, [4, 3], "paper", batch_size=16, device="cpu", prefetch=3,
+                             transform=rg.PrepareGraph(model))  # fmt: skip
+    lost = HeteroNeighborLoader(data, [4, 3], "paper", batch_size=16, device="cpu", prefetch=0,
+                                transform=lambda b: None)  # fmt: skip
+    with pytest.raises(TypeError, match="must return the batch"):
+        next(iter(lost))
