@@ -25,7 +25,8 @@ INT32_MAX = 2**31 - 1
 INDEX_DTYPES = (torch.int32, torch.int64)
 _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 8
-# a loader thread may prepare a batch's graph (dsx.rgnn.PrepareGraph) while the training thread reads the cache
+# a loader thread may prepare a batch's graph (dsx.rgnn.PrepareGraph) while the training thread reads the
+# caches (this module's and dsx.rgnn.hetero's): one lock for all of them
 _LOCK = threading.Lock()
 
 
@@ -308,28 +309,45 @@ def prepare(
     cache = cache and not (edge_index.is_inference() or edge_type.is_inference())
     key = (id(edge_index), id(edge_type), num_src, num_dst, num_relations, index_dtype)
     versions = (tensor_version(edge_index), tensor_version(edge_type)) if cache else None
-    with _LOCK:
-        entry = _CACHE.get(key) if cache else None
-        # Identity is checked through the stored references (the cache keeps them alive, so ids cannot be
-        # reused), the in-place version guards against edits of the same tensor.
-        if entry is not None and entry[0] is edge_index and entry[1] is edge_type and entry[2] == versions:
-            _CACHE.move_to_end(key)
-        else:
-            entry = None
+    entry = cache_get(_CACHE, key) if cache else None
+    # Identity is checked through the stored references (the cache keeps them alive, so ids cannot be
+    # reused), the in-place version guards against edits of the same tensor.
+    if entry is not None and not (entry[0] is edge_index and entry[1] is edge_type and entry[2] == versions):
+        entry = None
     if entry is not None:
         graph = entry[3]
         return graph.require(*needs) if needs else graph
     _validate(edge_index, edge_type, num_src, num_dst, num_relations, index_dtype, checked)
     graph = _build(edge_index, edge_type, num_src, num_dst, num_relations).require(*needs)
     if cache:
-        with _LOCK:
-            _CACHE[key] = (edge_index, edge_type, versions, graph)
-            while len(_CACHE) > _CACHE_SIZE:
-                _CACHE.popitem(last=False)
+        cache_put(_CACHE, key, (edge_index, edge_type, versions, graph), _CACHE_SIZE)
     return graph
+
+
+def cache_get(cache: OrderedDict, key: tuple) -> tuple | None:
+    """The entry of an LRU cache of prepared graphs (this module's, or dsx.rgnn.hetero's), marked most recent."""
+    with _LOCK:
+        entry = cache.get(key)
+        if entry is not None:
+            cache.move_to_end(key)
+        return entry
+
+
+def cache_clear(*caches: OrderedDict) -> None:
+    """Empty LRU caches of prepared graphs."""
+    with _LOCK:
+        for cache in caches:
+            cache.clear()
+
+
+def cache_put(cache: OrderedDict, key: tuple, entry: tuple, kept: int) -> None:
+    """Insert into an LRU cache of prepared graphs, dropping the oldest beyond ``kept`` entries."""
+    with _LOCK:
+        cache[key] = entry
+        while len(cache) > kept:
+            cache.popitem(last=False)
 
 
 def clear_cache() -> None:
     """Drop every cached :class:`RelGraph` (and the references to the graphs' index tensors)."""
-    with _LOCK:
-        _CACHE.clear()
+    cache_clear(_CACHE)

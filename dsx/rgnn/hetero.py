@@ -20,7 +20,6 @@ HGT, keeping the prepared graph itself.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,7 +27,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dsx.rgnn.graph import RelGraph, check_index_tensor, prepare, tensor_version
+from dsx.rgnn.graph import (
+    RelGraph,
+    cache_clear,
+    cache_get,
+    cache_put,
+    check_index_tensor,
+    prepare,
+    tensor_version,
+)
 from dsx.rgnn.graph import clear_cache as clear_graph_cache
 
 __all__ = [
@@ -47,7 +54,6 @@ _GRAPHS: OrderedDict[tuple, tuple[list[torch.Tensor], RelGraph, dict[str, int]]]
 # Batches whose graphs are alive at once: the one a model's layers run on, the loader's prefetched ones
 # (PrepareGraph builds them ahead), and an evaluation batch between.
 _LAYOUTS_KEPT = _GRAPHS_KEPT = 4
-_LOCK = threading.Lock()  # the loader's thread (PrepareGraph) and the training thread share the caches
 
 
 @dataclass(frozen=True)
@@ -118,28 +124,13 @@ def typed_layout(
         tuple(rel_of),
         str(device),
     )
-    hit = _cached(_LAYOUTS, key) if cache else None
+    hit = cache_get(_LAYOUTS, key) if cache else None
     if hit is not None:
         return hit[1]
     layout = _build(dict(sizes), items, rel_of, torch.device(device or "cpu"))
     if cache:  # the entry keeps the keyed tensors alive, so their ids cannot be reused by others
-        _keep(_LAYOUTS, key, ([ei for _, ei in items], layout), _LAYOUTS_KEPT)
+        cache_put(_LAYOUTS, key, ([ei for _, ei in items], layout), _LAYOUTS_KEPT)
     return layout
-
-
-def _cached(cache: OrderedDict, key: tuple) -> tuple | None:
-    with _LOCK:
-        entry = cache.get(key)
-        if entry is not None:
-            cache.move_to_end(key)
-        return entry
-
-
-def _keep(cache: OrderedDict, key: tuple, entry: tuple, kept: int) -> None:
-    with _LOCK:
-        cache[key] = entry
-        while len(cache) > kept:
-            cache.popitem(last=False)
 
 
 def _build(
@@ -186,7 +177,7 @@ def typed_graph(
         tuple(tuple(e) for e in edge_types),
         str(device),
     )
-    hit = _cached(_GRAPHS, key) if cache else None
+    hit = cache_get(_GRAPHS, key) if cache else None
     if hit is not None:
         graph, offset = hit[1:]
         return graph.require(*needs), offset
@@ -195,15 +186,13 @@ def typed_graph(
                     needs=needs, checked=True)  # fmt: skip
     graph.release_edges()
     if cache:  # the entry keeps the keyed tensors alive, so their ids cannot be reused by others
-        _keep(_GRAPHS, key, ([ei for _, ei in items], graph, layout.offset), _GRAPHS_KEPT)
+        cache_put(_GRAPHS, key, ([ei for _, ei in items], graph, layout.offset), _GRAPHS_KEPT)
     return graph, layout.offset
 
 
 def clear_cache() -> None:
     """Drop every cached layout and graph: these, and :func:`dsx.rgnn.prepare`'s."""
-    with _LOCK:
-        _LAYOUTS.clear()
-        _GRAPHS.clear()
+    cache_clear(_LAYOUTS, _GRAPHS)
     clear_graph_cache()
 
 
