@@ -15,9 +15,10 @@ figure is the median batch time with its spread (min, max), and the epoch time i
 batches of an epoch (extrapolated, and said so in the JSON). ``prep_ms`` is dsx's per-batch graph
 preparation (typed layout and ``dsx.rgnn.prepare``) timed alone on the same batches; ``--prepare-graph
 loader`` moves it from the step into the loader's pipeline (``dsx.rgnn.PrepareGraph``), and ``--breakdown``
-shows what the step waits for. ``--learn-steps N`` then trains
-dsx_gpu and the fastest PyG pipeline N steps each from the same initial weights and records the loss curve
-and the validation accuracy: the same learning, not only the same speed.
+shows what the step waits for. ``--learn-steps N`` then trains dsx_gpu and the fastest PyG pipeline N steps
+each from the same initial weights, once for each of ``--learn-seeds`` seeds, and records the loss curves and
+the validation accuracies: the same learning, not only the same speed, judged against the seed-to-seed spread.
+``--merge`` keeps the models of an earlier run's JSON that this run does not run (one model per job).
 
     python benchmarks/bench_hetero.py                  # H100: ogbn-mag's size, the three models
     python benchmarks/bench_hetero.py --quick          # CPU smoke test (PyG runs need pyg-lib or torch-sparse)
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
 import math
 import statistics
 import sys
@@ -66,7 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="batches before the timed ones")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median and spread)")
     p.add_argument("--pyg-workers", default="4,8,12", help="PyG NeighborLoader num_workers to try")
-    p.add_argument("--learn-steps", type=int, default=150, help="steps of the same-learning comparison")
+    p.add_argument("--learn-steps", type=int, default=100, help="steps of the same-learning comparison")
+    p.add_argument("--learn-seeds", type=int, default=3,
+                   help="initial weights (and sample orders) the same-learning comparison runs from")  # fmt: skip
     p.add_argument("--breakdown", type=int, default=0, metavar="N",
                    help="also time N batches per pipeline stage by stage (wait for the batch, forward, "
                         "backward, optimizer) and trace dsx's steps with torch.profiler: where a batch's time "
@@ -74,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prepare-graph", choices=["step", "loader"], default="step",
                    help="where dsx prepares each batch's graph: in the training step (the layers' first call) "
                         "or in the loader's pipeline (dsx.rgnn.PrepareGraph)")  # fmt: skip
+    p.add_argument("--merge", action="store_true",
+                   help="keep the models of the existing <out>/bench_hetero.json that this run does not run")  # fmt: skip
     p.add_argument(
         "--trace-dir", default=None, help="where --breakdown's Chrome traces go (default: a temp dir)"
     )
@@ -81,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.scale, args.hidden, args.batch_size, args.fanouts = 0.002, 16, 64, "5,4"
         args.batches, args.warmup, args.repeats, args.pyg_workers, args.learn_steps = 3, 1, 3, "0", 6
+        args.learn_seeds = 2
     return args
 
 
@@ -159,21 +166,19 @@ def _sync(dev: torch.device) -> None:
 
 
 def _prep_ms(pipe: _Pipeline, batches: int) -> float:
-    """dsx's per-batch graph preparation alone: typed layout and prepare, caches cleared, median ms."""
-    edge_types = pipe.loader.edge_types
+    """dsx's per-batch graph preparation alone, as the model's layers do it in a step (typed layout, then
+    ``dsx.rgnn.prepare`` building the maps that model reads), caches cleared: median ms."""
+    prep = rg.PrepareGraph(pipe.model)
     times = []
     for _ in range(batches):
         b = pipe.next_batch()
         rg.clear_cache()
         _sync(pipe.dev)
         t0 = time.perf_counter()
-        lay = rg.typed_layout(
-            {t: b[t].num_nodes for t in b.node_types}, b.edge_index_dict, edge_types, cache=False
-        )
-        rg.prepare(lay.edge_index, lay.edge_type, lay.num_nodes, len(edge_types), cache=False,
-                   needs=("dst_row_idx", "dst_rel_ptr", "edge_dst_row", "inv_deg_rel", "rel"))  # fmt: skip
+        prep(b)
         _sync(pipe.dev)
         times.append(time.perf_counter() - t0)
+    rg.clear_cache()
     return 1e3 * statistics.median(times)
 
 
@@ -221,6 +226,60 @@ def _learn(pipe: _Pipeline, model0: torch.nn.Module, steps: int, val: Any, targe
     return {"losses": losses, "val_acc": correct / max(total, 1), "val_seeds": total}
 
 
+def _same_learning(
+    by: dict[str, _Pipeline],
+    best: str | None,
+    model_for: Any,
+    data: Any,
+    fanouts: list[int],
+    val_idx: torch.Tensor,
+    target: str,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """dsx_gpu and the fastest PyG pipeline trained ``args.learn_steps`` steps from the same initial weights,
+    once per seed (the seeds interleaved): the validation accuracy per seed, and whether the gap between the
+    two pipelines' means lies within the seed-to-seed spread (the noise of one run)."""
+    from torch_geometric.loader import NeighborLoader as PygLoader
+
+    dev = by["dsx_gpu"].dev
+    val = {"dsx_gpu": dsx.direct.HeteroNeighborLoader(data, fanouts, (target, val_idx),
+                                                      batch_size=args.batch_size, device=dev,
+                                                      feature_placement="gpu", prefetch=0)}  # fmt: skip
+    if best in by:
+        val[best] = PygLoader(
+            data, num_neighbors=fanouts, input_nodes=(target, val_idx), batch_size=args.batch_size
+        )
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in val}
+    errors: dict[str, str] = {}
+    for seed in range(args.learn_seeds):
+        model0 = model_for(seed)
+        for name in [n for n in runs if n not in errors]:
+            torch.manual_seed(seed)
+            try:
+                runs[name].append(
+                    {"seed": seed, **_learn(by[name], model0, args.learn_steps, val[name], target)}
+                )
+            except torch.OutOfMemoryError as exc:
+                errors[name] = f"OutOfMemoryError: {exc}"[:300]
+                torch.cuda.empty_cache()
+    val["dsx_gpu"].close()
+    out: dict[str, Any] = {
+        "steps": args.learn_steps,
+        "seeds": args.learn_seeds,
+        "runs": runs,
+        "errors": errors,
+    }
+    acc = {name: [r["val_acc"] for r in rs] for name, rs in runs.items() if rs}
+    out["val_acc"] = {name: {"mean": statistics.fmean(a), "min": min(a), "max": max(a), "all": a}
+                      for name, a in acc.items()}  # fmt: skip
+    if best in acc and len(acc) == 2:
+        gap = statistics.fmean(acc["dsx_gpu"]) - statistics.fmean(acc[best])
+        noise = max(max(a) - min(a) for a in acc.values())
+        out["gap_dsx_minus_pyg"], out["seed_spread"] = gap, noise
+        out["within_noise"] = abs(gap) <= noise if len(acc["dsx_gpu"]) > 1 else None
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fanouts = [int(k) for k in args.fanouts.split(",")]
@@ -237,13 +296,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "note": "epoch_s = median batch time x batches_per_epoch (extrapolated from the timed batches)",
         "models": {},
     }  # fmt: skip
+    earlier = Path(args.out) / f"{NAME}.json"
+    if args.merge and earlier.exists():
+        kept = json.loads(earlier.read_text()).get("models", {})
+        res["models"] = {m: r for m, r in kept.items() if m not in args.models.split(",")}
     in_ch = {target: data[target].x.size(1)}
     workers = [int(w) for w in args.pyg_workers.split(",") if w != ""]
     for model_name in args.models.split(","):
         torch.manual_seed(0)
         model0 = HeteroClassifier(model_name, meta, in_ch, args.hidden, int(data[target].y.max()) + 1,
                                   heads=args.heads, num_layers=len(fanouts))  # fmt: skip
-        out = res["models"][model_name] = {"runs": {}}
+        out = res["models"][model_name] = {"config": vars(args), "runs": {}}
         pipes: list[_Pipeline] = []
         # PyG first: its workers fork before dsx registers host memory with CUDA
         for w in workers:
@@ -322,22 +385,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         if args.learn_steps and "dsx_gpu" in by:
-            val_dsx = dsx.direct.HeteroNeighborLoader(data, fanouts, (target, val_idx),
-                                                      batch_size=args.batch_size, device=dev,
-                                                      feature_placement="gpu", prefetch=0)  # fmt: skip
-            out["learning"] = {"dsx_gpu": _learn(by["dsx_gpu"], model0, args.learn_steps, val_dsx, target)}
-            val_dsx.close()
-            if best in by:
-                from torch_geometric.loader import NeighborLoader as PygLoader
 
-                val_pyg = PygLoader(data, num_neighbors=fanouts, input_nodes=(target, val_idx),
-                                    batch_size=args.batch_size)  # fmt: skip
-                try:
-                    out["learning"][best] = _learn(by[best], model0, args.learn_steps, val_pyg, target)
-                except torch.OutOfMemoryError as exc:
-                    out["learning"][best] = {"error": f"OutOfMemoryError: {exc}"[:300]}
-                    torch.cuda.empty_cache()
+            def model_for(seed: int, model_name: str = model_name) -> torch.nn.Module:
+                torch.manual_seed(seed)
+                return HeteroClassifier(model_name, meta, in_ch, args.hidden, int(data[target].y.max()) + 1,
+                                        heads=args.heads, num_layers=len(fanouts))  # fmt: skip
+
+            out["learning"] = _same_learning(by, best, model_for, data, fanouts, val_idx, target, args)
         print(model_name, out["summary"], f"{time.perf_counter() - t0:.0f} s", flush=True)
+        res["models"] = {m: res["models"][m] for m in sorted(res["models"], key=list(MODELS).index)}
         write_json(res, args.out, NAME)  # after every model: a run cut short keeps the models it finished
         for p in pipes:
             if p.name.startswith("dsx"):
@@ -376,13 +432,19 @@ def plot(res: dict[str, Any], out: str) -> None:
     axes[0].legend(fontsize=8)
     axes[0].set_title(f"ogbn-mag-shaped graph x{res['config']['scale']}, fanouts {res['config']['fanouts']}")
     for m in models:
-        for name, r in res["models"][m].get("learning", {}).items():
-            if "losses" not in r:
+        learning = res["models"][m].get("learning", {})
+        for name, rs in learning.get("runs", {}).items():
+            if not rs:
                 continue
-            axes[1].plot(r["losses"], label=f"{m} {name} (val acc {r['val_acc']:.3f})")
+            curves = torch.tensor([r["losses"] for r in rs])
+            acc = learning["val_acc"][name]
+            (line,) = axes[1].plot(curves.mean(0), label=f"{m} {name} (val acc {acc['mean']:.3f}, "
+                                   f"{acc['min']:.3f}..{acc['max']:.3f})")  # fmt: skip
+            axes[1].fill_between(range(curves.size(1)), curves.min(0).values, curves.max(0).values,
+                                 color=line.get_color(), alpha=0.2)  # fmt: skip
     axes[1].set_xlabel("step")
     axes[1].set_ylabel("training loss")
-    axes[1].set_title("same initial weights, dsx vs the fastest PyG pipeline")
+    axes[1].set_title("same initial weights: mean loss over seeds (band: min..max)")
     axes[1].legend(fontsize=8)
     save_png(fig, out, NAME)
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # dsx's checks on a GPU machine, as named suites; each fits one 10-minute command on one H100.
-#   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | offload | offload-ssd | main | wheel
+#   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | hetero | offload | offload-ssd | main | wheel
 # Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
 # docs/performance.md cites) and a copy to $OUT/results/. docs/performance.md, "GPU suites", says what each runs.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|offload|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|offload|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -40,6 +40,10 @@ case $suite in
     run bench-rgnn-kernels 120 python benchmarks/bench_rgnn_kernels.py --repeats 5 --out "$RES"
     run bench-rgnn 420 python benchmarks/bench_rgnn.py --pyg-budget-s 165 --profile --out "$RES"
     keep bench_rgnn_kernels bench_rgnn ;;
+  hetero)  # mini-batch RGCN / RGAT / HGT against PyG; MODELS (default rgcn,rgat) merge into the JSON, so that
+           # HGT, whose PyG learning runs alone take minutes, can have a command of its own: hetero hgt
+    run bench-hetero 560 python benchmarks/bench_hetero.py --out "$RES" --models "${2:-rgcn,rgat}" --merge \
+      --batches 8 --warmup 2 --repeats 3 --pyg-workers 4,8,12; keep bench_hetero ;;
   offload)  # every strategy at hidden 2048, micro-batch 8, each in its own process; the planner's frontier on it
     run bench-offload 540 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 --child-timeout 80 \
       --configs none recompute save_on_cpu ds_cpu_ckpt megatron_selective dsx_host_sel dsx_auto_budget_sel \

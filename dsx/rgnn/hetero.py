@@ -140,22 +140,44 @@ def _build(
     for t, n in sizes.items():
         offset[t], start = start, start + int(n)
     nonempty = [(e, ei) for e, ei in items if ei.numel()]
-    if nonempty:  # one host synchronisation for every edge type's range
-        bounds = torch.stack([torch.stack(ei.aminmax(dim=1)).long() for _, ei in nonempty]).tolist()
-        for (e, _), ((lo_s, lo_d), (hi_s, hi_d)) in zip(nonempty, bounds):
-            lo = min(lo_s, lo_d)
-            if lo < 0 or hi_s >= sizes[e[0]] or hi_d >= sizes[e[-1]]:
-                raise ValueError(
-                    f"edge type {e}: node ids out of range (sources up to {hi_s} for {sizes[e[0]]} {e[0]!r} "
-                    f"nodes, destinations up to {hi_d} for {sizes[e[-1]]} {e[-1]!r} nodes, smallest {lo})"
-                )
-    device = items[0][1].device if items else empty_on
-    # offsets added as Python scalars: a tensor made from host data would be a blocking copy per edge type
-    parts = [torch.stack((ei[0].long() + offset[e[0]], ei[1].long() + offset[e[-1]])) for e, ei in items]
-    types = [torch.full((ei.size(1),), rel_of[e], dtype=torch.long, device=ei.device) for e, ei in items]
-    edge_index = torch.cat(parts, 1) if parts else torch.zeros(2, 0, dtype=torch.long, device=device)
-    edge_type = torch.cat(types) if types else torch.zeros(0, dtype=torch.long, device=device)
-    return TypedLayout(offset, sizes, edge_index, edge_type)
+    if not nonempty:
+        device = items[0][1].device if items else empty_on
+        empty = torch.zeros(2, 0, dtype=torch.long, device=device)
+        return TypedLayout(offset, sizes, empty, empty[0])
+    # A batch has a handful of edge types and a few hundred thousand edges: the cost is in launches, not
+    # bytes. So the edge lists are concatenated first and every per-type value (relation, offsets, sizes)
+    # comes from one small table indexed by each edge's segment: about a dozen launches whatever the number
+    # of edge types, and one host synchronisation for the range check.
+    device = nonempty[0][1].device
+    counts = [ei.size(1) for _, ei in nonempty]
+    table = torch.tensor(
+        [[rel_of[e], offset[e[0]], offset[e[-1]], sizes[e[0]], sizes[e[-1]], n]
+         for (e, _), n in zip(nonempty, counts)], dtype=torch.long,
+    )  # fmt: skip
+    if device.type == "cuda":  # from pinned memory the copy does not wait for the device
+        table = table.pin_memory().to(device, non_blocking=True)
+    local = torch.cat([ei.long() for _, ei in nonempty], 1)
+    seg = torch.repeat_interleave(
+        torch.arange(len(nonempty), device=device), table[:, 5], output_size=sum(counts)
+    )
+    per_edge = table.index_select(0, seg)  # [E, 6]
+    if bool(((local < 0) | (local >= per_edge[:, 3:5].t())).any()):
+        _raise_out_of_range(sizes, nonempty)
+    edge_index = local + per_edge[:, 1:3].t()
+    return TypedLayout(offset, sizes, edge_index, per_edge[:, 0].contiguous())
+
+
+def _raise_out_of_range(sizes: dict[str, int], nonempty: list) -> None:
+    """The error for a layout whose ids are out of range, naming the first offending edge type."""
+    for e, ei in nonempty:
+        (lo_s, lo_d), (hi_s, hi_d) = torch.stack(ei.aminmax(dim=1)).long().tolist()
+        if min(lo_s, lo_d) < 0 or hi_s >= sizes[e[0]] or hi_d >= sizes[e[-1]]:
+            raise ValueError(
+                f"edge type {e}: node ids out of range (sources up to {hi_s} for {sizes[e[0]]} {e[0]!r} "
+                f"nodes, destinations up to {hi_d} for {sizes[e[-1]]} {e[-1]!r} nodes, smallest "
+                f"{min(lo_s, lo_d)})"
+            )
+    raise ValueError("node ids out of range")  # (the loop names the edge type: both checks read the same ids)
 
 
 def typed_graph(

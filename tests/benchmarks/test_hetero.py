@@ -22,5 +22,12 @@ def test_bench_hetero_quick(tmp_path) -> None:
             assert r["epoch_s"] > 0
         assert "pyg_w0" in out["runs"]  # measured, or why PyG could not sample
         assert 0 < out["prep_share_of_batch"]
-        learned = out["learning"]["dsx_gpu"]
-        assert len(learned["losses"]) == 6 and learned["val_seeds"] > 0
+        learned = out["learning"]["runs"]["dsx_gpu"]
+        assert [r["seed"] for r in learned] == [0, 1]  # one run per seed, each from its own weights
+        assert all(len(r["losses"]) == 6 and r["val_seeds"] > 0 for r in learned)
+        assert out["learning"]["val_acc"]["dsx_gpu"]["all"] == [r["val_acc"] for r in learned]
+    # --merge keeps the models this run does not run
+    mod.main(["--quick", "--models", "rgat", "--out", str(tmp_path), "--merge", "--learn-steps", "0"])
+    merged = json.loads((tmp_path / "bench_hetero.json").read_text())
+    assert list(merged["models"]) == ["rgcn", "rgat", "hgt"]
+    assert merged["models"]["hgt"] == saved["models"]["hgt"]

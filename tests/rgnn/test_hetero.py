@@ -42,13 +42,21 @@ def _batches(data, n: int = 2):
     return out
 
 
-def test_the_layout_is_pygs_homogeneous_view(data) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_layout_is_pygs_homogeneous_view(data, device) -> None:
     for b in [data, *_batches(data)]:
         sizes = {t: b[t].num_nodes for t in b.node_types}
-        layout = rg.typed_layout(sizes, b.edge_index_dict, b.edge_types)
+        edges = {e: ei.to(device) for e, ei in b.edge_index_dict.items()}
+        layout = rg.typed_layout(sizes, edges, b.edge_types)
         h = b.to_homogeneous()
-        assert torch.equal(layout.edge_index, h.edge_index)
-        assert torch.equal(layout.edge_type, h.edge_type)
+        assert layout.edge_index.device.type == device
+        assert torch.equal(layout.edge_index.cpu(), h.edge_index)
+        assert torch.equal(layout.edge_type.cpu(), h.edge_type)
+        far = dict(edges)
+        far[CITES] = edges[CITES].clone()
+        far[CITES][0, -1] = sizes["paper"]
+        with pytest.raises(ValueError, match=r"\('paper', 'cites', 'paper'\): node ids out of range"):
+            rg.typed_layout(sizes, far, b.edge_types)
         node_type = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(list(sizes.values())))
         assert torch.equal(node_type, h.node_type)
 
@@ -125,6 +133,12 @@ def test_bad_input_is_named(data) -> None:
     bad[1, 3] = sizes["paper"]
     with pytest.raises(ValueError, match=r"\('paper', 'cites', 'paper'\): node ids out of range"):
         rg.typed_layout(sizes, {**eid, CITES: bad}, meta[1])
+    negative = eid[WRITES].clone()
+    negative[0, 5] = -1
+    with pytest.raises(
+        ValueError, match=r"\('author', 'writes', 'paper'\): node ids out of range.*smallest -1"
+    ):
+        rg.typed_layout(sizes, {**eid, WRITES: negative}, meta[1])
     with pytest.raises(ValueError, match="needs node types 'author'"):
         rg.typed_layout({"paper": sizes["paper"]}, {WRITES: eid[WRITES]}, meta[1])
     with pytest.raises(TypeError, match="int32 or int64"):
