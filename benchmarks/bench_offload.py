@@ -169,6 +169,10 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     if name == "megatron_selective" and not _megatron(args):
         raise RuntimeError(f"megatron_selective needs megatron-core on a GPU ({megatron_available()[1]})")
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if name == "ds_cpu_ckpt" and dev.type != "cuda":
+        # DeepSpeed copies a checkpointed input "to the host" and then empties the input: on a CPU device
+        # the copy is the input itself, so backward would find nothing
+        raise RuntimeError("ds_cpu_ckpt needs a GPU: DeepSpeed's cpu_checkpointing loses its inputs on a CPU")
     model = _model(args, name)
     bf16 = dev.type == "cuda"
     attention = _attention_module(args)
@@ -462,7 +466,19 @@ def _deepspeed_checkpointing(model: torch.nn.Module) -> None:
         def fwd(*a: Any, _orig: Any = orig, **kw: Any) -> Any:
             if not torch.is_grad_enabled():
                 return _orig(*a, **kw)
-            return deepspeed.checkpointing.checkpoint(_orig, *a, **kw)
+            # DeepSpeed's CPU checkpointing empties every floating-point input it offloads, in place. Inputs
+            # that need no gradient (a rotary table: one tensor shared by every layer) are captured, so that
+            # the next layer still finds them; those that do (the hidden states, positional or by keyword) go
+            # through the checkpoint, so that gradients reach the layers before.
+            args = [(i, v) for i, v in enumerate(a)] + list(kw.items())
+            moving = [(k, v) for k, v in args if torch.is_tensor(v) and v.requires_grad]
+            fixed = dict((k, v) for k, v in args if not (torch.is_tensor(v) and v.requires_grad))
+
+            def run(*xs: Any) -> Any:
+                given = {**fixed, **{k: x for (k, _), x in zip(moving, xs)}}
+                return _orig(*(given[i] for i in range(len(a))), **{k: given[k] for k in kw})
+
+            return deepspeed.checkpointing.checkpoint(run, *(v for _, v in moving))
 
         layer.forward = fwd
 
@@ -488,7 +504,7 @@ def _guarded(name: str, args: argparse.Namespace, ssd: str, budget: float | None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return {"config": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}",
-                "where": traceback.format_exc(limit=-3)[-600:]}  # fmt: skip
+                "where": traceback.format_exc(limit=-12)[-3000:]}  # fmt: skip
 
 
 def _child(name: str, argv: list[str], budget: float | None, timeout_s: float) -> dict[str, Any]:

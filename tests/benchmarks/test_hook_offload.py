@@ -49,10 +49,33 @@ def test_the_baseline_moves_large_saved_tensors_and_keeps_gradients_bitwise(devi
 
 def test_bench_offload_runs_the_llama_model_with_its_peers(tmp_path) -> None:
     mod = load_example("benchmarks/bench_offload.py", "bench_offload_llama")
-    mod.main(["--quick", "--in-process", "--model", "llama", "--configs", "none", "hooks_offload", "dsx_host",
+    mod.main(["--quick", "--in-process", "--model", "llama", "--configs", "none", "hooks_offload", "ds_cpu_ckpt", "dsx_host",
               "--out", str(tmp_path), "--name", "llama"])  # fmt: skip
     saved = json.loads((tmp_path / "llama.json").read_text())
     rows = {r["config"]: r for r in saved["results"]}
-    assert set(rows) == {"none", "hooks_offload", "dsx_host"}
+    assert set(rows) == {"none", "hooks_offload", "ds_cpu_ckpt", "dsx_host"}
+    ds = rows.pop("ds_cpu_ckpt")
+    if not torch.cuda.is_available():
+        assert "needs a GPU" in ds["error"]
+    else:
+        rows["ds_cpu_ckpt"] = ds
     assert all("error" not in r and r["step_s"] > 0 for r in rows.values()), rows
     assert saved["config"]["model"] == "llama"
+
+
+@pytest.mark.gpu
+def test_deepspeed_cpu_checkpointing_of_the_llama_model_gives_its_gradients() -> None:
+    """bench_offload's ds_cpu_ckpt wrapper: DeepSpeed empties the inputs it offloads, so the rotary tables that
+    every layer shares must not be among them, and the hidden states must be, or no gradient reaches the
+    layers before: the gradients equal those of the unwrapped model."""
+    mod = load_example("benchmarks/bench_offload.py", "bench_offload_ckpt")
+    mod._init_distributed()  # DeepSpeed's checkpointing asks its process group for the model-parallel rank
+    cfg = LlamaConfig(vocab_size=256, hidden=64, layers=3, heads=4, kv_heads=2, ffn_hidden=128, seq_len=32)
+    plain, wrapped = Llama(cfg, seed=3).cuda(), Llama(cfg, seed=3).cuda()
+    mod._deepspeed_checkpointing(wrapped)
+    tokens = torch.randint(0, 256, (2, 33), device="cuda")
+    for model in (plain, wrapped):
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+        assert b.grad is not None, name
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
