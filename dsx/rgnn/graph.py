@@ -164,11 +164,12 @@ class RelGraph:
     def inv_deg_rel(self) -> torch.Tensor:
         if "edge_dst_row" in self.__dict__:
             inverse = self.edge_dst_row
-            deg = torch.bincount(inverse, minlength=self.dst_row_idx.numel())
-        else:  # only the counts are needed: the [E] inverse map is not kept
-            _, inverse, deg = torch.unique(self.rel * self.num_dst + self.dst, return_inverse=True,
-                                           return_counts=True)  # fmt: skip
-        return (1.0 / deg.clamp_min(1).to(torch.float32))[inverse]
+            deg = _counts(inverse, self.dst_row_idx.numel())[inverse]
+        else:  # only the counts are needed: each edge's (relation, destination) key found in the sorted keys
+            key = _pair_key(self.dst, self.rel, self.num_dst, self.num_relations)
+            keys = torch.sort(key).values
+            deg = torch.searchsorted(keys, key, right=True) - torch.searchsorted(keys, key)
+        return 1.0 / deg.to(torch.float32)
 
     @functools.cached_property
     def rel_perm(self) -> torch.Tensor:
@@ -185,10 +186,30 @@ class RelGraph:
         return row
 
 
+# Sampled mini-batches prepare a graph every step, so these helpers never synchronise with the host (torch's
+# bincount does: it reads the largest value to size its output) except where an output's size depends on the
+# data (the unique pairs), and sort the narrowest keys that hold the ids (a radix sort's passes scale with the
+# key's width).
+
+
+def _counts(groups: torch.Tensor, n: int) -> torch.Tensor:
+    """How many of ``groups`` (ids in ``[0, n)``) fall in each group, without a host synchronisation."""
+    return torch.zeros(n, dtype=torch.int64, device=groups.device).index_add_(
+        0, groups, torch.ones_like(groups, dtype=torch.int64)
+    )
+
+
 def _ptr(groups: torch.Tensor, n: int) -> torch.Tensor:
     ptr = torch.zeros(n + 1, dtype=torch.int64, device=groups.device)
-    ptr[1:] = torch.cumsum(torch.bincount(groups, minlength=n), 0)
+    ptr[1:] = torch.cumsum(_counts(groups, n), 0)
     return ptr
+
+
+def _sorted_ptr(sorted_groups: torch.Tensor, n: int, stride: int = 1) -> torch.Tensor:
+    """CSR pointer over ``n`` groups of ``sorted_groups`` (group ``g`` holds the values in
+    ``[g * stride, (g + 1) * stride)``): a binary search per group instead of a histogram."""
+    bounds = torch.arange(n + 1, device=sorted_groups.device, dtype=sorted_groups.dtype) * stride
+    return torch.searchsorted(sorted_groups, bounds)
 
 
 def _ptr_groups(ptr: torch.Tensor, total: int) -> torch.Tensor:
@@ -197,11 +218,20 @@ def _ptr_groups(ptr: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(groups, ptr.diff(), output_size=total)
 
 
-def _pairs(node: torch.Tensor, rel: torch.Tensor, num_nodes: int, num_relations: int):
+def _key_dtype(bound: int) -> torch.dtype:
+    return torch.int32 if bound <= INT32_MAX else torch.int64
+
+
+def _pair_key(node: torch.Tensor, rel: torch.Tensor, num_nodes: int, num_relations: int) -> torch.Tensor:
     # key = rel * N + node sorts by relation first: the unique pairs come out grouped by relation.
-    key = rel * num_nodes + node
-    uniq, inverse = torch.unique(key, return_inverse=True)
-    return uniq % max(num_nodes, 1), _ptr(uniq // max(num_nodes, 1), num_relations), inverse
+    dtype = _key_dtype(num_relations * max(num_nodes, 1))
+    return rel.to(dtype) * max(num_nodes, 1) + node.to(dtype)
+
+
+def _pairs(node: torch.Tensor, rel: torch.Tensor, num_nodes: int, num_relations: int):
+    uniq, inverse = torch.unique(_pair_key(node, rel, num_nodes, num_relations), return_inverse=True)
+    ptr = _sorted_ptr(uniq, num_relations, max(num_nodes, 1))
+    return (uniq % max(num_nodes, 1)).long(), ptr.long(), inverse
 
 
 def check_index_tensor(t: object, name: str, what: str) -> None:
@@ -253,20 +283,17 @@ def _validate(edge_index, edge_type, num_src, num_dst, num_relations, index_dtyp
 
 
 def _build(edge_index, edge_type, num_src, num_dst, num_relations) -> RelGraph:
-    src_all, dst_all = edge_index[0].long(), edge_index[1].long()
     # Stable sort by destination keeps the caller's edge order within a destination (matters only for
     # floating-point summation order, not for results beyond rounding).
-    perm = torch.sort(dst_all, stable=True).indices
-    dst = dst_all[perm]
-    dst_ptr = _ptr(dst, num_dst)
-    del dst
-    src, rel = src_all[perm], edge_type.long()[perm]
+    dst, perm = torch.sort(edge_index[1].to(_key_dtype(num_dst)), stable=True)
+    dst_ptr = _sorted_ptr(dst, num_dst).long()
+    src, rel = edge_index[0][perm].long(), edge_type[perm].long()
     del perm
     src_row_idx, src_rel_ptr, edge_src_row = _pairs(src, rel, num_src, num_relations)
     graph = RelGraph(num_src, num_dst, num_relations, src.numel(), dst_ptr, src_row_idx, src_rel_ptr,
                      edge_src_row, edge_index)  # fmt: skip
     # Already computed: seeded so that require() reuses them, then drops them unless someone wants them.
-    graph.__dict__.update(src=src, rel=rel)
+    graph.__dict__.update(src=src, rel=rel, dst=dst.long())
     graph._fresh = True
     return graph
 

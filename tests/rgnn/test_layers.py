@@ -187,6 +187,10 @@ def test_prepare_cache_and_bad_input():
     assert torch.equal(g.dst_row_idx[g.edge_dst_row], g.dst)
     assert torch.equal(torch.searchsorted(g.dst_rel_ptr, g.edge_dst_row, right=True) - 1, g.rel)
     assert g.src_rel_ptr[-1] == g.src_rel_ptr[-2]  # relation 4 is empty
+    # pair keys past int32 (num_relations x num_nodes >= 2**31) take int64 keys: the same maps
+    wide = rg.prepare(ei, et, (2**30, 23), 5, cache=False)
+    for name in ("dst_ptr", "src_row_idx", "src_rel_ptr", "edge_src_row"):
+        assert torch.equal(getattr(wide, name), getattr(g, name)), name
     et2 = et.clone()
     et2[0] = 5
     with pytest.raises(ValueError, match=r"edge_type values span \[0, 5\] but num_relations=5"):
