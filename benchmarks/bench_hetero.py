@@ -10,7 +10,8 @@ One process, one graph (``dsx.data.mag.synthetic_mag``: ogbn-mag's counts at ``-
 * ``dsx_gpu``: the same with the features in GPU memory.
 
 Every pipeline trains (forward, backward, Adam) ``--batches`` batches after ``--warmup``, ``--repeats``
-times, the pipelines interleaved within each repeat so that drifts of the machine touch all of them; the
+times, the pipelines interleaved within each repeat so that drifts of the machine touch all of them, and each
+timed once the PyG workers before it are idle (they keep sampling ahead after their timed batches); the
 figure is the median batch time with its spread (min, max), and the epoch time is that median times the
 batches of an epoch (extrapolated, and said so in the JSON). ``prep_ms`` is dsx's per-batch graph
 preparation (typed layout and ``dsx.rgnn.prepare``) timed alone on the same batches; ``--prepare-graph
@@ -149,7 +150,7 @@ class _Pipeline:
         return {k: statistics.median(v) for k, v in ms.items()}
 
     def time_batches(self, warmup: int, n: int) -> float:
-        """Seconds per batch over ``n`` batches after ``warmup``."""
+        """Seconds per batch over ``n`` batches after ``warmup``; then, for PyG, :meth:`quiesce`."""
         for _ in range(warmup):
             self.step()
         _sync(self.dev)
@@ -157,7 +158,36 @@ class _Pipeline:
         for _ in range(n):
             self.step()
         _sync(self.dev)
-        return (time.perf_counter() - t0) / n
+        seconds = (time.perf_counter() - t0) / n
+        self.quiesce()
+        return seconds
+
+    def quiesce(self, timeout_s: float = 60.0) -> float:
+        """Wait until this pipeline's loader workers are idle; the seconds waited.
+
+        PyG's workers keep sampling after the timed batches (``prefetch_factor`` x ``num_workers`` batches in
+        flight, up to seconds of every core): the next pipeline would be timed against that leftover work.
+        Idle means no CPU time charged to any worker over a quarter second (``/proc``; elsewhere no wait).
+        """
+        workers = getattr(self._it, "_workers", None)
+        if not workers:
+            return 0.0
+
+        def ticks() -> int | None:
+            try:
+                return sum(sum(map(int, Path(f"/proc/{w.pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]))
+                           for w in workers)  # fmt: skip
+            except (OSError, ValueError, IndexError):
+                return None
+
+        t0, last = time.perf_counter(), ticks()
+        while last is not None and time.perf_counter() - t0 < timeout_s:
+            time.sleep(0.25)
+            now = ticks()
+            if now is None or now == last:
+                break
+            last = now
+        return time.perf_counter() - t0
 
 
 def _sync(dev: torch.device) -> None:
