@@ -6,8 +6,9 @@ per ``edge_index`` / ``edge_type`` tensor objects (identity and in-place version
 repeatedly on the same graph costs one dictionary look-up. Inference tensors keep no version counter, so an
 in-place refill of one could not be told from the graph it held before: they are never cached.
 
-Performance: a handful of sorts / ``unique`` over ``E`` elements on the graph's device; on a GPU this is
-cheap enough to redo per sampled mini-batch (``benchmarks/bench_rgnn.py`` reports the cost).
+Performance: a handful of sorts / ``unique`` over ``E`` elements on the graph's device, and a host
+synchronisation only per unique-pair map (its size depends on the data); on a GPU this is cheap enough to
+redo per sampled mini-batch (``benchmarks/bench_hetero.py`` reports the cost, ``prep_ms``).
 """
 
 from __future__ import annotations
