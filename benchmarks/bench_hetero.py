@@ -19,7 +19,8 @@ loader`` moves it from the step into the loader's pipeline (``dsx.rgnn.PrepareGr
 shows what the step waits for. ``--learn-steps N`` then trains dsx_gpu and the fastest PyG pipeline N steps
 each from the same initial weights, once for each of ``--learn-seeds`` seeds, and records the loss curves and
 the validation accuracies: the same learning, not only the same speed, judged against the seed-to-seed spread.
-``--merge`` keeps the models of an earlier run's JSON that this run does not run (one model per job).
+``--merge`` keeps the models of an earlier run's JSON that this run does not run (one model per job; each model
+keeps its own ``config``, the top-level one is the last job's), and refuses runs of other graph or model settings.
 
     python benchmarks/bench_hetero.py                  # H100: ogbn-mag's size, the three models
     python benchmarks/bench_hetero.py --quick          # CPU smoke test (PyG runs need pyg-lib or torch-sparse)
@@ -71,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pyg-workers", default="4,8,12", help="PyG NeighborLoader num_workers to try")
     p.add_argument("--learn-steps", type=int, default=100, help="steps of the same-learning comparison")
     p.add_argument("--learn-seeds", type=int, default=3,
-                   help="initial weights (and sample orders) the same-learning comparison runs from")  # fmt: skip
+                   help="initial weights the same-learning comparison runs from, one run each (the loaders "
+                        "go on with their sample order)")  # fmt: skip
     p.add_argument("--breakdown", type=int, default=0, metavar="N",
                    help="also time N batches per pipeline stage by stage (wait for the batch, forward, "
                         "backward, optimizer) and trace dsx's steps with torch.profiler: where a batch's time "
@@ -333,6 +335,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.merge and earlier.exists():
         kept = json.loads(earlier.read_text()).get("models", {})
         res["models"] = {m: r for m, r in kept.items() if m not in args.models.split(",")}
+        same = ("scale", "hidden", "heads", "batch_size", "fanouts")
+        for m, r in res["models"].items():
+            differ = {k: (r.get("config", {}).get(k), vars(args)[k]) for k in same
+                      if r.get("config", {}).get(k) != vars(args)[k]}  # fmt: skip
+            if differ:
+                raise SystemExit(
+                    f"--merge: {earlier} holds {m} run with other settings {differ} (theirs, this run's); "
+                    "run every model with the same settings, or write to another --out"
+                )
     in_ch = {target: data[target].x.size(1)}
     workers = [int(w) for w in args.pyg_workers.split(",") if w != ""]
     for model_name in args.models.split(","):

@@ -473,6 +473,13 @@ def _deepspeed_checkpointing(model: torch.nn.Module) -> None:
             args = [(i, v) for i, v in enumerate(a)] + list(kw.items())
             moving = [(k, v) for k, v in args if torch.is_tensor(v) and v.requires_grad]
             fixed = dict((k, v) for k, v in args if not (torch.is_tensor(v) and v.requires_grad))
+            nested = [k for k, v in fixed.items() if isinstance(v, (list, tuple, dict)) and any(
+                torch.is_tensor(t) and t.requires_grad for t in (v.values() if isinstance(v, dict) else v))]  # fmt: skip
+            if nested:
+                raise TypeError(f"ds_cpu_ckpt: inputs {nested} hold tensors that need gradients inside a container; "
+                                "DeepSpeed's checkpoint would not pass gradients to them")  # fmt: skip
+            if not moving:  # nothing for a gradient to flow through: a checkpoint would cut the layer off
+                return _orig(*a, **kw)
 
             def run(*xs: Any) -> Any:
                 given = {**fixed, **{k: x for (k, _), x in zip(moving, xs)}}

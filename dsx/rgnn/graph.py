@@ -261,9 +261,9 @@ def _validate(edge_index, edge_type, num_src, num_dst, num_relations, index_dtyp
             raise ValueError(
                 f"{name}={value} exceeds {limit} ({index_dtype}); use index_dtype=torch.int64 or split the graph"
             )
-    if num_src * num_relations > 2**62:
+    if max(num_src, num_dst) * num_relations > 2**62:
         raise ValueError(
-            f"num_nodes * num_relations = {num_src * num_relations} overflows the int64 pair key"
+            f"num_nodes * num_relations = {max(num_src, num_dst) * num_relations} overflows the int64 pair key"
         )
     if edge_index.shape[1] == 0 or checked:
         return

@@ -48,6 +48,8 @@ def test_the_layout_is_pygs_homogeneous_view(data, device) -> None:
         sizes = {t: b[t].num_nodes for t in b.node_types}
         edges = {e: ei.to(device) for e, ei in b.edge_index_dict.items()}
         layout = rg.typed_layout(sizes, edges, b.edge_types)
+        narrow = rg.typed_layout(sizes, {e: ei.int() for e, ei in edges.items()}, b.edge_types)
+        assert torch.equal(narrow.edge_index, layout.edge_index)
         h = b.to_homogeneous()
         assert layout.edge_index.device.type == device
         assert torch.equal(layout.edge_index.cpu(), h.edge_index)

@@ -175,6 +175,20 @@ def test_graph_keeps_only_required_fields():
     rg.clear_cache()
 
 
+def test_graph_maps_from_int32_ids_and_either_order_of_fields():
+    """int32 edge lists give the int64 graph of their int64 twins; 1/deg_r built after the destination pairs
+    (from their counts) equals 1/deg_r built alone (from each edge's key)."""
+    ei, et = rel_graph(seed=5)
+    rg.clear_cache()
+    wide = rg.prepare(ei, et, 23, 5, cache=False, needs=("inv_deg_rel",))
+    narrow = rg.prepare(ei.int(), et.int(), 23, 5, cache=False, needs=("inv_deg_rel",))
+    for name in ("dst_ptr", "src_row_idx", "src_rel_ptr", "edge_src_row", "inv_deg_rel"):
+        a, b = getattr(wide, name), getattr(narrow, name)
+        assert b.dtype == a.dtype and torch.equal(a, b), name
+    pairs_first = rg.prepare(ei, et, 23, 5, cache=False, needs=("edge_dst_row",)).require("inv_deg_rel")
+    torch.testing.assert_close(pairs_first.inv_deg_rel, wide.inv_deg_rel, rtol=0, atol=0)
+
+
 def test_prepare_cache_and_bad_input():
     ei, et = rel_graph()
     g = rg.prepare(ei, et, 23, 5)
