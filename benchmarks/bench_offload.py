@@ -451,15 +451,16 @@ def _allocator_counts() -> dict[str, int]:
     return {k: int(stats.get(k, 0)) for k in keys}
 
 
-def _deepspeed_checkpointing(model: torch.nn.Module) -> None:
+def _deepspeed_checkpointing(model: torch.nn.Module, in_cpu: bool = True) -> None:
     """DeepSpeed's activation checkpointing with ``cpu_checkpointing`` around every layer: full recompute,
-    the layer inputs it keeps moved to the host by DeepSpeed's ``_ActivationOffloadEngine``."""
+    the layer inputs it keeps moved to the host by DeepSpeed's ``_ActivationOffloadEngine`` (``in_cpu=False``:
+    kept on the device, DeepSpeed's plain activation checkpointing)."""
     import deepspeed
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
     from dsx.offload import find_layers
 
-    ds_ckpt.configure(None, partition_activations=False, checkpoint_in_cpu=True)
+    ds_ckpt.configure(None, partition_activations=False, checkpoint_in_cpu=in_cpu)
     for layer in find_layers(model, None):
         orig = layer.forward
 

@@ -5,13 +5,16 @@ and side streams. The bench runs it beside dsx on the Llama model."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from benchmarks import _hook_offload
 from dsx.models.llama import Llama, LlamaConfig
-from tests.harness import load_example
+from tests.harness import REPO, load_example
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 
@@ -79,3 +82,76 @@ def test_deepspeed_cpu_checkpointing_of_the_llama_model_gives_its_gradients() ->
     for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
         assert b.grad is not None, name
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+_KEYWORD_LAYERS = """
+import sys, torch
+from tests.harness import load_example
+mod = load_example("benchmarks/bench_offload.py", "bench_offload_ckpt")
+mod._init_distributed()
+
+
+class Block(torch.nn.Module):  # called as megatron calls its layers: the hidden states by keyword
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states, rope=None, pair=None):
+        self.calls = getattr(self, "calls", 0) + 1  # 2 per step under a checkpoint: forward, then recompute
+        out = torch.tanh(self.lin(hidden_states) * rope)
+        return out if pair is None else out + pair[0]
+
+
+class Net(torch.nn.Module):
+    def __init__(self, frozen_input=False):
+        super().__init__()
+        self.emb = torch.nn.Linear(4, 8)
+        self.emb.requires_grad_(not frozen_input)
+        self.layers = torch.nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x, pair=None):
+        rope = torch.linspace(0.5, 1.5, 8)  # shared by every layer, no gradient
+        h = self.emb(x)
+        for layer in self.layers:
+            h = layer(hidden_states=h, rope=rope, pair=pair)
+        return h.square().mean()
+
+
+x = torch.randn(5, 4)
+for frozen in (False, True):
+    torch.manual_seed(0)
+    plain, wrapped = Net(frozen), Net(frozen)
+    wrapped.load_state_dict(plain.state_dict())
+    mod._deepspeed_checkpointing(wrapped, in_cpu=False)
+    plain(x).backward()
+    wrapped(x).backward()
+    for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+        if a.grad is None:
+            assert b.grad is None, name
+            continue
+        assert b.grad is not None, f"{name}: no gradient through the wrapper (frozen input: {frozen})"
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+    # every layer checkpointed, but a first layer whose input needs no gradient (it runs plainly)
+    assert [layer.calls for layer in wrapped.layers] == [1 if frozen else 2, 2, 2], frozen
+try:
+    wrapped(x, pair=[torch.zeros(8, requires_grad=True)])
+except TypeError as exc:
+    assert "inside a container" in str(exc), exc
+else:
+    raise AssertionError("a gradient inside a container was accepted")
+print("KEYWORD-LAYERS-OK")
+"""
+
+
+def test_deepspeed_checkpointing_wrapper_passes_keyword_inputs(tmp_path) -> None:
+    """bench_offload's DeepSpeed checkpoint wrapper on layers called by keyword (as megatron calls them): the
+    hidden states go through the checkpoint, so gradients reach the layers before, also when the first
+    layer's input needs none; a tensor needing a gradient inside a container is refused. A child process:
+    DeepSpeed's checkpointing needs a process group, which this one must not keep."""
+    # a rank of its own: not the process group an in-process benchmark test may have left in this process's env
+    dist_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
+    env.update(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
+    out = subprocess.run([sys.executable, "-c", _KEYWORD_LAYERS], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0 and "KEYWORD-LAYERS-OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
