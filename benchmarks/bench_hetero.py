@@ -346,10 +346,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
     in_ch = {target: data[target].x.size(1)}
     workers = [int(w) for w in args.pyg_workers.split(",") if w != ""]
+    classes = int(data[target].y.max()) + 1
     for model_name in args.models.split(","):
-        torch.manual_seed(0)
-        model0 = HeteroClassifier(model_name, meta, in_ch, args.hidden, int(data[target].y.max()) + 1,
-                                  heads=args.heads, num_layers=len(fanouts))  # fmt: skip
+
+        def model_for(seed: int, layers: str = "dsx", model_name: str = model_name) -> torch.nn.Module:
+            """The model at ``seed``'s initial weights; ``layers="pyg"``: its PyG twin (same parameters)."""
+            torch.manual_seed(seed)
+            return HeteroClassifier(model_name, meta, in_ch, args.hidden, classes, heads=args.heads,
+                                    num_layers=len(fanouts), layers=layers)  # fmt: skip
+
+        model0 = model_for(0)
         out = res["models"][model_name] = {"config": vars(args), "runs": {}}
         pipes: list[_Pipeline] = []
         # PyG first: its workers fork before dsx registers host memory with CUDA
@@ -361,8 +367,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 loader = PygLoader(data, num_neighbors=fanouts, input_nodes=(target, train_idx),
                                    batch_size=args.batch_size, shuffle=True, num_workers=w,
                                    persistent_workers=w > 0)  # fmt: skip
-                twin = HeteroClassifier(model_name, meta, in_ch, args.hidden, int(data[target].y.max()) + 1,
-                                        heads=args.heads, num_layers=len(fanouts), layers="pyg")  # fmt: skip
+                twin = model_for(0, layers="pyg")
                 twin.load_state_dict(model0.state_dict())
                 pipe = _Pipeline(name, loader, twin, dev, target)
                 pipe.next_batch()  # starts the workers now; PyG without pyg-lib / torch-sparse fails here
@@ -429,12 +434,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         if args.learn_steps and "dsx_gpu" in by:
-
-            def model_for(seed: int, model_name: str = model_name) -> torch.nn.Module:
-                torch.manual_seed(seed)
-                return HeteroClassifier(model_name, meta, in_ch, args.hidden, int(data[target].y.max()) + 1,
-                                        heads=args.heads, num_layers=len(fanouts))  # fmt: skip
-
             out["learning"] = _same_learning(by, best, model_for, data, fanouts, val_idx, target, args)
         print(model_name, out["summary"], f"{time.perf_counter() - t0:.0f} s", flush=True)
         res["models"] = {m: res["models"][m] for m in sorted(res["models"], key=list(MODELS).index)}
