@@ -31,7 +31,7 @@ from dsx.direct.pipeline import (
     place_features,
     with_process_group,
 )
-from dsx.direct.sampler import to_csr
+from dsx.direct.sampler import check_csr, to_csr
 
 __all__ = ["DistributedHeteroNeighborLoader", "HeteroNeighborLoader", "fanouts_per_edge_type"]
 
@@ -65,8 +65,11 @@ class HeteroNeighborLoader(PipelinedLoader):
     Parameters
     ----------
     data:
-        ``HeteroData`` with ``edge_index`` per edge type (COO, row 0 source, row 1 destination) and, per node
-        type, ``x`` (a tensor or a :class:`dsx.direct.UnifiedTensor`, shared by several loaders and not
+        ``HeteroData`` with, per edge type, ``edge_index`` (COO, row 0 source, row 1 destination) or ``rowptr``
+        and ``col``, a CSR over destinations (``col[rowptr[v]:rowptr[v + 1]]`` are the sources of the edges
+        into node ``v``; int32 ``col`` halves its memory; its positions are the batches' ``e_id``): graphs whose
+        edge lists would not fit in host memory beside their features are built as CSRs (on the GPU), and, per
+        node type, ``x`` (a tensor or a :class:`dsx.direct.UnifiedTensor`, shared by several loaders and not
         closed by this one) and ``y`` where present; node types without ``x`` need ``num_nodes``. Other node
         and edge attributes are not carried into the batches.
     num_neighbors:
@@ -117,13 +120,20 @@ class HeteroNeighborLoader(PipelinedLoader):
         self.num_nodes = {t: self._node_count(data, t) for t in self.node_types}
         fanouts = fanouts_per_edge_type(num_neighbors, self.edge_types)
 
-        edge_index = {et: self._edge_index(data, et) for et in self.edge_types}
-        n_edges = sum(ei.shape[1] for ei in edge_index.values())
-        need = sum(8 * (self.num_nodes[et[2]] + 1) for et in self.edge_types) + 32 * n_edges
+        given = {et: self._given_csr(data, et) for et in self.edge_types}
+        edge_index = {et: self._edge_index(data, et) for et in self.edge_types if given[et] is None}
+        need = sum(8 * (self.num_nodes[et[2]] + 1) for et in self.edge_types)
+        need += 32 * sum(ei.shape[1] for ei in edge_index.values())  # + argsort, permutation, sort scratch
+        # given CSRs already on the device (built there) take no more memory there
+        need += sum(c.numel() * c.element_size() for rc in given.values() if rc is not None for c in rc
+                    if c.device != self.device)  # fmt: skip
         csr_dev = csr_device(self.csr_placement, self.device, need + 8 * sum(self.num_nodes.values()))
         csr, perm = {}, {}
-        for et, ei in edge_index.items():
-            rowptr, col, perm[et] = to_csr(ei, self.num_nodes[et[2]], csr_dev)
+        for et in self.edge_types:
+            if given[et] is not None:  # CSR positions are the edge ids (e_id)
+                csr[et] = tuple(c.to(csr_dev) for c in given[et])
+                continue
+            rowptr, col, perm[et] = to_csr(edge_index[et], self.num_nodes[et[2]], csr_dev)
             csr[et] = (rowptr, col)
         self.sampler = HeteroNeighborSampler(
             csr, self.num_nodes, fanouts, edge_id=perm, generator=self._generator(csr_dev)
@@ -151,6 +161,19 @@ class HeteroNeighborLoader(PipelinedLoader):
         if n is None:
             raise ValueError(f"node type {t!r} has neither x nor num_nodes: set data[{t!r}].num_nodes")
         return int(n)
+
+    def _given_csr(self, data: Any, et: EdgeType) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rowptr, col)`` where the edge type stores its CSR over destinations, validated; else None."""
+        store = data[et]
+        rowptr, col = getattr(store, "rowptr", None), getattr(store, "col", None)
+        if rowptr is None and col is None:
+            return None
+        if not isinstance(rowptr, torch.Tensor) or not isinstance(col, torch.Tensor):
+            raise ValueError(
+                f"edge type {et}: give both rowptr and col (a CSR over destinations), or edge_index"
+            )
+        check_csr(rowptr, col, self.num_nodes[et[2]], self.num_nodes[et[0]], f"edge type {et}")
+        return rowptr, col
 
     def _edge_index(self, data: Any, et: EdgeType) -> torch.Tensor:
         ei = getattr(data[et], "edge_index", None)

@@ -24,7 +24,7 @@ from dsx.direct.pipeline import (
     place_features,
     with_process_group,
 )
-from dsx.direct.sampler import NeighborSampler, to_csr
+from dsx.direct.sampler import NeighborSampler, check_csr, to_csr
 
 __all__ = ["DistributedNeighborLoader", "NeighborLoader"]
 
@@ -95,14 +95,20 @@ class NeighborLoader(PipelinedLoader):
         if get("rowptr") is not None:
             rowptr, col, perm = get("rowptr"), get("col"), None
             num_nodes = rowptr.numel() - 1
+            if col is None:
+                raise ValueError("data gives rowptr without col: a CSR over targets needs both")
+            check_csr(rowptr, col, num_nodes, num_nodes, "data's CSR (rowptr, col)")
         else:
             ei = get("edge_index")
             if ei is None:
                 raise ValueError("data needs edge_index (PyG Data) or rowptr/col (CSR over targets)")
             num_nodes = int(data.num_nodes) if not isinstance(data, dict) else int(x.shape[0])
             rowptr, col, perm = None, None, None
-        e = col.numel() if col is not None else get("edge_index").shape[1]
-        csr_dev = csr_device(self.csr_placement, self.device, 8 * (num_nodes + 1) + 8 * 4 * e)  # + perm, sort
+        if rowptr is None:  # to build: pointers, then per edge the sources, argsort, permutation and scratch
+            need = 8 * (num_nodes + 1) + 8 * 4 * get("edge_index").shape[1]
+        else:  # given: its own bytes, none if it is on the device already
+            need = sum(t.numel() * t.element_size() for t in (rowptr, col) if t.device != self.device)
+        csr_dev = csr_device(self.csr_placement, self.device, need)
         if rowptr is None:
             rowptr, col, perm = to_csr(get("edge_index"), num_nodes, csr_dev)
         else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -96,7 +97,9 @@ def with_process_group(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def csr_device(placement: str, device: torch.device, need_bytes: int) -> torch.device:
     """Where a loader builds its CSR: ``"auto"`` puts it on ``device`` when ``need_bytes`` fit in half the
-    free GPU memory (sampling then runs there), else in host memory; ``"gpu"`` / ``"host"`` force it."""
+    free GPU memory (sampling then runs there), else in host memory, with a warning: sampling on the CPU is
+    an order of magnitude slower; ``"gpu"`` / ``"host"`` force it. Free memory counts what torch's caching
+    allocator holds unused (after building a graph on the GPU, that can be most of it)."""
     if placement not in ("auto", "gpu", "host"):
         raise ValueError(f"csr_placement must be 'auto', 'gpu' or 'host', got {placement!r}")
     if placement == "host" or device.type != "cuda":
@@ -104,7 +107,16 @@ def csr_device(placement: str, device: torch.device, need_bytes: int) -> torch.d
     if placement == "gpu":
         return device
     free, _ = torch.cuda.mem_get_info(device)
-    return device if need_bytes < free // 2 else torch.device("cpu")
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if need_bytes < free // 2:
+        return device
+    warnings.warn(
+        f"dsx loader: the graph's CSR needs {need_bytes / 1e9:.1f} GB, more than half the free memory of "
+        f"{device} ({free / 1e9:.1f} GB): it stays in host memory and sampling runs on the CPU, much slower; "
+        "csr_placement='gpu' puts it on the GPU anyway",
+        stacklevel=3,
+    )
+    return torch.device("cpu")
 
 
 def place_features(

@@ -27,6 +27,7 @@ from dsx.direct.floyd import floyd
 __all__ = [
     "NeighborSampler",
     "SampledSubgraph",
+    "check_csr",
     "claim_nodes",
     "fanout_take",
     "floyd",
@@ -249,3 +250,34 @@ def to_csr(edge_index: torch.Tensor, num_nodes: int, device: torch.device | str 
     rowptr = torch.zeros(num_nodes + 1, dtype=torch.long, device=ei.device)
     torch.cumsum(counts, 0, out=rowptr[1:])
     return rowptr, col, perm
+
+
+def check_csr(rowptr: torch.Tensor, col: torch.Tensor, num_dst: int, num_src: int, what: str = "CSR") -> None:
+    """Raise ``ValueError`` naming ``what`` unless ``(rowptr, col)`` is a CSR over ``num_dst`` destinations
+    whose ``col`` holds source ids in ``[0, num_src)``: one host read, on the arrays' device. A bad pointer or
+    id would make the sampler read another node's neighbours or outside the arrays."""
+    if rowptr.dim() != 1 or rowptr.numel() != num_dst + 1 or col.dim() != 1:
+        raise ValueError(
+            f"{what}: rowptr must be 1-D of num_nodes + 1 = {num_dst + 1} entries and col 1-D; got "
+            f"{tuple(rowptr.shape)} and {tuple(col.shape)}"
+        )
+    if rowptr.is_floating_point() or col.is_floating_point() or rowptr.dtype == torch.bool:
+        raise ValueError(
+            f"{what}: rowptr and col must be integer tensors, got {rowptr.dtype} and {col.dtype}"
+        )
+    if rowptr.device != col.device:
+        raise ValueError(
+            f"{what}: rowptr and col must be on one device, got {rowptr.device} and {col.device}"
+        )
+    zero = torch.zeros((), dtype=torch.long, device=col.device)
+    lo, hi = (col.min().long(), col.max().long()) if col.numel() else (zero, zero)
+    first, last = rowptr[0].long(), rowptr[-1].long()
+    falls = (rowptr[1:] < rowptr[:-1]).any().long()
+    lo, hi, first, last, falls = torch.stack([lo, hi, first, last, falls]).tolist()
+    if first != 0 or last != col.numel() or falls:
+        raise ValueError(
+            f"{what}: rowptr must start at 0, never decrease and end at len(col) = {col.numel()}; it starts at "
+            f"{first}, ends at {last}" + (" and decreases somewhere" if falls else "")
+        )
+    if col.numel() and (lo < 0 or hi >= num_src):
+        raise ValueError(f"{what}: source ids in col lie in [{lo}, {hi}], outside [0, {num_src})")

@@ -207,6 +207,53 @@ def test_pyg_options_and_bad_arguments_fail_with_names(data) -> None:
         HeteroNeighborLoader(bad, [2], "paper")
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_edge_types_given_as_csrs_sample_the_same_batches(data, device) -> None:
+    """Edge types stored as ``rowptr`` / ``col`` (int32 or int64 sources) give the batches that their edge
+    lists give, with CSR positions as ``e_id``."""
+    as_csr, perm = hetero_graph(), {}
+    for i, et in enumerate(as_csr.edge_types):
+        if i % 2 == 0:  # half the types: a graph may mix the two forms
+            rowptr, col, perm[et] = to_csr(as_csr[et].edge_index, as_csr[et[2]].num_nodes)
+            del as_csr[et].edge_index
+            as_csr[et].rowptr, as_csr[et].col = rowptr, col.int() if i % 4 == 0 else col
+    kw = dict(batch_size=16, shuffle=True, seed=2, device=device, prefetch=0)
+    coo = HeteroNeighborLoader(data, [3, 2], ("paper", None), **kw)
+    csr = HeteroNeighborLoader(as_csr, [3, 2], ("paper", None), **kw)
+    batches = 0
+    for a, b in zip(coo, csr, strict=True):
+        for et, p in perm.items():
+            assert torch.equal(a[et].e_id.cpu(), p[b[et].e_id.cpu()])  # CSR position p is edge perm[p]
+            b[et].e_id = a[et].e_id
+        assert _same(a, b)
+        batches += 1
+    assert batches == len(coo) > 1
+
+
+def test_a_bad_csr_is_named(data) -> None:
+    def with_csr(**change) -> HeteroData:
+        g = hetero_graph()
+        rowptr, col, _ = to_csr(g[CITES].edge_index, 90)
+        del g[CITES].edge_index
+        g[CITES].rowptr, g[CITES].col = change.get("rowptr", rowptr), change.get("col", col)
+        return g
+
+    rowptr, col, _ = to_csr(data[CITES].edge_index, 90)
+    cases = {
+        r"1-D of num_nodes \+ 1 = 91": with_csr(rowptr=rowptr[:-1]),
+        r"end at len\(col\) = 390; it starts at 0, ends at 389": with_csr(col=torch.cat([col, col[:1]])),
+        "decreases": with_csr(rowptr=rowptr.index_put((torch.tensor([3]),), rowptr[10])),
+        r"source ids in col lie in \[0, 90\], outside \[0, 90\)": with_csr(
+            col=col.index_fill(0, col[:1] * 0, 90)
+        ),
+        "integer": with_csr(col=col.float()),
+        "give both rowptr and col": with_csr(col=None),
+    }
+    for message, g in cases.items():
+        with pytest.raises(ValueError, match=rf"\('paper', 'cites', 'paper'\).*{message}"):
+            HeteroNeighborLoader(g, [2], "paper")
+
+
 def test_seed_inputs_and_types_without_features(data) -> None:
     plain = HeteroData()  # "field" has neither x nor y: only its ids come back
     plain["paper"].x, plain["field"].num_nodes = data["paper"].x, 12

@@ -282,3 +282,25 @@ def test_a_closed_loader_still_gives_correct_batches(data) -> None:
     assert len(again) == len(first)
     for b in again:
         assert torch.equal(b.x.cpu(), data.x[b.n_id.cpu()])
+
+
+@pytest.mark.gpu
+def test_auto_csr_placement_counts_memory_torch_holds_unused() -> None:
+    """After a graph is built on the GPU, torch's allocator keeps the scratch it freed: "auto" must count it as
+    free (it once did not, and a CSR that fitted went to host memory, sampling on the CPU); a CSR that does not
+    fit goes to host memory with a warning that says so."""
+    from dsx.direct.pipeline import csr_device
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    free0, _ = torch.cuda.mem_get_info(dev)
+    block = torch.empty(int(free0 * 0.6), dtype=torch.uint8, device=dev)
+    del block  # cached by torch, unused
+    free, _ = torch.cuda.mem_get_info(dev)
+    need = int(0.45 * free0)
+    assert need > free // 2  # what the driver alone reports would send it to the host
+    assert csr_device("auto", dev, need) == dev
+    with pytest.warns(UserWarning, match="sampling runs on the CPU"):
+        assert csr_device("auto", dev, 2 * free0) == torch.device("cpu")
+    assert csr_device("gpu", dev, 2 * free0) == dev and csr_device("host", dev, 1) == torch.device("cpu")
+    torch.cuda.empty_cache()
