@@ -51,6 +51,41 @@ def test_synthetic_mag_has_the_schema_counts_and_structure() -> None:
         synthetic_mag(0.001, homophily=1.5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_csr_layout_holds_the_same_edges_as_the_edge_lists(device) -> None:
+    """``layout="csr"`` on the CPU draws the same numbers as ``"coo"``: the same edge multiset per type, each
+    reverse type the transpose; on a GPU, another draw of the same shape. Splits follow ``split``."""
+    kw = dict(paper_features=8, num_classes=20, seed=1, split=(0.1, 0.05, 0.0))
+    coo, csr = synthetic_mag(0.003, **kw), synthetic_mag(0.003, layout="csr", device=device, **kw)
+    for et in coo.edge_types:
+        rowptr, col = csr[et].rowptr, csr[et].col
+        assert "edge_index" not in csr[et] and col.dtype == torch.int32 and rowptr.device.type == device
+        dst = torch.repeat_interleave(torch.arange(rowptr.numel() - 1, device=device), rowptr.diff())
+        pairs = torch.stack([col.long(), dst]).cpu()
+        assert pairs.size(1) == coo[et].edge_index.size(1)
+        assert pairs.max() < max(csr[t].num_nodes for t in csr.node_types)
+        if device == "cpu":
+            key = lambda e: torch.sort(e[0] * 10**7 + e[1]).values  # noqa: E731
+            assert torch.equal(key(pairs), key(coo[et].edge_index)), et
+        if et[1].startswith("rev_"):
+            fwd = (et[2], et[1][4:], et[0])
+            f_dst = torch.repeat_interleave(torch.arange(csr[fwd].rowptr.numel() - 1, device=device),
+                                            csr[fwd].rowptr.diff())  # fmt: skip
+            a = torch.sort(f_dst * 10**7 + csr[fwd].col.long()).values
+            assert torch.equal(a, torch.sort(col.long() * 10**7 + dst).values), (
+                f"{et} is not {fwd}'s transpose"
+            )
+    store = csr["paper"]
+    assert store.x.device.type == "cpu" and store.test_mask.sum() == 0
+    assert 0.07 < store.train_mask.float().mean() < 0.13 and not bool(
+        (store.train_mask & store.val_mask).any()
+    )
+    with pytest.raises(ValueError, match="split"):
+        synthetic_mag(0.001, split=(0.9, 0.2, 0.0))
+    with pytest.raises(ValueError, match="layout"):
+        synthetic_mag(0.001, layout="csc")
+
+
 @pytest.mark.slow
 def test_the_example_learns_and_pygs_layers_take_the_same_steps(tmp_path) -> None:
     ex = load_example("examples/rgnn/train_sampled.py")

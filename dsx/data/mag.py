@@ -15,7 +15,8 @@ cited by, and its authors' other papers, are strong ones: accuracy rises with tr
 neighbours than without.
 
 Cost: a few vectorised passes over the edges; 8 s on the H100 machine's CPU and 2 GB of host memory (int64
-edge lists) at ``scale=1``.
+edge lists) at ``scale=1``. ``layout="csr", device="cuda"`` builds the edges on the GPU as CSRs (4 bytes an
+edge), for scales whose edge lists would not fit in host memory beside the features.
 """
 
 from __future__ import annotations
@@ -47,13 +48,24 @@ def synthetic_mag(
     homophily: float = 0.8,
     noise: float = 2.0,
     feature_dtype: torch.dtype = torch.float32,
+    split: tuple[float, float, float] = (0.8, 0.1, 0.1),
+    layout: str = "coo",
+    device: str | torch.device = "cpu",
     seed: int = 0,
 ) -> HeteroData:
     """Build the graph at ``scale`` times ogbn-mag's counts (at least ``2 * num_classes`` nodes per type).
 
-    ``data["paper"]`` carries ``x [N, paper_features]`` (``feature_dtype``), ``y [N]`` and ``train_mask`` /
-    ``val_mask`` / ``test_mask`` (80 / 10 / 10 %); the other node types carry ``num_nodes`` only. Edge
-    types are ``MAG_EDGES`` and their reverses; ``edge_index`` row 0 is the source.
+    ``data["paper"]`` carries ``x [N, paper_features]`` (``feature_dtype``, in host memory), ``y [N]`` and
+    ``train_mask`` / ``val_mask`` / ``test_mask`` drawn with the fractions ``split`` (ogbn-mag's 80 / 10 / 10 %
+    by default; MAG240M labels about 1 % of its papers); the other node types carry ``num_nodes`` only. Edge
+    types are ``MAG_EDGES`` and their reverses.
+
+    ``layout="coo"``: each edge type's ``edge_index`` (row 0 the source), in host memory. ``layout="csr"``:
+    each edge type's ``rowptr`` and ``col``, a CSR over destinations (int32 sources where they fit), left on
+    ``device``, as ``dsx.direct.HeteroNeighborLoader`` takes it: 4 bytes an edge instead of 16, no host copy
+    of the edges, so graphs whose edge lists would not fit in host memory beside their features (billions of
+    edges) can be built on a GPU; the reverse types are the exact transposes. The numbers are drawn on
+    ``device``, so another device (or layout, at large scales) gives another graph of the same statistics.
     """
     from torch_geometric.data import HeteroData
 
@@ -65,50 +77,105 @@ def synthetic_mag(
         raise ValueError(
             f"need num_classes >= 2 and paper_features >= 1, got {num_classes}, {paper_features}"
         )
-    gen = torch.Generator().manual_seed(seed)
+    if len(split) != 3 or min(split) < 0 or sum(split) > 1 + 1e-9:
+        raise ValueError(f"split={split}: three fractions (train, val, test) >= 0 with a sum <= 1")
+    if layout not in ("coo", "csr"):
+        raise ValueError(f"layout={layout!r}: 'coo' (edge_index) or 'csr' (rowptr, col)")
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(seed)
     n = {t: max(int(c * scale), 2 * num_classes) for t, c in MAG_NODES.items()}
     data = HeteroData()
     for t, c in n.items():
         data[t].num_nodes = c
     for (src, name, dst), count in MAG_EDGES.items():
         m = max(int(count * scale), 1)
-        s = _skewed(n[src], m, gen)
-        d = _skewed(n[dst], m, gen)
-        if src in _CLASSED and dst in _CLASSED:
-            # within the venue: a skewed id of the source's class (ids c, c + C, c + 2C, ... hold class c)
-            same = torch.rand(m, generator=gen) < homophily
-            c = s % num_classes
-            slots = torch.div(n[dst] - 1 - c, num_classes, rounding_mode="floor") + 1
-            within = (slots.double() * torch.rand(m, generator=gen, dtype=torch.float64) ** 2).long()
-            d = torch.where(same, within * num_classes + c, d)
-        # per edge type hubs: a shift by whole classes keeps every id's class
-        s = _shift(s, n[src], num_classes, gen)
-        d = _shift(d, n[dst], num_classes, gen)
-        ei = torch.stack([s, d])
-        data[src, name, dst].edge_index = ei
-        data[dst, f"rev_{name}", src].edge_index = ei.flip(0)
+        s, d = _edges(n[src], n[dst], m, src in _CLASSED and dst in _CLASSED, num_classes, homophily, gen)
+        if layout == "coo":
+            ei = torch.stack([s, d]).cpu()
+            del s, d
+            data[src, name, dst].edge_index = ei
+            data[dst, f"rev_{name}", src].edge_index = ei.flip(0)
+            continue
+        data[src, name, dst].rowptr, data[src, name, dst].col = _csr(d, s, n[dst], n[src])
+        data[dst, f"rev_{name}", src].rowptr, data[dst, f"rev_{name}", src].col = _csr(s, d, n[src], n[dst])
+        del s, d
     p = n["paper"]
     y = torch.arange(p) % num_classes
-    emb = torch.randn(num_classes, paper_features, generator=gen)
-    x = emb[y] + noise * torch.randn(p, paper_features, generator=gen)
-    data["paper"].x = x.to(feature_dtype)
+    emb = torch.randn(num_classes, paper_features, generator=gen, device=dev)
+    x = torch.empty(p, paper_features, dtype=feature_dtype)
+    rows = max(1, _CHUNK_BYTES // (4 * paper_features))
+    for lo in range(0, p, rows):  # in slices: the table may be most of host memory and not fit on the device
+        hi = min(p, lo + rows)
+        z = torch.randn(hi - lo, paper_features, generator=gen, device=dev).mul_(noise)
+        x[lo:hi].copy_(z.add_(emb[y[lo:hi].to(dev)]).to(feature_dtype))
+        del z
+    data["paper"].x = x
     data["paper"].y = y
-    split = torch.rand(p, generator=gen)
-    data["paper"].train_mask = split < 0.8
-    data["paper"].val_mask = (split >= 0.8) & (split < 0.9)
-    data["paper"].test_mask = split >= 0.9
+    u = torch.rand(p, generator=gen, device=dev).cpu()
+    a, b, c = split
+    data["paper"].train_mask = u < a
+    data["paper"].val_mask = (u >= a) & (u < a + b)
+    data["paper"].test_mask = (u >= a + b) & (u < a + b + c)
     return data
+
+
+# Edges drawn per slice of this many, feature rows per slice of this many fp32 bytes: bounds the temporaries
+# at billions of edges or a host-sized table, and at ogbn-mag's size one slice each, so the graph is the one
+# drawn at once.
+_CHUNK = 1 << 25
+_CHUNK_BYTES = 1 << 30
+
+
+def _edges(
+    ns: int, nd: int, m: int, classed: bool, classes: int, homophily: float, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``m`` (source, destination) ids: skewed endpoints; between classed types, within the source's venue
+    with probability ``homophily``; then each side's hubs moved per edge type."""
+    dev = gen.device
+    ss, ds = [], []
+    for lo in range(0, m, _CHUNK):
+        k = min(m, lo + _CHUNK) - lo
+        s = _skewed(ns, k, gen)
+        d = _skewed(nd, k, gen)
+        if classed:
+            # within the venue: a skewed id of the source's class (ids c, c + C, c + 2C, ... hold class c)
+            same = torch.rand(k, generator=gen, device=dev) < homophily
+            c = s % classes
+            slots = torch.div(nd - 1 - c, classes, rounding_mode="floor") + 1
+            within = (
+                slots.double() * torch.rand(k, generator=gen, device=dev, dtype=torch.float64) ** 2
+            ).long()
+            d = torch.where(same, within * classes + c, d)
+            del same, c, slots, within
+        ss.append(s)
+        ds.append(d)
+    s, d = (ss[0], ds[0]) if len(ss) == 1 else (torch.cat(ss), torch.cat(ds))
+    del ss, ds
+    # per edge type hubs: a shift by whole classes keeps every id's class
+    return _shift(s, ns, classes, gen), _shift(d, nd, classes, gen)
+
+
+def _csr(
+    dst: torch.Tensor, src: torch.Tensor, num_dst: int, num_src: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR over destinations: ``(rowptr int64, col)``, ``col`` int32 where the source ids fit."""
+    key, order = torch.sort(dst)
+    rowptr = torch.searchsorted(key, torch.arange(num_dst + 1, device=dst.device))
+    del key
+    col = src[order].to(torch.int32 if num_src <= torch.iinfo(torch.int32).max else torch.long)
+    return rowptr, col
 
 
 def _skewed(n: int, m: int, gen: torch.Generator) -> torch.Tensor:
     """``m`` ids in ``[0, n)``, low ids favoured (density ∝ 1 / sqrt(id)): a few hubs, a long tail."""
-    return (n * torch.rand(m, generator=gen, dtype=torch.float64) ** 2).long().clamp_(max=n - 1)
+    u = torch.rand(m, generator=gen, device=gen.device, dtype=torch.float64)
+    return u.pow_(2).mul_(n).long().clamp_(max=n - 1)
 
 
 def _shift(ids: torch.Tensor, n: int, classes: int, gen: torch.Generator) -> torch.Tensor:
     """Rotate ids by a random multiple of ``classes`` within the largest multiple of it that ``n`` holds, so
     that each edge type has its own hubs and every id keeps its class (ids beyond stay where they are)."""
     span = (n // classes) * classes
-    k = int(torch.randint(0, max(1, span // classes), (1,), generator=gen)) * classes
+    k = int(torch.randint(0, max(1, span // classes), (1,), generator=gen, device=gen.device)) * classes
     inside = ids < span
     return torch.where(inside, (ids + k) % max(span, 1), ids)
