@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # dsx's checks on a GPU machine, as named suites; each fits one 10-minute command on one H100.
-#   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | hetero | offload | offload-ssd | main | wheel
+#   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | hetero | hetero-scale | hetero-large |
+#                                         offload | offload-ssd | main | wheel
 # Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
 # docs/performance.md cites) and a copy to $OUT/results/. docs/performance.md, "GPU suites", says what each runs.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|offload|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -44,6 +45,15 @@ case $suite in
            # HGT, whose PyG learning runs alone take minutes, can have a command of its own: hetero hgt
     run bench-hetero 560 python benchmarks/bench_hetero.py --out "$RES" --models "${2:-rgcn,rgat}" --merge \
       --batches 8 --warmup 2 --repeats 3 --pyg-workers 4,8,12; keep bench_hetero ;;
+  hetero-scale)  # on 2+ GPUs: the mini-batch example under deepspeed on 1 and 2 GPUs, 3 interleaved repeats
+    [ "$ngpu" -ge 2 ] || { log "hetero-scale needs 2 GPUs, found $ngpu"; exit 1; }
+    run bench-hetero-scale 560 python benchmarks/bench_hetero_scale.py --out "$RES" --gpus 1,2 --repeats 3 \
+      --timeout 150 -- --model "${2:-rgcn}" --scale 1 --epochs 2; keep bench_hetero_scale ;;
+  hetero-large)  # paper features (768-dim bf16) 1.07x this GPU's memory, in host memory; the graph built on the GPU
+    scale=$(python -c "import math, torch; print(math.ceil(1.07 * torch.cuda.get_device_properties(0).total_memory / (736389 * 1536)))")
+    run bench-hetero-large 560 python benchmarks/bench_hetero_scale.py --out "$RES" --name bench_hetero_large \
+      --gpus 1 --repeats 1 --timeout 540 -- --model "${2:-rgcn}" --scale "$scale" --features 768 --feature-dtype bf16 \
+      --graph-layout csr --split 0.01,0.001,0.001 --epochs 2 --loader-probe 20; keep bench_hetero_large ;;
   offload)  # every strategy at hidden 2048, micro-batch 8, each in its own process; the planner's frontier on it
     run bench-offload 540 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 --child-timeout 80 \
       --configs none recompute save_on_cpu ds_cpu_ckpt megatron_selective dsx_host_sel dsx_auto_budget_sel \

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scale", type=float, default=0.005, help="graph size relative to ogbn-mag")
     p.add_argument("--classes", type=int, default=349, help="paper classes of the generated graph")
     p.add_argument("--features", type=int, default=128, help="paper feature width of the generated graph")
+    p.add_argument("--feature-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="paper feature dtype of the generated graph (bf16: 768-dim as MAG240M's)")  # fmt: skip
+    p.add_argument("--split", default="0.8,0.1,0.1",
+                   help="train,val,test fractions of the generated graph's papers (MAG240M labels about 1%%)")  # fmt: skip
+    p.add_argument("--graph-layout", choices=["coo", "csr"], default="coo",
+                   help="generated graph: coo (edge lists in host memory) or csr (built on this rank's GPU, "
+                        "4 bytes an edge: for graphs whose edge lists would not fit in host memory)")  # fmt: skip
+    p.add_argument("--loader-probe", type=int, default=0, metavar="N",
+                   help="before training, time N batches of the loader alone (sampling and feature gathers) and "
+                        "record the last one's size: what share of a step the data takes")  # fmt: skip
     p.add_argument("--dataset", default=None, help="a torch.save'd torch_geometric HeteroData instead")
     p.add_argument("--target", default="paper", help="the node type whose labels are learned")
     p.add_argument("--hidden", type=int, default=64, help="hidden size")
@@ -76,9 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _load(args: argparse.Namespace) -> Any:
     if not args.dataset:
+        split = tuple(float(f) for f in args.split.split(","))
+        on_gpu = args.graph_layout == "csr" and torch.cuda.is_available()
         return synthetic_mag(
-            args.scale, paper_features=args.features, num_classes=args.classes, seed=args.seed
-        )
+            args.scale, paper_features=args.features, num_classes=args.classes, seed=args.seed, split=split,
+            feature_dtype=torch.bfloat16 if args.feature_dtype == "bf16" else torch.float32,
+            layout=args.graph_layout, device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu",
+        )  # fmt: skip
     data = torch.load(args.dataset, weights_only=False)
     store = data[args.target]
     if getattr(store, "x", None) is None or getattr(store, "y", None) is None:
@@ -89,6 +104,38 @@ def _load(args: argparse.Namespace) -> Any:
     elif getattr(store, "val_mask", None) is None:
         store.val_mask = ~store.train_mask
     return data
+
+
+def _num_edges(store: Any) -> int:
+    ei = getattr(store, "edge_index", None)
+    return int(ei.size(1)) if ei is not None else int(store.col.numel())
+
+
+def _probe_loader(loader: Any, n: int) -> dict[str, Any]:
+    """ms a batch of ``loader`` alone over ``n`` batches (after one; at most the epoch's), and the last batch's
+    size."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    n = min(n, len(loader) - 1)
+    if n < 1:
+        return {"error": f"the loader has {len(loader)} batch(es) an epoch: nothing to time after the first"}
+    it = iter(loader)
+    b = next(it)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        b = next(it)
+    sync()
+    ms = 1e3 * (time.perf_counter() - t0) / n
+    x_bytes = sum(v.numel() * v.element_size() for v in b.x_dict.values())
+    return {"batches": n, "ms_per_batch": ms, "nodes": {t: int(b[t].num_nodes) for t in b.node_types},
+            "edges": int(sum(b[e].edge_index.size(1) for e in b.edge_types)), "feature_mb": x_bytes / 1e6,
+            "feature_gb_per_s": x_bytes / 1e6 / ms}  # fmt: skip
+
+
+def _graph_gpu_gb(data: Any) -> float:
+    """GB of the graph's arrays already on a GPU (the CSRs of ``--graph-layout csr``)."""
+    arrays = [v for s in data.edge_stores for v in s.values() if isinstance(v, torch.Tensor) and v.is_cuda]
+    return sum(a.numel() * a.element_size() for a in arrays) / 1e9
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -129,26 +176,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.layers == "dsx" and args.prepare_graph == "loader"
         else None
     )
+    graph_gb = _graph_gpu_gb(data)  # generated there (--graph-layout csr) or to be built there by the loader
     train = DistributedHeteroNeighborLoader(
         data, fanouts, (target, data[target].train_mask), bs, shuffle=True, transform=prep, **kw
     )
     val = DistributedHeteroNeighborLoader(data, fanouts, (target, data[target].val_mask), bs, **kw)
+    if (
+        engine.device.type == "cuda"
+    ):  # the peak reported is training's: graph, model, batches (not generation's)
+        torch.cuda.reset_peak_memory_stats(engine.device)
 
     def forward(b: Any) -> tuple[torch.Tensor, torch.Tensor]:
         k = b[target].batch_size
         nodes = {t: b[t].num_nodes for t in b.node_types}
         return engine(b.x_dict, b.edge_index_dict, nodes)[:k], b[target].y[:k]
 
+    probe = _probe_loader(train, args.loader_probe) if args.loader_probe else None
     history, losses = fit(engine, train, val, forward, args.epochs, max_batches=args.max_batches,
                           progress=rank == 0 and not args.no_progress, log=rank == 0)  # fmt: skip
     peak = torch.cuda.max_memory_allocated() / 1e9 if engine.device.type == "cuda" else None
     summary = {
         "model": args.model, "layers": args.layers, "world_size": world, "feature_placement": args.feature_placement,
         "nodes": {t: int(data[t].num_nodes) for t in data.node_types},
-        "edges": {"__".join(e): int(data[e].edge_index.size(1)) for e in data.edge_types},
+        "edges": {"__".join(e): _num_edges(data[e]) for e in data.edge_types},
+        "feature_gb": {t: data[t].x.nbytes / 1e9 for t in in_channels}, "graph_layout": args.graph_layout,
+        "generated_graph_gpu_gb": graph_gb,
+        "gpu_total_gb": torch.cuda.get_device_properties(engine.device).total_memory / 1e9
+        if engine.device.type == "cuda" else None,
         "fanouts": fanouts, "batch_size": bs, "history": history, "first_val_acc": history[0]["val_acc"],
         "final_val_acc": history[-1]["val_acc"], "epoch_s": min(h["epoch_s"] for h in history),
-        "peak_gpu_gb": peak, "losses": [float(x) for x in losses], "param_digest": param_digest(engine.module),
+        "peak_gpu_gb": peak, "loader_probe": probe, "sampling_device": str(train.sampler.device), "losses": [float(x) for x in losses], "param_digest": param_digest(engine.module),
     }  # fmt: skip
     if rank == 0:
         print(
