@@ -7,6 +7,10 @@ layers (``dsx.rgnn``) run on every batch's typed subgraph. Data parallel on 1..N
     deepspeed --num_gpus 2 examples/rgnn/train_sampled.py --model rgat --scale 1
     python examples/rgnn/train_sampled.py --model hgt                    # one process, a small graph
     ... --layers pyg     # the same model on torch_geometric's layers (PyG's RGCNConv / RGATConv / HGTConv)
+    # paper features beyond an H100's memory (768-dim bf16, 91.6 GB in host memory), the graph (3.4B edges)
+    # built on the GPU as CSRs, 1 % of the papers labelled as in MAG240M:
+    deepspeed --num_gpus 1 examples/rgnn/train_sampled.py --scale 81 --features 768 --feature-dtype bf16 \
+        --graph-layout csr --split 0.01,0.001,0.001 --epochs 2
 
 The graph is ``dsx.data.mag.synthetic_mag`` (``--scale 1``: ogbn-mag's node and edge counts; paper labels
 that its typed neighbourhood predicts better than its own features). ``--dataset FILE`` takes a
