@@ -122,9 +122,9 @@ class HeteroNeighborLoader(PipelinedLoader):
 
         given = {et: self._given_csr(data, et) for et in self.edge_types}
         edge_index = {et: self._edge_index(data, et) for et in self.edge_types if given[et] is None}
-        need = sum(8 * (self.num_nodes[et[2]] + 1) for et in self.edge_types)
-        need += 32 * sum(ei.shape[1] for ei in edge_index.values())  # + argsort, permutation, sort scratch
-        # given CSRs already on the device (built there) take no more memory there
+        # to build: pointers, then per edge the sources, argsort, permutation and sort scratch; given CSRs
+        # take their own bytes, none if already on the device (built there)
+        need = sum(8 * (self.num_nodes[et[2]] + 1) + 32 * ei.shape[1] for et, ei in edge_index.items())
         need += sum(c.numel() * c.element_size() for rc in given.values() if rc is not None for c in rc
                     if c.device != self.device)  # fmt: skip
         csr_dev = csr_device(self.csr_placement, self.device, need + 8 * sum(self.num_nodes.values()))
@@ -179,7 +179,8 @@ class HeteroNeighborLoader(PipelinedLoader):
         ei = getattr(data[et], "edge_index", None)
         if not isinstance(ei, torch.Tensor) or ei.dim() != 2 or ei.shape[0] != 2:
             raise ValueError(
-                f"edge type {et} needs edge_index, a [2, E] tensor (adj_t / SparseTensor unsupported)"
+                f"edge type {et} needs edge_index, a [2, E] tensor, or rowptr and col, a CSR over "
+                "destinations (adj_t / SparseTensor unsupported)"
             )
         if ei.numel():  # once, at construction: a bad id would index another node's row of the CSR or map
             lo_s, hi_s, lo_d, hi_d = (

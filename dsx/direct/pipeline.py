@@ -98,7 +98,7 @@ def with_process_group(kwargs: dict[str, Any]) -> dict[str, Any]:
 def csr_device(placement: str, device: torch.device, need_bytes: int) -> torch.device:
     """Where a loader builds its CSR: ``"auto"`` puts it on ``device`` when ``need_bytes`` fit in half the
     free GPU memory (sampling then runs there), else in host memory, with a warning: sampling on the CPU is
-    an order of magnitude slower; ``"gpu"`` / ``"host"`` force it. Free memory counts what torch's caching
+    slower; ``"gpu"`` / ``"host"`` force it. Free memory counts what torch's caching
     allocator holds unused (after building a graph on the GPU, that can be most of it)."""
     if placement not in ("auto", "gpu", "host"):
         raise ValueError(f"csr_placement must be 'auto', 'gpu' or 'host', got {placement!r}")
@@ -112,7 +112,7 @@ def csr_device(placement: str, device: torch.device, need_bytes: int) -> torch.d
         return device
     warnings.warn(
         f"dsx loader: the graph's CSR needs {need_bytes / 1e9:.1f} GB, more than half the free memory of "
-        f"{device} ({free / 1e9:.1f} GB): it stays in host memory and sampling runs on the CPU, much slower; "
+        f"{device} ({free / 1e9:.1f} GB): it stays in host memory and sampling runs on the CPU, slower; "
         "csr_placement='gpu' puts it on the GPU anyway",
         stacklevel=3,
     )

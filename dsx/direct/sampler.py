@@ -261,10 +261,8 @@ def check_csr(rowptr: torch.Tensor, col: torch.Tensor, num_dst: int, num_src: in
             f"{what}: rowptr must be 1-D of num_nodes + 1 = {num_dst + 1} entries and col 1-D; got "
             f"{tuple(rowptr.shape)} and {tuple(col.shape)}"
         )
-    if rowptr.is_floating_point() or col.is_floating_point() or rowptr.dtype == torch.bool:
-        raise ValueError(
-            f"{what}: rowptr and col must be integer tensors, got {rowptr.dtype} and {col.dtype}"
-        )
+    if rowptr.dtype not in (torch.int32, torch.int64) or col.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what}: rowptr and col must be int32 or int64, got {rowptr.dtype} and {col.dtype}")
     if rowptr.device != col.device:
         raise ValueError(
             f"{what}: rowptr and col must be on one device, got {rowptr.device} and {col.device}"

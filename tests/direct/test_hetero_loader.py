@@ -246,7 +246,7 @@ def test_a_bad_csr_is_named(data) -> None:
         r"source ids in col lie in \[0, 90\], outside \[0, 90\)": with_csr(
             col=col.index_fill(0, col[:1] * 0, 90)
         ),
-        "integer": with_csr(col=col.float()),
+        "int32 or int64": with_csr(col=col.float()),
         "give both rowptr and col": with_csr(col=None),
     }
     for message, g in cases.items():

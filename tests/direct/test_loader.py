@@ -286,9 +286,9 @@ def test_a_closed_loader_still_gives_correct_batches(data) -> None:
 
 @pytest.mark.gpu
 def test_auto_csr_placement_counts_memory_torch_holds_unused() -> None:
-    """After a graph is built on the GPU, torch's allocator keeps the scratch it freed: "auto" must count it as
-    free (it once did not, and a CSR that fitted went to host memory, sampling on the CPU); a CSR that does not
-    fit goes to host memory with a warning that says so."""
+    """Blocks torch's allocator holds unused (the scratch of a graph built on the GPU) are free for a CSR:
+    counting only the memory the driver reports free would send a CSR that fits to host memory, sampling on
+    the CPU. A CSR that does not fit goes there with a warning that says so."""
     from dsx.direct.pipeline import csr_device
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -304,3 +304,24 @@ def test_auto_csr_placement_counts_memory_torch_holds_unused() -> None:
         assert csr_device("auto", dev, 2 * free0) == torch.device("cpu")
     assert csr_device("gpu", dev, 2 * free0) == dev and csr_device("host", dev, 1) == torch.device("cpu")
     torch.cuda.empty_cache()
+
+
+def test_a_given_csr_samples_as_the_edge_list_and_a_bad_one_is_named(data) -> None:
+    from dsx.direct.sampler import to_csr
+
+    rowptr, col, perm = to_csr(data.edge_index, data.num_nodes)
+    csr = {"rowptr": rowptr, "col": col.int(), "x": data.x, "y": data.y}
+    kw = dict(batch_size=64, shuffle=True, seed=3, prefetch=0)
+    for a, b in zip(NeighborLoader(data, [4, 3], **kw), NeighborLoader(csr, [4, 3], **kw), strict=True):
+        assert torch.equal(a.n_id, b.n_id) and torch.equal(a.edge_index, b.edge_index)
+        assert torch.equal(a.e_id, perm[b.e_id])  # the CSR's positions, the edge list's ids
+    bad = {
+        "rowptr without col": {"rowptr": rowptr},
+        "1-D of num_nodes": {"rowptr": rowptr.view(1, -1), "col": col},
+        "int32 or int64": {"rowptr": rowptr, "col": col.float()},
+        "never decrease": {"rowptr": rowptr.flip(0), "col": col},
+        r"outside \[0, 1200\)": {"rowptr": rowptr, "col": col.index_fill(0, torch.tensor([7]), 1200)},
+    }
+    for message, given in bad.items():
+        with pytest.raises(ValueError, match=message):
+            NeighborLoader({**given, "x": data.x}, [2])
