@@ -65,7 +65,7 @@ def synthetic_mag(
     ``device``, as ``dsx.direct.HeteroNeighborLoader`` takes it: 4 bytes an edge instead of 16, no host copy
     of the edges, so graphs whose edge lists would not fit in host memory beside their features (billions of
     edges) can be built on a GPU; the reverse types are the exact transposes. The numbers are drawn on
-    ``device``, so another device (or layout, at large scales) gives another graph of the same statistics.
+    ``device``: another device gives another graph of the same statistics, either layout the same one.
     """
     from torch_geometric.data import HeteroData
 
@@ -119,9 +119,9 @@ def synthetic_mag(
     return data
 
 
-# Edges drawn per slice of this many, feature rows per slice of this many fp32 bytes: bounds the temporaries
-# at billions of edges or a host-sized table, and at ogbn-mag's size one slice each, so the graph is the one
-# drawn at once.
+# Edges drawn per slice of this many, feature rows per slice of this many fp32 bytes: the draws' temporaries
+# stay per slice (what is left is the ids, 16 bytes an edge, and the sort of one edge type), and at ogbn-mag's
+# size there is one slice each, so the graph is the one drawn at once.
 _CHUNK = 1 << 25
 _CHUNK_BYTES = 1 << 30
 
@@ -132,7 +132,8 @@ def _edges(
     """``m`` (source, destination) ids: skewed endpoints; between classed types, within the source's venue
     with probability ``homophily``; then each side's hubs moved per edge type."""
     dev = gen.device
-    ss, ds = [], []
+    s_all = torch.empty(m, dtype=torch.long, device=dev)
+    d_all = torch.empty(m, dtype=torch.long, device=dev)
     for lo in range(0, m, _CHUNK):
         k = min(m, lo + _CHUNK) - lo
         s = _skewed(ns, k, gen)
@@ -147,23 +148,24 @@ def _edges(
             ).long()
             d = torch.where(same, within * classes + c, d)
             del same, c, slots, within
-        ss.append(s)
-        ds.append(d)
-    s, d = (ss[0], ds[0]) if len(ss) == 1 else (torch.cat(ss), torch.cat(ds))
-    del ss, ds
+        s_all[lo : lo + k] = s
+        d_all[lo : lo + k] = d
+        del s, d
     # per edge type hubs: a shift by whole classes keeps every id's class
-    return _shift(s, ns, classes, gen), _shift(d, nd, classes, gen)
+    _shift(s_all, ns, classes, gen)
+    _shift(d_all, nd, classes, gen)
+    return s_all, d_all
 
 
 def _csr(
     dst: torch.Tensor, src: torch.Tensor, num_dst: int, num_src: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CSR over destinations: ``(rowptr int64, col)``, ``col`` int32 where the source ids fit."""
-    key, order = torch.sort(dst)
-    rowptr = torch.searchsorted(key, torch.arange(num_dst + 1, device=dst.device))
+    fits = lambda n: n <= torch.iinfo(torch.int32).max  # noqa: E731
+    key, order = torch.sort(dst.int() if fits(num_dst) else dst)  # int32 keys: half the sort's memory
+    rowptr = torch.searchsorted(key, torch.arange(num_dst + 1, device=dst.device, dtype=key.dtype)).long()
     del key
-    col = src[order].to(torch.int32 if num_src <= torch.iinfo(torch.int32).max else torch.long)
-    return rowptr, col
+    return rowptr, (src.int() if fits(num_src) else src)[order]
 
 
 def _skewed(n: int, m: int, gen: torch.Generator) -> torch.Tensor:
@@ -172,10 +174,12 @@ def _skewed(n: int, m: int, gen: torch.Generator) -> torch.Tensor:
     return u.pow_(2).mul_(n).long().clamp_(max=n - 1)
 
 
-def _shift(ids: torch.Tensor, n: int, classes: int, gen: torch.Generator) -> torch.Tensor:
-    """Rotate ids by a random multiple of ``classes`` within the largest multiple of it that ``n`` holds, so
-    that each edge type has its own hubs and every id keeps its class (ids beyond stay where they are)."""
+def _shift(ids: torch.Tensor, n: int, classes: int, gen: torch.Generator) -> None:
+    """Rotate ids, in place, by a random multiple of ``classes`` within the largest multiple of it that ``n``
+    holds, so that each edge type has its own hubs and every id keeps its class (ids beyond stay where they
+    are); in slices, so that the temporaries stay small at billions of edges."""
     span = (n // classes) * classes
     k = int(torch.randint(0, max(1, span // classes), (1,), generator=gen, device=gen.device)) * classes
-    inside = ids < span
-    return torch.where(inside, (ids + k) % max(span, 1), ids)
+    for lo in range(0, ids.numel(), _CHUNK):
+        part = ids[lo : lo + _CHUNK]
+        part.copy_(torch.where(part < span, (part + k) % max(span, 1), part))
