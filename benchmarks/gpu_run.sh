@@ -50,7 +50,16 @@ case $suite in
     run bench-hetero-scale 560 python benchmarks/bench_hetero_scale.py --out "$RES" --gpus 1,2 --repeats 3 \
       --timeout 150 -- --model "${2:-rgcn}" --scale 1 --epochs 2; keep bench_hetero_scale ;;
   hetero-large)  # paper features (768-dim bf16) 1.07x this GPU's memory, in host memory; the graph built on the GPU
-    scale=$(python -c "import math, torch; print(math.ceil(1.07 * torch.cuda.get_device_properties(0).total_memory / (736389 * 1536)))")
+    scale=$(python -c "
+import math, sys, torch
+from dsx.data.mag import MAG_NODES
+row = 768 * 2  # bytes of a 768-dim bf16 paper row
+scale = math.ceil(1.07 * torch.cuda.get_device_properties(0).total_memory / (MAG_NODES['paper'] * row))
+avail = int(next(l for l in open('/proc/meminfo') if l.startswith('MemAvailable')).split()[1]) * 1024
+need = scale * MAG_NODES['paper'] * row
+if need > 0.85 * avail:
+    sys.exit(f'{need / 1e9:.0f} GB of features beyond this GPU are more than 85 % of the host memory available ({avail / 1e9:.0f} GB)')
+print(scale)") || { log "hetero-large: not run: the host cannot hold features beyond this GPU's memory"; exit 1; }
     run bench-hetero-large 560 python benchmarks/bench_hetero_scale.py --out "$RES" --name bench_hetero_large \
       --gpus 1 --repeats 1 --timeout 540 -- --model "${2:-rgcn}" --scale "$scale" --features 768 --feature-dtype bf16 \
       --graph-layout csr --split 0.01,0.001,0.001 --epochs 2 --loader-probe 20; keep bench_hetero_large ;;

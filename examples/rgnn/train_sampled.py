@@ -116,14 +116,20 @@ def _num_edges(store: Any) -> int:
 
 
 def _probe_loader(loader: Any, n: int) -> dict[str, Any]:
-    """ms a batch of ``loader`` alone over ``n`` batches (after one; at most the epoch's), and the last batch's
-    size."""
+    """ms a batch of ``loader`` alone over ``n`` batches, and the last batch's size. The clock starts once the
+    batches prepared ahead are taken (``prefetch`` of them, and the first), so that it times batches made while
+    it runs; at most the epoch's batches after those. It draws from the loader's sampler: a run with the probe
+    trains on other batches than one without."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    n = min(n, len(loader) - 1)
+    ahead = 1 + loader.prefetch
+    n = min(n, len(loader) - ahead)
     if n < 1:
-        return {"error": f"the loader has {len(loader)} batch(es) an epoch: nothing to time after the first"}
+        return {
+            "error": f"the loader has {len(loader)} batch(es) an epoch: none to time after the first {ahead}"
+        }
     it = iter(loader)
-    b = next(it)
+    for _ in range(ahead):
+        b = next(it)
     sync()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -132,8 +138,7 @@ def _probe_loader(loader: Any, n: int) -> dict[str, Any]:
     ms = 1e3 * (time.perf_counter() - t0) / n
     x_bytes = sum(v.numel() * v.element_size() for v in b.x_dict.values())
     return {"batches": n, "ms_per_batch": ms, "nodes": {t: int(b[t].num_nodes) for t in b.node_types},
-            "edges": int(sum(b[e].edge_index.size(1) for e in b.edge_types)), "feature_mb": x_bytes / 1e6,
-            "feature_gb_per_s": x_bytes / 1e6 / ms}  # fmt: skip
+            "edges": int(sum(b[e].edge_index.size(1) for e in b.edge_types)), "feature_mb": x_bytes / 1e6}  # fmt: skip
 
 
 def _graph_gpu_gb(data: Any) -> float:
@@ -180,14 +185,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.layers == "dsx" and args.prepare_graph == "loader"
         else None
     )
-    graph_gb = _graph_gpu_gb(data)  # generated there (--graph-layout csr) or to be built there by the loader
+    graph_gb = _graph_gpu_gb(data)  # generated there (--graph-layout csr); 0 for edge lists
+    generation_peak = torch.cuda.max_memory_allocated() / 1e9 if engine.device.type == "cuda" else None
     train = DistributedHeteroNeighborLoader(
         data, fanouts, (target, data[target].train_mask), bs, shuffle=True, transform=prep, **kw
     )
     val = DistributedHeteroNeighborLoader(data, fanouts, (target, data[target].val_mask), bs, **kw)
-    if (
-        engine.device.type == "cuda"
-    ):  # the peak reported is training's: graph, model, batches (not generation's)
+    # the peak reported is training's (graph, model, batches), apart from the generation's
+    if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
 
     def forward(b: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,14 +207,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary = {
         "model": args.model, "layers": args.layers, "world_size": world, "feature_placement": args.feature_placement,
         "nodes": {t: int(data[t].num_nodes) for t in data.node_types},
-        "edges": {"__".join(e): _num_edges(data[e]) for e in data.edge_types},
+        "edges": {"__".join(e): _num_edges(data[e]) for e in data.edge_types}, "batches_per_epoch": len(train),
+        "generation_peak_gpu_gb": generation_peak,
         "feature_gb": {t: data[t].x.nbytes / 1e9 for t in in_channels}, "graph_layout": args.graph_layout,
         "generated_graph_gpu_gb": graph_gb,
         "gpu_total_gb": torch.cuda.get_device_properties(engine.device).total_memory / 1e9
         if engine.device.type == "cuda" else None,
         "fanouts": fanouts, "batch_size": bs, "history": history, "first_val_acc": history[0]["val_acc"],
         "final_val_acc": history[-1]["val_acc"], "epoch_s": min(h["epoch_s"] for h in history),
-        "peak_gpu_gb": peak, "loader_probe": probe, "sampling_device": str(train.sampler.device), "losses": [float(x) for x in losses], "param_digest": param_digest(engine.module),
+        "peak_gpu_gb": peak, "loader_probe": probe, "sampling_device": str(train.sampler.device),
+        "losses": [float(x) for x in losses], "param_digest": param_digest(engine.module),
     }  # fmt: skip
     if rank == 0:
         print(

@@ -32,3 +32,15 @@ def test_jobs_on_one_and_two_ranks_and_a_failing_one(tmp_path) -> None:
     assert bad["runs"]["1"]["failed"] == 1 and bad["runs"]["1"]["epoch_s"] is None
     assert "exit status" in job["error"] and "split" in job["log_tail"]
     assert (tmp_path / "bad.png").stat().st_size > 0
+
+
+def test_a_job_past_its_timeout_is_stopped_with_its_ranks(tmp_path) -> None:
+    import subprocess
+
+    mod = load_example("benchmarks/bench_hetero_scale.py")
+    res = mod.main(["--out", str(tmp_path), "--name", "slow", "--gpus", "2", "--repeats", "1", "--timeout", "4",
+                    "--", *TINY, "--epochs", "1000"])  # fmt: skip
+    job = res["runs"]["2"]["jobs"][0]
+    assert job["error"] == "timed out after 4 s" and res["runs"]["2"]["failed"] == 1
+    left = subprocess.run(["pgrep", "-f", "examples/rgnn/train_sampled.py"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", f"ranks left running: {left.stdout}"
