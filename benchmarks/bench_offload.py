@@ -49,6 +49,13 @@ import _kernel_trace
 import _memory_trace
 from _common import add_common_args, environment, host_probe_s, save_png, write_json
 from _hook_offload import SavedTensorOffload
+from _megatron_offload import (
+    OFFLOAD_SETS,
+    hold_te_offload_flag,
+    offload_bytes,
+    reset_offload,
+    start_offload_step,
+)
 
 import dsx
 from dsx.models.gpt import GPT, GPTConfig
@@ -63,6 +70,10 @@ CONFIGS = [
     "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_auto_budget", "dsx_auto_budget_sel", "dsx_auto_hide", "dsx_auto_hide_sel",
     "none_copies",
 ]  # fmt: skip
+# megatron-core's fine-grained activation offloading of one set of sub-modules (llama model, megatron on a GPU;
+# _megatron_offload.py): asked for by name, not in the default list
+MEGATRON_OFFLOAD = [f"megatron_offload_{k}" for k in OFFLOAD_SETS]
+ALL_CONFIGS = CONFIGS + MEGATRON_OFFLOAD
 # configs whose steps take seconds (bandwidth-bound copies): fewer steps, same warm-up rule
 SLOW = ("save_on_cpu", "hooks_offload", "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_host")
 NEEDS_BUDGET = ("dsx_auto_budget", "dsx_auto_budget_sel")
@@ -116,6 +127,10 @@ def _model(args: argparse.Namespace, name: str) -> torch.nn.Module:
     granularity = "selective" if name == "megatron_selective" else None
     if args.model == "llama":
         cfg = _llama_config(args)
+        if name in MEGATRON_OFFLOAD:
+            modules = OFFLOAD_SETS[name.removeprefix("megatron_offload_")]
+            return build_megatron_llama(cfg, seed=0, bf16=True, offload_modules=modules,
+                                        offload_fraction=args.megatron_offload_fraction)  # fmt: skip
         if _megatron(args):
             return build_megatron_llama(cfg, seed=0, bf16=True, recompute_granularity=granularity)
         return Llama(cfg, seed=0)
@@ -168,6 +183,12 @@ def _section(
 def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float | None) -> dict[str, Any]:
     if name == "megatron_selective" and not _megatron(args):
         raise RuntimeError(f"megatron_selective needs megatron-core on a GPU ({megatron_available()[1]})")
+    megatron_offload = name in MEGATRON_OFFLOAD
+    if megatron_offload and not (_megatron(args) and args.model == "llama"):
+        raise RuntimeError(
+            f"{name} needs --model llama and megatron-core on a GPU ({megatron_available()[1]})"
+        )
+    te_flag_held = hold_te_offload_flag() if megatron_offload else None
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if name == "ds_cpu_ckpt" and dev.type != "cuda":
         # DeepSpeed copies a checkpointed input "to the host" and then empties the input: on a CPU device
@@ -203,7 +224,12 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         "hooks_offload": lambda: SavedTensorOffload(min_bytes=1 << 16),
     }.get(name, contextlib.nullcontext)
 
+    if megatron_offload:
+        reset_offload()  # (its first step records the groups; the warm-up covers it)
+
     def train_step(eng: Any) -> torch.Tensor:  # the engine is passed: run_one deletes its name at the end
+        if megatron_offload:
+            start_offload_step()
         with ctx():
             loss = eng(inp, tgt)
         eng.backward(loss)
@@ -320,6 +346,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             traced_s = time.perf_counter() - t0
         prof.export_chrome_trace(str(path))
         kernel_trace = {"path": str(path), "step_s": traced_s, **_kernel_trace.summarize(path)}
+    offloaded = offload_bytes() if megatron_offload else None
     if rt:
         rt.close()
     copied_gb = None
@@ -339,6 +366,9 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             "measured_window_unix": window, "step_times_s": times, "gc_in_measured_steps": gc_clock.summary(),
             "host_probe_s": host_probe, "dsx_path": str(Path(dsx.__file__).parent),
             **({"copied_gb_per_step": copied_gb} if copied_gb is not None else {}),
+            **({"megatron_offload": {"modules": OFFLOAD_SETS[name.removeprefix("megatron_offload_")],
+                                     "fraction": args.megatron_offload_fraction, "bytes_per_group": offloaded,
+                                     "te_flag_holder": te_flag_held}} if megatron_offload else {}),
             **({"kernel_trace": kernel_trace} if kernel_trace else {}),
             **({"checksum_GBps": _checksum_GBps(dev)} if name.startswith("dsx_ssd") else {}),
             **({"memory_trace": memory} if memory else {})}  # fmt: skip
@@ -547,7 +577,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ),
     )
     add_common_args(p)
-    p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    p.add_argument("--configs", nargs="+", default=CONFIGS, choices=ALL_CONFIGS,
+                   help=f"strategies; also, by name: {', '.join(MEGATRON_OFFLOAD)} (megatron-core's fine-grained "
+                        "activation offloading of those sub-modules, --model llama on a GPU)")  # fmt: skip
+    p.add_argument("--megatron-offload-fraction", type=float, default=1.0,
+                   help="megatron_offload_*: megatron's activation_offload_fraction")  # fmt: skip
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=16)
@@ -576,7 +610,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--offload-optimizer", action="store_true",
                    help="ZeRO-2 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam)")  # fmt: skip
     p.add_argument("--child-timeout", type=float, default=120.0, help="seconds per config (own process)")
-    p.add_argument("--one", choices=CONFIGS, help=argparse.SUPPRESS)  # a child: run one config, print JSON
+    p.add_argument(
+        "--one", choices=ALL_CONFIGS, help=argparse.SUPPRESS
+    )  # a child: run one config, print JSON
     p.add_argument("--auto-budget-gb", type=float, default=None,
                    help="activation budget (GB) for the dsx_auto_budget configs, times --budget-scales, instead of "
                         "full recompute's peak at the same micro-batch (a micro-batch sweep past what fits)")  # fmt: skip
@@ -673,10 +709,10 @@ def _micro_batches(args: argparse.Namespace) -> dict[str, list[int]]:
     per: dict[str, list[int]] = {}
     for item in args.micro_batches or []:
         name, _, sizes = item.rpartition("=")
-        if name and name not in CONFIGS:
-            raise SystemExit(f"--micro-batches: unknown config {name!r}; choose from {CONFIGS}")
+        if name and name not in ALL_CONFIGS:
+            raise SystemExit(f"--micro-batches: unknown config {name!r}; choose from {ALL_CONFIGS}")
         (per.setdefault(name, []) if name else every).extend(int(v) for v in sizes.split(","))
-    return {c: sorted(per.get(c) or every or [args.micro_batch]) for c in CONFIGS}
+    return {c: sorted(per.get(c) or every or [args.micro_batch]) for c in ALL_CONFIGS}
 
 
 def _hide_written_gb(results: list[dict[str, Any]], mb: int) -> float | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -140,18 +141,30 @@ def sdpa_core_attention() -> type[nn.Module]:
 
 
 def build_megatron_llama(
-    cfg: LlamaConfig, seed: int = 0, bf16: bool = True, recompute_granularity: str | None = None
+    cfg: LlamaConfig,
+    seed: int = 0,
+    bf16: bool = True,
+    recompute_granularity: str | None = None,
+    offload_modules: Sequence[str] = (),
+    offload_fraction: float = 1.0,
 ) -> MegatronGPT:
     """The Llama-style decoder of :class:`dsx.models.LlamaConfig` built with megatron-core (RMSNorm, RoPE,
     grouped-query attention, SwiGLU, no biases) and :func:`sdpa_core_attention` as its core attention. Build it
     after ``torch.distributed`` is initialised. ``recompute_granularity="selective"``: megatron-core's own
-    selective recompute (the core attention recomputed in backward)."""
+    selective recompute (the core attention recomputed in backward). ``offload_modules``: megatron-core's
+    fine-grained activation offloading (0.19 and later) of those sub-modules' saved tensors, the share
+    ``offload_fraction`` of them; its training loop must start every step with megatron's
+    ``FineGrainedActivationOffloadingInterface.reset()``, and without TransformerEngine megatron needs a holder
+    for TE's offload flag (``benchmarks/_megatron_offload.py``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     _init_megatron(seed)
     dtype = torch.bfloat16 if bf16 else torch.float32
+    # (only when asked: megatron-core before 0.19 has no such fields)
+    offload = {"fine_grained_activation_offloading": True, "offload_modules": list(offload_modules),
+               "activation_offload_fraction": offload_fraction} if offload_modules else {}  # fmt: skip
     config = TransformerConfig(
         num_layers=cfg.layers,
         hidden_size=cfg.hidden,
@@ -171,6 +184,7 @@ def build_megatron_llama(
         pipeline_dtype=dtype,
         bf16=bf16,
         recompute_granularity=recompute_granularity,
+        **offload,
     )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
