@@ -6,7 +6,9 @@ data: no offload; full recompute (dsx ``recompute_all``: torch checkpointing per
 layer); megatron-core's selective recompute (core attention only); torch ``save_on_cpu(pin_memory=True)``;
 ``hooks_offload``, a saved-tensor-hook offload with pinned buffers and side streams as torchtune describes
 its ``OffloadActivations`` (``_hook_offload.py``: a baseline written here, not dsx);
-dsx host tier; dsx SSD tier; dsx ``auto`` with a budget equal to full recompute's measured peak; dsx ``auto``
+``megatron_offload_<set>`` (asked for by name), megatron-core's own fine-grained activation offloading of a
+set of each layer's sub-modules (``_megatron_offload.py``: it runs without TransformerEngine through a holder
+for TE's offload flag, megatron's code unchanged); dsx host tier; dsx SSD tier; dsx ``auto`` with a budget equal to full recompute's measured peak; dsx ``auto``
 with no budget (hide only); and the dsx configs again with ``recompute_modules`` (``_sel``: the core
 attention recomputed, the rest kept or moved per layer). ``none_copies`` is no offload with as many bytes
 copied to the host in forward and back in backward as the hide-only plan moved, on side streams and without
