@@ -6,8 +6,8 @@ with ``offload_modules``) is megatron's own saved-tensor-hook offload: the tenso
 each layer save for backward are copied to pinned host memory on a side stream after their forward and back
 before their backward; ``activation_offload_fraction`` offloads that share of them. Its hook context also sets
 TransformerEngine's ``cpu_offload.CPUOffloadEnabled`` on entry and clears it on exit (only TE's own layers read
-it), and without TransformerEngine it raises "TE CPU offload is not available" instead. TE's wheel (276 MB)
-cannot be carried to the benchmark's GPU machine, and the benchmark's model has no TE layer, so
+it), and without TransformerEngine it raises "TE CPU offload is not available" instead. TransformerEngine is not
+among dsx's dependencies (``dsx[llm]``), and the benchmark's model has no TE layer, so
 :func:`hold_te_offload_flag` gives megatron a plain object that holds the flag: megatron's offload code runs
 unchanged. Installing a stand-in ``transformer_engine`` package instead would turn on megatron's TE code paths
 elsewhere (FP8 utilities, fused layers) and break them.
@@ -21,7 +21,14 @@ from __future__ import annotations
 
 import types
 
-__all__ = ["OFFLOAD_SETS", "hold_te_offload_flag", "offload_bytes", "reset_offload", "start_offload_step"]
+__all__ = [
+    "OFFLOAD_SETS",
+    "hold_te_offload_flag",
+    "offload_bytes",
+    "release_offload",
+    "reset_offload",
+    "start_offload_step",
+]
 
 # Named ``offload_modules`` sets of a dense decoder layer (megatron refuses attn_proj without core_attn; its
 # other names are MoE sub-modules): each module alone, the attention's output pair, and all five.
@@ -36,11 +43,15 @@ OFFLOAD_SETS: dict[str, list[str]] = {
 
 
 def hold_te_offload_flag() -> bool:
-    """Give megatron an object holding TE's ``CPUOffloadEnabled`` flag where TE is absent; True if it did."""
+    """Give megatron an object holding TE's ``CPUOffloadEnabled`` flag where TE is absent; True if megatron
+    uses this holder (installed now or by an earlier call), False if it flips TransformerEngine's own flag."""
     import megatron.core.extensions.transformer_engine as te_ext
 
-    if getattr(te_ext, "cpu_offload", None) is not None:
-        return False  # TransformerEngine is installed: megatron flips its real flag
+    held = getattr(te_ext, "cpu_offload", None)
+    if isinstance(held, types.SimpleNamespace):
+        return True
+    if held is not None:
+        return False  # TransformerEngine is installed
     te_ext.cpu_offload = types.SimpleNamespace(CPUOffloadEnabled=False)
     return True
 
@@ -63,8 +74,16 @@ def start_offload_step() -> None:
     FineGrainedActivationOffloadingInterface.reset()
 
 
+def release_offload() -> None:
+    """Drop megatron's offload manager (its streams and pinned pool), so that the next model starts afresh."""
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
+
+    PipelineOffloadManager.OFFLOAD_MGR = None
+
+
 def offload_bytes() -> dict[str, int]:
-    """Bytes offloaded per sub-module group in a step after the warm-up (empty before it ends)."""
+    """Bytes per sub-module group that megatron plans to offload each step, sized in its warm-up step (empty
+    before the warm-up ends)."""
     from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
 
     return dict(getattr(PipelineOffloadManager.get_instance(), "_offload_summary_bytes", None) or {})

@@ -17,6 +17,7 @@ epoch-rate ratio of every count over one GPU. Arguments after ``--`` go to the e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -72,8 +73,8 @@ def _launch(n: int, extra: list[str], timeout: float, cuda: bool) -> dict[str, A
         cmd = [*launcher, "--num_gpus" if cuda else "--num_accelerators", str(n), "--master_port",
                str(_free_port()), str(EXAMPLE), *extra, "--no-progress", "--log-json", str(log_json)]  # fmt: skip
         t0 = time.perf_counter()
-        # a session of its own: on a timeout the launcher's ranks go too, or they would hold the GPUs (and
-        # their memory) through the repeats after
+        # a process group of its own, stopped whole on a timeout or an interruption: the launcher's ranks would
+        # otherwise hold the GPUs (and their memory) through the repeats after
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 errors="replace", start_new_session=True)  # fmt: skip
         try:
@@ -83,8 +84,12 @@ def _launch(n: int, extra: list[str], timeout: float, cuda: bool) -> dict[str, A
             try:
                 log, _ = proc.communicate(timeout=15)
             except subprocess.TimeoutExpired:  # a process of the job still holds its output
-                return {"error": f"timed out after {timeout:.0f} s, and processes of the job outlived it"}
-            return {"error": f"timed out after {timeout:.0f} s", "log_tail": log[-3000:]}
+                return {"error": f"timed out after {timeout:.0f} s, and processes of the job outlived it",
+                        "pgid": proc.pid}  # fmt: skip
+            return {"error": f"timed out after {timeout:.0f} s", "log_tail": log[-3000:], "pgid": proc.pid}
+        except BaseException:  # Ctrl-C, or the SIGTERM main() turns into SystemExit
+            _kill_group(proc)
+            raise
         wall = time.perf_counter() - t0
         if proc.returncode != 0 or not log_json.exists():
             return {"error": f"exit status {proc.returncode}", "log_tail": log[-3000:]}
@@ -93,18 +98,22 @@ def _launch(n: int, extra: list[str], timeout: float, cuda: bool) -> dict[str, A
     return {**summary, "job_s": wall}
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the job's process group, SIGKILL what is left after 10 s."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+def _kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM every process of the job's group (the launcher leads it); SIGKILL those left after ``grace`` s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    end = time.monotonic() + grace
+    while time.monotonic() < end:
+        proc.poll()  # reap the launcher: a zombie would keep the group alive
         try:
-            os.killpg(proc.pid, sig)
+            os.killpg(proc.pid, 0)
         except ProcessLookupError:
             return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
@@ -186,7 +195,12 @@ def plot(res: dict[str, Any], out: str, name: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args, extra = parse_args(argv)
-    res = run(args, extra)
+    # a SIGTERM (a suite's timeout) unwinds as SystemExit, so that the running job is stopped with its ranks
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        res = run(args, extra)
+    finally:
+        signal.signal(signal.SIGTERM, before)
     write_json(res, args.out, args.name)
     plot(res, args.out, args.name)
     return res

@@ -8,7 +8,8 @@ layer); megatron-core's selective recompute (core attention only); torch ``save_
 its ``OffloadActivations`` (``_hook_offload.py``: a baseline written here, not dsx);
 ``megatron_offload_<set>`` (asked for by name), megatron-core's own fine-grained activation offloading of a
 set of each layer's sub-modules (``_megatron_offload.py``: it runs without TransformerEngine through a holder
-for TE's offload flag, megatron's code unchanged); dsx host tier; dsx SSD tier; dsx ``auto`` with a budget equal to full recompute's measured peak; dsx ``auto``
+for TE's offload flag, megatron's code unchanged); dsx host tier; dsx SSD tier; dsx ``auto`` with a budget
+equal to full recompute's measured peak; dsx ``auto``
 with no budget (hide only); and the dsx configs again with ``recompute_modules`` (``_sel``: the core
 attention recomputed, the rest kept or moved per layer). ``none_copies`` is no offload with as many bytes
 copied to the host in forward and back in backward as the hide-only plan moved, on side streams and without
@@ -55,6 +56,7 @@ from _megatron_offload import (
     OFFLOAD_SETS,
     hold_te_offload_flag,
     offload_bytes,
+    release_offload,
     reset_offload,
     start_offload_step,
 )
@@ -188,7 +190,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     megatron_offload = name in MEGATRON_OFFLOAD
     if megatron_offload and not (_megatron(args) and args.model == "llama"):
         raise RuntimeError(
-            f"{name} needs --model llama and megatron-core on a GPU ({megatron_available()[1]})"
+            f"{name} needs --model llama, no --quick, and megatron-core on a GPU ({megatron_available()[1]})"
         )
     te_flag_held = hold_te_offload_flag() if megatron_offload else None
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -249,6 +251,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     # policy auto: the warm-up also covers the profiled step and the re-plans after a measured overshoot,
     # so that the measured steps run the plan that settled
     warmup = args.warmup
+    if megatron_offload:  # megatron's first step records its groups and offloads every one of them
+        warmup = max(warmup, 1)
     if name.startswith("dsx_auto"):
         from dsx.offload import MAX_CALIBRATIONS
 
@@ -348,7 +352,10 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             traced_s = time.perf_counter() - t0
         prof.export_chrome_trace(str(path))
         kernel_trace = {"path": str(path), "step_s": traced_s, **_kernel_trace.summarize(path)}
-    offloaded = offload_bytes() if megatron_offload else None
+    offloaded = None
+    if megatron_offload:
+        offloaded = offload_bytes()
+        release_offload()
     if rt:
         rt.close()
     copied_gb = None

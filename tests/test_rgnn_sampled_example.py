@@ -54,8 +54,9 @@ def test_synthetic_mag_has_the_schema_counts_and_structure() -> None:
 
 
 def test_the_default_graph_stays_the_same() -> None:
-    """Benchmarks compare runs across versions of this generator: its draws at the default settings are pinned
-    (a digest of every edge list and the paper fields at a small scale)."""
+    """Benchmarks compare runs across versions of this generator: its default draw sequence (homophily, noise,
+    the edge-list layout, the CPU) is pinned by a digest of every edge list and the paper fields at a small
+    scale. A change of torch's CPU random numbers would trip it too."""
     d = synthetic_mag(0.003, paper_features=8, num_classes=20, seed=1)
     h = hashlib.sha256()
     for et in d.edge_types:

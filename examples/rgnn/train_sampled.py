@@ -116,20 +116,15 @@ def _num_edges(store: Any) -> int:
 
 
 def _probe_loader(loader: Any, n: int) -> dict[str, Any]:
-    """ms a batch of ``loader`` alone over ``n`` batches, and the last batch's size. The clock starts once the
-    batches prepared ahead are taken (``prefetch`` of them, and the first), so that it times batches made while
-    it runs; at most the epoch's batches after those. It draws from the loader's sampler: a run with the probe
-    trains on other batches than one without."""
+    """ms a batch of ``loader`` alone over ``n`` batches after the first (at most the epoch's), and the last
+    batch's size: the rate of the loader's thread, which makes one batch at a time. It draws from the loader's
+    sampler: a run with the probe trains on other batches than one without."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    ahead = 1 + loader.prefetch
-    n = min(n, len(loader) - ahead)
+    n = min(n, len(loader) - 1)
     if n < 1:
-        return {
-            "error": f"the loader has {len(loader)} batch(es) an epoch: none to time after the first {ahead}"
-        }
+        return {"error": f"the loader has {len(loader)} batch(es) an epoch: nothing to time after the first"}
     it = iter(loader)
-    for _ in range(ahead):
-        b = next(it)
+    b = next(it)
     sync()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -186,7 +181,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else None
     )
     graph_gb = _graph_gpu_gb(data)  # generated there (--graph-layout csr); 0 for edge lists
-    generation_peak = torch.cuda.max_memory_allocated() / 1e9 if engine.device.type == "cuda" else None
+    # the process's GPU peak so far: the graph's generation (--graph-layout csr), the model and the engine
+    peak_before_training = torch.cuda.max_memory_allocated() / 1e9 if engine.device.type == "cuda" else None
     train = DistributedHeteroNeighborLoader(
         data, fanouts, (target, data[target].train_mask), bs, shuffle=True, transform=prep, **kw
     )
@@ -208,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": args.model, "layers": args.layers, "world_size": world, "feature_placement": args.feature_placement,
         "nodes": {t: int(data[t].num_nodes) for t in data.node_types},
         "edges": {"__".join(e): _num_edges(data[e]) for e in data.edge_types}, "batches_per_epoch": len(train),
-        "generation_peak_gpu_gb": generation_peak,
+        "peak_gpu_gb_before_training": peak_before_training,
         "feature_gb": {t: data[t].x.nbytes / 1e9 for t in in_channels}, "graph_layout": args.graph_layout,
         "generated_graph_gpu_gb": graph_gb,
         "gpu_total_gb": torch.cuda.get_device_properties(engine.device).total_memory / 1e9

@@ -13,10 +13,9 @@ from tests.harness import load_example
 pytestmark = pytest.mark.gpu
 
 
-def _grads(
-    model: torch.nn.Module, tokens: torch.Tensor, before_step=None, steps: int = 1
-) -> list[torch.Tensor]:
-    for _ in range(steps):  # no optimizer step: every step computes the same gradients
+def _grads(model: torch.nn.Module, batches: list[torch.Tensor], before_step=None) -> list[torch.Tensor]:
+    """The gradients of the last batch, after a step on each (no optimizer step)."""
+    for tokens in batches:
         if before_step is not None:
             before_step()
         model.zero_grad(set_to_none=True)
@@ -37,16 +36,18 @@ def test_megatron_fine_grained_offload_moves_bytes_and_keeps_the_gradients() -> 
     cfg = LlamaConfig(
         vocab_size=256, hidden=1024, layers=3, heads=8, kv_heads=2, ffn_hidden=2048, seq_len=1024
     )
-    tokens = torch.randint(0, 256, (2, cfg.seq_len + 1), device="cuda")
+    # other tokens every step: a reload from a buffer of an earlier step would give other gradients
+    batches = [torch.randint(0, 256, (2, cfg.seq_len + 1), device="cuda") for _ in range(3)]
     plain = build_megatron_llama(cfg, seed=0).cuda()
-    ref = _grads(plain, tokens)
+    ref = _grads(plain, batches[-1:])
     for key in ("all", "attn", "mlp_norm"):
         model = build_megatron_llama(cfg, seed=0, offload_modules=mo.OFFLOAD_SETS[key]).cuda()
         model.load_state_dict(plain.state_dict())
         mo.reset_offload()
         # step 1 records the groups (and offloads them all); step 3 runs the settled plan
-        got = _grads(model, tokens, mo.start_offload_step, steps=3)
+        got = _grads(model, batches, mo.start_offload_step)
         moved = mo.offload_bytes()
+        mo.release_offload()
         assert sum(moved.values()) > 0, (key, moved)
         for (name, _), a, b in zip(plain.named_parameters(), ref, got, strict=True):
             scale = a.abs().max().clamp(min=1e-6)
