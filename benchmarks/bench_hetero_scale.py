@@ -20,9 +20,7 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +31,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, environment, save_png, write_json
+
+from dsx.runtime.process import deepspeed_launcher, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "rgnn" / "train_sampled.py"
@@ -53,16 +53,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     return p.parse_args(argv), extra
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(n: int, extra: list[str], timeout: float, cuda: bool) -> dict[str, Any]:
     """One job of the example on ``n`` ranks: its summary, with the job's wall time and its log's tail."""
-    exe = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
-    launcher = [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     )
@@ -70,8 +62,8 @@ def _launch(n: int, extra: list[str], timeout: float, cuda: bool) -> dict[str, A
         env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory(prefix="bench_hetero_scale_") as tmp:
         log_json = Path(tmp) / "summary.json"
-        cmd = [*launcher, "--num_gpus" if cuda else "--num_accelerators", str(n), "--master_port",
-               str(_free_port()), str(EXAMPLE), *extra, "--no-progress", "--log-json", str(log_json)]  # fmt: skip
+        cmd = [*deepspeed_launcher(), "--num_gpus" if cuda else "--num_accelerators", str(n), "--master_port",
+               str(free_port()), str(EXAMPLE), *extra, "--no-progress", "--log-json", str(log_json)]  # fmt: skip
         t0 = time.perf_counter()
         # a process group of its own, stopped whole on a timeout or an interruption: the launcher's ranks would
         # otherwise hold the GPUs (and their memory) through the repeats after

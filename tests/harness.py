@@ -5,16 +5,15 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from dsx.runtime.process import deepspeed_launcher, free_port
 
 __all__ = [
     "REPO",
@@ -62,13 +61,6 @@ def load_example(relpath: str, name: str | None = None) -> ModuleType:
     return module
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1 (bind to 0, read, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class LaunchResult:
     cmd: list[str]
@@ -107,11 +99,6 @@ def launcher_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _deepspeed_cmd() -> list[str]:
-    exe = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
-    return [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
-
-
 def build_deepspeed_ops(*builders: str) -> None:
     """JIT-build DeepSpeed ops (``"CPUAdamBuilder"``, ``"AsyncIOBuilder"``) here, before a launched job needs them.
 
@@ -145,7 +132,7 @@ def launch(
 
     n_flag = "--num_gpus" if torch.cuda.is_available() else "--num_accelerators"
     port = free_port()
-    cmd = [*_deepspeed_cmd(), n_flag, str(nprocs), "--master_port", str(port), str(script), *args]
+    cmd = [*deepspeed_launcher(), n_flag, str(nprocs), "--master_port", str(port), str(script), *args]
     try:
         res = _run(cmd, timeout, launcher_env(env))
     finally:

@@ -8,7 +8,9 @@ import contextlib
 import fcntl
 import os
 import re
+import shutil
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +20,10 @@ __all__ = [
     "LOCK_GRACE_S",
     "ShmFinding",
     "all_gather",
+    "deepspeed_launcher",
     "deepspeed_shm_buffer",
     "exit_distributed",
+    "free_port",
     "hold_deepspeed_shm",
     "is_locked",
     "judge",
@@ -133,6 +137,20 @@ def owner_gone(record: dict[str, Any]) -> bool | None:
     return start is not None and now is not None and now != start  # a live pid, reused by another process
 
 
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1 (bind to 0, read, close)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_launcher() -> list[str]:
+    """The ``deepspeed`` launcher's command: the script beside this Python (its virtual environment's), else
+    the one on ``PATH``, else the module it runs."""
+    exe = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
+    return [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
 def single_process_env() -> bool:
     """Without a launcher (plain ``python train.py``), make this process rank 0 of 1 on a free local port, so
     that DeepSpeed does not fall back to MPI discovery; whether it did anything (a launcher's or MPI's
@@ -143,11 +161,8 @@ def single_process_env() -> bool:
         return False
     if dist.is_available() and dist.is_initialized():
         return False
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
     )
     return True
 
