@@ -26,6 +26,7 @@ from dsx.direct.hetero_sampler import EdgeType, HeteroNeighborSampler
 from dsx.direct.pipeline import (
     LoaderOptions,
     PipelinedLoader,
+    bytes_to_place,
     csr_device,
     gather_rows,
     place_features,
@@ -125,8 +126,7 @@ class HeteroNeighborLoader(PipelinedLoader):
         # to build: pointers, then per edge the sources, argsort, permutation and sort scratch; given CSRs
         # take their own bytes, none if already on the device (built there)
         need = sum(8 * (self.num_nodes[et[2]] + 1) + 32 * ei.shape[1] for et, ei in edge_index.items())
-        need += sum(c.numel() * c.element_size() for rc in given.values() if rc is not None for c in rc
-                    if c.device != self.device)  # fmt: skip
+        need += bytes_to_place([c for rc in given.values() if rc is not None for c in rc], self.device)
         csr_dev = csr_device(self.csr_placement, self.device, need + 8 * sum(self.num_nodes.values()))
         csr, perm = {}, {}
         for et in self.edge_types:

@@ -19,6 +19,7 @@ from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
 from dsx.direct.pipeline import (
     LoaderOptions,
     PipelinedLoader,
+    bytes_to_place,
     csr_device,
     gather_rows,
     place_features,
@@ -107,7 +108,7 @@ class NeighborLoader(PipelinedLoader):
         if rowptr is None:  # to build: pointers, then per edge the sources, argsort, permutation and scratch
             need = 8 * (num_nodes + 1) + 8 * 4 * get("edge_index").shape[1]
         else:  # given: its own bytes, none if it is on the device already
-            need = sum(t.numel() * t.element_size() for t in (rowptr, col) if t.device != self.device)
+            need = bytes_to_place((rowptr, col), self.device)
         csr_dev = csr_device(self.csr_placement, self.device, need)
         if rowptr is None:
             rowptr, col, perm = to_csr(get("edge_index"), num_nodes, csr_dev)

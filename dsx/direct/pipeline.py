@@ -17,7 +17,7 @@ import itertools
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any, TypedDict
@@ -33,6 +33,7 @@ __all__ = [
     "PYG_UNSUPPORTED",
     "LoaderOptions",
     "PipelinedLoader",
+    "bytes_to_place",
     "csr_device",
     "gather_rows",
     "place_features",
@@ -117,6 +118,11 @@ def csr_device(placement: str, device: torch.device, need_bytes: int) -> torch.d
         stacklevel=3,
     )
     return torch.device("cpu")
+
+
+def bytes_to_place(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
+    """Bytes of ``tensors`` that placing them on ``device`` would add there (those already there add none)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t.device != device)
 
 
 def place_features(
