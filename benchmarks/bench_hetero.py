@@ -9,9 +9,10 @@ One process, one graph (``dsx.data.mag.synthetic_mag``: ogbn-mag's counts at ``-
   unified tensor) feeding dsx's fused layers;
 * ``dsx_gpu``: the same with the features in GPU memory.
 
-Every pipeline trains (forward, backward, Adam) ``--batches`` batches after ``--warmup``, ``--repeats``
-times, the pipelines interleaved within each repeat so that drifts of the machine touch all of them, and each
-timed once the PyG workers before it are idle (they keep sampling ahead after their timed batches); the
+Every pipeline trains (forward, backward, Adam) ``--batches`` batches after ``--warmup`` and after its
+loader's queue, filled while it was idle, is empty (``untimed_batches`` in the JSON), ``--repeats`` times,
+the pipelines interleaved within each repeat so that drifts of the machine touch all of them, and each timed
+once the PyG workers before it are idle (they keep sampling ahead after their timed batches); the
 figure is the median batch time with its spread (min, max), and the epoch time is that median times the
 batches of an epoch (extrapolated, and said so in the JSON). ``prep_ms`` is dsx's per-batch graph
 preparation (typed layout and ``dsx.rgnn.prepare``) timed alone on the same batches; ``--prepare-graph
@@ -103,13 +104,16 @@ class _Pipeline:
         self.name, self.loader, self.model, self.dev, self.target = name, loader, model.to(dev), dev, target
         self.opt = torch.optim.Adam(self.model.parameters(), lr=3e-3)
         self._it = None
+        self.last_wait = 0.0  # seconds the last next_batch() waited for the loader
 
     def next_batch(self) -> Any:
         for _ in range(2):
             if self._it is None:
                 self._it = iter(self.loader)
             try:
+                t0 = time.perf_counter()
                 b = next(self._it)
+                self.last_wait = time.perf_counter() - t0
                 return b.to(self.dev, non_blocking=True) if self.name.startswith("pyg") else b
             except StopIteration:
                 self._it = None
@@ -151,10 +155,35 @@ class _Pipeline:
                 ms[key].append(1e3 * (z - a))
         return {k: statistics.median(v) for k, v in ms.items()}
 
-    def time_batches(self, warmup: int, n: int) -> float:
-        """Seconds per batch over ``n`` batches after ``warmup``; then, for PyG, :meth:`quiesce`."""
-        for _ in range(warmup):
+    def buffered(self) -> int:
+        """Batches the loader prepares ahead of the caller: PyG's ``prefetch_factor`` x ``num_workers``,
+        dsx's ``prefetch``. Served from a full queue, these would time the training step, not the loader."""
+        workers = getattr(self.loader, "num_workers", 0)
+        if workers:
+            return (self.loader.prefetch_factor or 2) * workers
+        return int(getattr(self.loader, "prefetch", 0))
+
+    def drain(self, warmup: int) -> int:
+        """Train ``warmup`` batches and the queued ones, then on until the queue that filled while the pipeline
+        was idle is empty: the first batch the loader makes the step wait for (well beyond what a ready batch
+        takes), at most ``4 x`` :meth:`buffered` batches (a loader that keeps ahead of the step never empties
+        it). What follows is an epoch's steady state, not batches sampled while nothing was timed. Returns the
+        batches trained."""
+        ready: list[float] = []
+        # the queued batches are served first, however long unpacking one of them takes
+        first = max(warmup, self.buffered())
+        cap = warmup + 4 * self.buffered()
+        for i in range(cap):
             self.step()
+            if len(ready) < 3:
+                ready.append(self.last_wait)
+            elif i >= first and self.last_wait > max(2e-3, 3 * statistics.median(ready)):
+                return i + 1
+        return cap
+
+    def time_batches(self, warmup: int, n: int) -> float:
+        """Seconds per batch over ``n`` batches after :meth:`drain`; then :meth:`quiesce`."""
+        self.drained = self.drain(warmup)
         _sync(self.dev)
         t0 = time.perf_counter()
         for _ in range(n):
@@ -384,10 +413,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                      transform=prep)  # fmt: skip
             pipes.append(_Pipeline(name, loader, model, dev, target))
         times: dict[str, list[float]] = {p.name: [] for p in pipes}
+        drained: dict[str, list[int]] = {p.name: [] for p in pipes}
+        for p in pipes:  # the PyG workers started above fill their queues: none is timed against that work
+            p.quiesce()
         for rep in range(args.repeats):
             for p in pipes:
                 try:
                     times[p.name].append(p.time_batches(args.warmup, args.batches))
+                    drained[p.name].append(p.drained)
                 except torch.OutOfMemoryError as exc:
                     out["runs"][p.name] = {"error": f"OutOfMemoryError: {exc}"[:300]}
                     pipes = [q for q in pipes if q is not p]
@@ -404,6 +437,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 med = statistics.median(ts)
                 out["runs"][name] = {"batch_ms": 1e3 * med, "batch_ms_min": 1e3 * min(ts),
                                      "batch_ms_max": 1e3 * max(ts), "batch_ms_all": [1e3 * t for t in ts],
+                                     "untimed_batches": drained[name],
                                      "epoch_s": med * res["batches_per_epoch"]}  # fmt: skip
         by = {p.name: p for p in pipes}
         if args.breakdown:

@@ -5,6 +5,9 @@ pipeline measured or the reason it could not run recorded."""
 from __future__ import annotations
 
 import json
+import time
+
+import torch
 
 from tests.harness import load_example
 
@@ -31,3 +34,55 @@ def test_bench_hetero_quick(tmp_path) -> None:
     merged = json.loads((tmp_path / "bench_hetero.json").read_text())
     assert list(merged["models"]) == ["rgcn", "rgat", "hgt"]
     assert merged["models"]["hgt"] == saved["models"]["hgt"]
+
+
+class _SlowRows(torch.utils.data.Dataset):
+    """Rows that take ``delay`` seconds each to make: a loader whose workers fall behind a fast step."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return 10_000
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(self.delay)
+        return torch.full((4,), float(i))
+
+
+def _drained(delay: float, step_s: float) -> tuple[int, int, float]:
+    """(batches drain() trained, the loader's buffered batches, the waits of the 4 batches after the drain) for a
+    real two-worker DataLoader whose queue filled while nothing consumed it."""
+    mod = load_example("benchmarks/bench_hetero.py")
+
+    class Pipe(mod._Pipeline):
+        def step(self, b=None) -> torch.Tensor:
+            self.next_batch()
+            time.sleep(step_s)
+            return torch.zeros(())
+
+    loader = torch.utils.data.DataLoader(_SlowRows(delay), batch_size=None, num_workers=2, prefetch_factor=2,
+                                         persistent_workers=True)  # fmt: skip
+    pipe = Pipe("pyg_w2", loader, torch.nn.Linear(1, 1), torch.device("cpu"), "paper")
+    pipe.next_batch()  # starts the workers
+    time.sleep(0.2 + 6 * delay)  # they fill the queue
+    n = pipe.drain(warmup=1)
+    wait = 0.0
+    for _ in range(4):
+        pipe.next_batch()
+        wait += pipe.last_wait
+    pipe._it._shutdown_workers()
+    return n, pipe.buffered(), wait
+
+
+def test_drain_stops_when_the_queue_is_empty() -> None:
+    # workers 20x slower than the step: the filled queue (4 batches) is all that is served without waiting
+    n, buffered, wait = _drained(delay=0.1, step_s=0.002)
+    assert buffered == 4
+    assert buffered <= n <= buffered + 3 < 1 + 4 * buffered
+    assert wait > 0.12  # what follows the drain comes at the workers' pace: 2 batches per 0.1 s
+
+
+def test_drain_stops_at_its_cap_when_the_loader_keeps_ahead() -> None:
+    n, buffered, _ = _drained(delay=0.0, step_s=0.01)
+    assert n == 1 + 4 * buffered
