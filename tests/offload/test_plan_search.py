@@ -186,21 +186,45 @@ def test_budget_respected_with_background(n: int, seed: int, frac: float) -> Non
     assert plan.peak_bytes >= floor
 
 
-def test_hide_only_fills_the_bound_with_partial_layers() -> None:
+def _lowers_no_further(prof: list[LayerProfile], plan, room: int, bw: dict[str, TierBandwidth]) -> int:
+    """Each partial layer moves the fewest bytes that give the plan its peak, and no kept layer has a part
+    worth moving: more of a partial layer, or part of a kept one, up to the bound and within the step's limit,
+    lowers the peak by less than the 64th of the layer the planner asks of a part."""
+    limit = plan.bound["baseline_step_s"] * 1.005
+    tried = 0
+    for i, a in enumerate(plan.actions):
+        if i not in plan.move_caps and a.moved:
+            continue
+        act = a if a.moved else Action("host+sel" if a.sel else "host")
+        acts = [*plan.actions[:i], act, *plan.actions[i + 1 :]]
+        worth = max(1 << 20, prof[i].stored(act) // 64)
+        for more in (64 << 20, 256 << 20, 1 << 30):
+            if more <= room:
+                caps = {**plan.move_caps, i: plan.move_caps.get(i, 0) + more}
+                t, _, peak = simulate(prof, acts, bw, plan.prefetch_depth, caps)
+                tried += t <= limit
+                assert t > limit or peak > plan.peak_bytes - worth, (i, caps, more)
+    return tried
+
+
+def test_hide_only_moves_parts_of_layers_that_lower_the_peak() -> None:
     # 4 layers of 4 GiB, 12 ms forward, 20 ms backward, 55 GB/s: the bound (~2.5 GiB of writes) is less
-    # than one layer, so whole layers move nothing; parts of layers fill the bound without slowing
+    # than one layer, so whole layers move nothing; a part of a layer lowers the peak without slowing
     prof = [LayerProfile(i, f"L{i}", 4 * GiB, 0.012, 0.020) for i in range(4)]
-    bw = [TierBandwidth("host", 55e9, 55e9)]
-    plan = make_plan(prof, bw, ActivationOffloadConfig(tiers=["host"]))
+    bws = [TierBandwidth("host", 55e9, 55e9)]
+    plan = make_plan(prof, bws, ActivationOffloadConfig(tiers=["host"]))
     assert plan.move_caps and all(plan.actions[i] == Action.HOST for i in plan.move_caps)
     assert all(0 < c < 4 * GiB and c % (1 << 20) == 0 for c in plan.move_caps.values())
-    assert 0.9 <= plan.bound["fraction_of_bound"] <= 1.0 + 1e-9
     assert plan.bound["planned_bytes"] == sum(plan.move_caps.values())
+    # bytes moved are memory saved (filling the bound over three layers moved 2.46 GiB to save 1.06)
+    assert plan.bound["keep_all_bytes"] - plan.peak_bytes >= 0.9 * plan.bound["planned_bytes"] > GiB
     assert plan.predicted_step_s <= plan.bound["baseline_step_s"] * 1.005 + 1e-12
+    room = int(plan.bound["hideable_write_bytes"] - plan.bound["planned_bytes"])
+    assert _lowers_no_further(prof, plan, room, {b.tier: b for b in bws}) >= 1
     cap = next(iter(plan.move_caps.values()))
     assert f"({cap >> 20}Mi of 4096Mi)" in plan.describe()
     # with a budget no partial layer is made: the search itself moves and recomputes whole layers
-    budgeted = make_plan(prof, bw, ActivationOffloadConfig(tiers=["host"], memory_budget_gb=20))
+    budgeted = make_plan(prof, bws, ActivationOffloadConfig(tiers=["host"], memory_budget_gb=20))
     assert not budgeted.move_caps
 
 
@@ -208,8 +232,8 @@ def test_hide_only_fills_the_bound_with_partial_layers() -> None:
 def test_partial_layers_are_planned_at_what_their_storages_move(seed: int) -> None:
     # megatron-core-like layers (hidden 2048, micro-batch 8): 64-192 MiB storages around a 2 GiB softmax block
     # and a 1 GiB one, in shuffled order. A storage is not split, so a cap moves the storages that fit in save
-    # order; the plan's caps must be exactly that (the runtime then moves what was planned) and the filled
-    # plan still reaches the bound, with more layers where each moves less
+    # order; the plan's caps must be exactly that (the runtime then moves what was planned), within the bound,
+    # and no partial layer moves bytes that lower no peak
     rng = random.Random(seed)
     mib = 1 << 20
     prof = []
@@ -231,8 +255,10 @@ def test_partial_layers_are_planned_at_what_their_storages_move(seed: int) -> No
         p.saved_bytes for i, p in enumerate(prof) if plan.actions[i].moved and i not in plan.move_caps
     )
     assert plan.bound["planned_bytes"] == whole + sum(plan.move_caps.values())
-    assert 0.9 <= plan.bound["fraction_of_bound"] <= 1.0 + 1e-9
+    assert plan.bound["fraction_of_bound"] <= 1.0 + 1e-9
     assert plan.predicted_step_s <= plan.bound["baseline_step_s"] * 1.005 + 1e-12
+    room = int(min(plan.bound["hideable_write_bytes"], plan.bound["hideable_read_bytes"]))
+    _lowers_no_further(prof, plan, room - plan.bound["planned_bytes"], {b.tier: b for b in bw})
 
 
 @pytest.mark.parametrize(
@@ -375,7 +401,7 @@ def test_filling_the_bound_never_raises_the_peak(monkeypatch) -> None:
             acts, caps = fill(prof, whole.actions, bw, d, whole.bound["baseline_step_s"] * 1.005, 1 << 40,
                               tier_capacity(cfg))  # fmt: skip
             assert simulate(prof, acts, bw, d, caps)[2] <= simulate(prof, whole.actions, bw, d)[2]
-    assert filled >= 12  # the fills still happen
+    assert filled >= 10  # the fills still happen (those that lower the peak)
 
 
 @pytest.mark.parametrize("tiers", [["host"], ["host", "ssd"], ["ssd"], ["ssd", "host"]])

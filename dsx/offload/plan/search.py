@@ -8,7 +8,8 @@ until a pass changes nothing, ordered by (memory over budget, step time, peak me
 the budget, then shortens the step. With no budget the order is (time over baseline, peak memory, step
 time). When no plan the search considers meets the budget, the best-effort plan is the one of them with the
 lowest peak (ranked by (over a tier's capacity, peak, step time)). Every prefetch depth 1..``MAX_DEPTH`` is
-searched. A hide-only plan is then filled up to the bound with parts of layers (``move_caps``).
+searched. A hide-only plan is then filled up to the bound with parts of layers (``move_caps``), each of which
+must lower the predicted peak.
 
 Plans come from :mod:`~dsx.offload.plan.cost`'s model; the search takes seconds for a few dozen layers and
 grows about as n^3 (``Plan.search_s`` records it; docs/performance.md).
@@ -184,12 +185,12 @@ def make_plan(
             (*_fill_bound(profiles, actions, bw, d, base_t * 1.005, room, tier_capacity(cfg)), d)
             for d in depths
         ]
-        # bytes moved are not memory saved: the fill that lowers the peak most, then moves most, then the
+        # bytes moved are not memory saved: the fill that lowers the peak most, then moves least, then the
         # shallowest (moving the last layers fills the bound too, but their reads land before the peak)
         fills = [(simulate(profiles, f[0], bw, f[2], f[1])[2], *f) for f in fills if f[1]]
-        fills = [f for f in fills if f[0] <= whole_peak]
+        fills = [f for f in fills if f[0] < whole_peak]
         if fills:
-            _, actions, caps, depth = min(fills, key=lambda f: (f[0], -sum(f[2].values()), f[3]))
+            _, actions, caps, depth = min(fills, key=lambda f: (f[0], sum(f[2].values()), f[3]))
         # Never worse than doing nothing: a hide-only plan that lowers no peak would move bytes (and take
         # the link, and the risk of a stall the model did not see) for nothing; keep every layer instead.
         if actions != keep_all and simulate(profiles, actions, bw, depth, caps)[2] >= keep_peak:
@@ -271,11 +272,13 @@ def _fill_bound(
     capacity: dict[str, int],
 ) -> tuple[list[Action], dict[int, int]]:
     """Hide-only plans move whole layers, so they stop short of the bound by up to one layer (a megatron-core
-    layer can be most of the bound). Move part of more kept layers, one at a time: each
-    time the most bytes any single kept layer can move, up to the ``room`` left under the bound, while the
-    step stays within ``limit_s`` (bisection on the byte count), the tier within ``capacity`` and the peak
-    no higher than the plan's so far (moving part of a layer can hold the link while another layer's write
-    would have ended), until no layer adds a MiB."""
+    layer can be most of the bound). Move part of more kept layers, one at a time: each time the kept layer
+    whose part lowers the predicted peak most, with the fewest bytes that reach that peak, up to the ``room``
+    left under the bound, while the step stays within ``limit_s`` (a grid, then a bisection, on the byte
+    count) and the tier within ``capacity``, until no layer lowers the peak by a 64th of what it saves. A part
+    that lowers no peak is not moved, however much of the bound is left: its bytes would cost hooks, events
+    and link time for nothing (and moving part of a layer can hold the link while another layer's write
+    would have ended)."""
     actions, caps = list(actions), {}
     tier = next(iter(bw))
     room = min(room, capacity[tier] - tier_usage(profiles, actions, bw)[tier])
@@ -295,20 +298,37 @@ def _fill_bound(
                 ok = t <= limit_s and peak <= cur_peak  # noqa: B023 (called in this iteration only)
                 return ok and not _over_capacity(tier_usage(profiles, cand, bw, trial), capacity), peak
 
-            lo, hi = 0, min(profiles[i].stored(act), room)
+            # The peak is not monotone in the cap (a larger part can hold the link until its read lands
+            # before the peak): caps on a grid, doubling from a MiB and in 16ths, what the runtime moves
+            # under each (in whole MiB, so that a cap is exactly the bytes it moves)
+            top = min(profiles[i].stored(act), room) >> 20
+            grid = {1 << k for k in range(top.bit_length())} | {top * k // 16 for k in range(1, 17)}
+            caps_tried = sorted({movable(profiles[i], act, m << 20) for m in grid if m} - {0})
+            found, below = None, 0
+            for prev, c in zip([0, *caps_tried], caps_tried):
+                ok, peak = fits(c)
+                if ok and (found is None or peak < found[1]):  # ascending: the fewest bytes win a tie
+                    found, below = (c, peak), prev
+            if found is None or found[0] < 1 << 20:  # only storages under a MiB (norm statistics)
+                continue
+            cap, peak = found
+            # the fewest bytes between the grid point below and the one found that reach its peak
+            lo, hi = below, cap
             while hi - lo > max(1 << 20, hi // 256):
                 mid = (lo + hi) // 2
-                if fits(mid)[0]:
-                    lo = mid
-                else:
+                ok_mid, peak_mid = fits(mid)
+                if ok_mid and peak_mid <= peak:
                     hi = mid
-            # what the runtime moves under that cap (a cap is then exactly the bytes it moves)
-            lo = movable(profiles[i], act, lo & ~((1 << 20) - 1))
-            if lo < 1 << 20:  # storages under a MiB only (norm statistics): not worth a layer's hooks
-                continue
-            ok, peak = fits(lo)  # rounded down, it moves fewer bytes: checked again
-            if ok and (best is None or (lo, -peak) > (best[0], -best[1])):
-                best = (lo, peak, i, act)
+                else:
+                    lo = mid
+            lean = movable(profiles[i], act, -(-hi >> 20) << 20)
+            if lean < cap and lean >= 1 << 20 and (f := fits(lean))[0] and f[1] <= peak:
+                cap, peak = lean, f[1]
+            # a partial layer must lower the peak by a 64th of what the layer saves (and a MiB): moving bytes
+            # that lower nothing, or next to nothing, costs the layer's hooks, its copy events and the link
+            worth = max(1 << 20, profiles[i].stored(act) // 64)
+            if cur_peak - peak >= worth and (best is None or (-peak, -cap) > (-best[1], -best[0])):
+                best = (cap, peak, i, act)
         if best is None:
             break
         lo, cur_peak, i, act = best
