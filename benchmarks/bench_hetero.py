@@ -164,9 +164,9 @@ class _Pipeline:
         return int(getattr(self.loader, "prefetch", 0))
 
     def drain(self, warmup: int) -> int:
-        """Train ``warmup`` batches and the queued ones, then on until the queue that filled while the pipeline
-        was idle is empty: the first batch the loader makes the step wait for (well beyond what a ready batch
-        takes), at most ``4 x`` :meth:`buffered` batches (a loader that keeps ahead of the step never empties
+        """Train ``warmup`` batches or the queued ones, whichever are more, then on until the queue that filled
+        while the pipeline was idle is empty: the first batch the loader makes the step wait for (well beyond
+        what the first ready batches took), at most ``4 x`` :meth:`buffered` batches (a loader that keeps ahead of the step never empties
         it). What follows is an epoch's steady state, not batches sampled while nothing was timed. Returns the
         batches trained."""
         ready: list[float] = []

@@ -204,6 +204,9 @@ def _lowers_no_further(prof: list[LayerProfile], plan, room: int, bw: dict[str, 
                 t, _, peak = simulate(prof, acts, bw, plan.prefetch_depth, caps)
                 tried += t <= limit
                 assert t > limit or peak > plan.peak_bytes - worth, (i, caps, more)
+        if i in plan.move_caps and plan.move_caps[i] > 64 << 20:  # and less of a partial layer peaks higher
+            caps = {**plan.move_caps, i: movable(prof[i], act, plan.move_caps[i] - (64 << 20))}
+            assert simulate(prof, acts, bw, plan.prefetch_depth, caps)[2] > plan.peak_bytes, (i, caps)
     return tried
 
 
@@ -216,7 +219,7 @@ def test_hide_only_moves_parts_of_layers_that_lower_the_peak() -> None:
     assert plan.move_caps and all(plan.actions[i] == Action.HOST for i in plan.move_caps)
     assert all(0 < c < 4 * GiB and c % (1 << 20) == 0 for c in plan.move_caps.values())
     assert plan.bound["planned_bytes"] == sum(plan.move_caps.values())
-    # bytes moved are memory saved (filling the bound over three layers moved 2.46 GiB to save 1.06)
+    # bytes moved are memory saved: each part lowers the peak by what it moves
     assert plan.bound["keep_all_bytes"] - plan.peak_bytes >= 0.9 * plan.bound["planned_bytes"] > GiB
     assert plan.predicted_step_s <= plan.bound["baseline_step_s"] * 1.005 + 1e-12
     room = int(plan.bound["hideable_write_bytes"] - plan.bound["planned_bytes"])
@@ -258,7 +261,7 @@ def test_partial_layers_are_planned_at_what_their_storages_move(seed: int) -> No
     assert plan.bound["fraction_of_bound"] <= 1.0 + 1e-9
     assert plan.predicted_step_s <= plan.bound["baseline_step_s"] * 1.005 + 1e-12
     room = int(min(plan.bound["hideable_write_bytes"], plan.bound["hideable_read_bytes"]))
-    _lowers_no_further(prof, plan, room - plan.bound["planned_bytes"], {b.tier: b for b in bw})
+    assert _lowers_no_further(prof, plan, room - plan.bound["planned_bytes"], {b.tier: b for b in bw}) >= 1
 
 
 @pytest.mark.parametrize(

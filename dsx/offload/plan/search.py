@@ -177,8 +177,9 @@ def make_plan(
     if cfg.policy == "auto" and cfg.memory_budget_gb is None and bw:
         # Fill no further than the bound (past it, writes spilling into backward are the model's guess, not
         # measured), at each prefetch depth: a partial layer's read may need a deeper one than the whole-layer
-        # plan chose. _fill_bound only keeps caps whose plan stays within the limit and does not peak higher
-        # than the plan it fills; a fill is kept only if it peaks no higher than the whole-layer plan.
+        # plan chose. _fill_bound only keeps parts whose plan stays within the limit and that lower the peak
+        # of the plan they fill (by a 64th of their layer); a fill is kept only if it peaks lower than the
+        # whole-layer plan.
         whole_peak = simulate(profiles, actions, bw, depth)[2]
         room = int(min(hide_w, hide_r) - sum(_split(profiles, actions, None)[0]))
         fills = [
