@@ -166,9 +166,9 @@ class _Pipeline:
     def drain(self, warmup: int) -> int:
         """Train ``warmup`` batches or the queued ones, whichever are more, then on until the queue that filled
         while the pipeline was idle is empty: the first batch the loader makes the step wait for (well beyond
-        what the first ready batches took), at most ``4 x`` :meth:`buffered` batches (a loader that keeps ahead of the step never empties
-        it). What follows is an epoch's steady state, not batches sampled while nothing was timed. Returns the
-        batches trained."""
+        what the first ready batches took), at most ``4 x`` :meth:`buffered` batches (a loader that keeps
+        ahead of the step never empties it). What follows is an epoch's steady state, not batches sampled
+        while nothing was timed. Returns the batches trained."""
         ready: list[float] = []
         # the queued batches are served first, however long unpacking one of them takes
         first = max(warmup, self.buffered())
