@@ -105,6 +105,7 @@ class _Pipeline:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=3e-3)
         self._it = None
         self.last_wait = 0.0  # seconds the last next_batch() waited for the loader
+        self.drained = 0  # batches the last drain() trained before the timed ones
 
     def next_batch(self) -> Any:
         for _ in range(2):

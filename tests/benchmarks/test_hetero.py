@@ -50,9 +50,8 @@ class _SlowRows(torch.utils.data.Dataset):
         return torch.full((4,), float(i))
 
 
-def _drained(delay: float, step_s: float) -> tuple[int, int, float]:
-    """(batches drain() trained, the loader's buffered batches, the waits of the 4 batches after the drain) for a
-    real two-worker DataLoader whose queue filled while nothing consumed it."""
+def _pipe(name: str, loader: object, step_s: float):
+    """bench_hetero's pipeline over ``loader`` with a step that takes the next batch and ``step_s`` seconds."""
     mod = load_example("benchmarks/bench_hetero.py")
 
     class Pipe(mod._Pipeline):
@@ -61,9 +60,15 @@ def _drained(delay: float, step_s: float) -> tuple[int, int, float]:
             time.sleep(step_s)
             return torch.zeros(())
 
+    return Pipe(name, loader, torch.nn.Linear(1, 1), torch.device("cpu"), "paper")
+
+
+def _drained(delay: float, step_s: float) -> tuple[int, int, float]:
+    """(batches drain() trained, the loader's buffered batches, the waits of the 4 batches after the drain) for a
+    real two-worker DataLoader whose queue filled while nothing consumed it."""
     loader = torch.utils.data.DataLoader(_SlowRows(delay), batch_size=None, num_workers=2, prefetch_factor=2,
                                          persistent_workers=True)  # fmt: skip
-    pipe = Pipe("pyg_w2", loader, torch.nn.Linear(1, 1), torch.device("cpu"), "paper")
+    pipe = _pipe("pyg_w2", loader, step_s)
     pipe.next_batch()  # starts the workers
     time.sleep(0.2 + 6 * delay)  # they fill the queue
     n = pipe.drain(warmup=1)
@@ -94,14 +99,6 @@ class _ReadyLoader:
 
 
 def test_drain_stops_at_its_cap_when_the_loader_keeps_ahead() -> None:
-    mod = load_example("benchmarks/bench_hetero.py")
-
-    class Pipe(mod._Pipeline):
-        def step(self, b=None) -> torch.Tensor:
-            self.next_batch()
-            time.sleep(0.005)
-            return torch.zeros(())
-
-    pipe = Pipe("dsx_gpu", _ReadyLoader(), torch.nn.Linear(1, 1), torch.device("cpu"), "paper")
+    pipe = _pipe("dsx_gpu", _ReadyLoader(), 0.005)
     assert pipe.buffered() == 3
     assert pipe.drain(warmup=2) == 2 + 4 * 3
