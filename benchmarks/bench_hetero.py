@@ -164,21 +164,41 @@ class _Pipeline:
             return (self.loader.prefetch_factor or 2) * workers
         return int(getattr(self.loader, "prefetch", 0))
 
+    def ready(self) -> int | None:
+        """Batches a torch ``DataLoader``'s workers hold finished now (in its result queue, or stashed
+        because they came out of order); None for loaders that do not say (dsx's)."""
+        it = self._it
+        queue, info = getattr(it, "_data_queue", None), getattr(it, "_task_info", None)
+        if queue is None or info is None:
+            return None
+        try:
+            waiting = queue.qsize()
+        except (NotImplementedError, OSError):  # (macOS's multiprocessing queues have no qsize)
+            return None
+        return waiting + sum(1 for v in list(info.values()) if len(v) == 2)
+
     def drain(self, warmup: int) -> int:
         """Train ``warmup`` batches or the queued ones, whichever are more, then on until the queue that filled
         while the pipeline was idle is empty: the first batch the loader makes the step wait for (well beyond
         what the first ready batches took), at most ``4 x`` :meth:`buffered` batches (a loader that keeps
         ahead of the step never empties it). What follows is an epoch's steady state, not batches sampled
-        while nothing was timed. Returns the batches trained."""
-        ready: list[float] = []
+        while nothing was timed. Returns the batches trained.
+
+        A torch ``DataLoader`` that keeps ahead says so sooner: a worker whose batches are all ready is idle,
+        so once the queued batches are trained, more ready batches than workers (some worker idle) mean the
+        workers outpace the step, which then sets the pace; the drain stops there."""
+        waits: list[float] = []
         # the queued batches are served first, however long unpacking one of them takes
         first = max(warmup, self.buffered())
         cap = warmup + 4 * self.buffered()
+        workers = getattr(self.loader, "num_workers", 0)
         for i in range(cap):
             self.step()
-            if len(ready) < 3:
-                ready.append(self.last_wait)
-            elif i >= first and self.last_wait > max(2e-3, 3 * statistics.median(ready)):
+            if len(waits) < 3:
+                waits.append(self.last_wait)
+            elif i >= first and self.last_wait > max(2e-3, 3 * statistics.median(waits)):
+                return i + 1
+            if workers and i + 1 >= first and (self.ready() or 0) > workers:
                 return i + 1
         return cap
 

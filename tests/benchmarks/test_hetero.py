@@ -63,7 +63,7 @@ def _pipe(name: str, loader: object, step_s: float):
     return Pipe(name, loader, torch.nn.Linear(1, 1), torch.device("cpu"), "paper")
 
 
-def _drained(delay: float, step_s: float) -> tuple[int, int, float]:
+def _drained(delay: float, step_s: float, warmup: int = 1) -> tuple[int, int, float]:
     """(batches drain() trained, the loader's buffered batches, the waits of the 4 batches after the drain) for a
     real two-worker DataLoader whose queue filled while nothing consumed it."""
     loader = torch.utils.data.DataLoader(_SlowRows(delay), batch_size=None, num_workers=2, prefetch_factor=2,
@@ -71,7 +71,7 @@ def _drained(delay: float, step_s: float) -> tuple[int, int, float]:
     pipe = _pipe("pyg_w2", loader, step_s)
     pipe.next_batch()  # starts the workers
     time.sleep(0.2 + 6 * delay)  # they fill the queue
-    n = pipe.drain(warmup=1)
+    n = pipe.drain(warmup=warmup)
     wait = 0.0
     for _ in range(4):
         pipe.next_batch()
@@ -86,6 +86,16 @@ def test_drain_stops_when_the_queue_is_empty() -> None:
     assert buffered == 4
     assert buffered <= n <= buffered + 3 < 1 + 4 * buffered
     assert wait > 0.12  # what follows the drain comes at the workers' pace: 2 batches per 0.1 s
+
+
+def test_drain_stops_once_the_queued_batches_are_trained_when_workers_keep_ahead() -> None:
+    # workers 10x faster than the step: after the filled queue is trained, some worker has its batches
+    # ready again and idles; the step sets the pace, there is nothing to drain (no run to the cap of 17)
+    n, buffered, wait = _drained(delay=0.002, step_s=0.02)
+    assert n == buffered == 4
+    assert wait < 0.02  # and what follows comes from the refilled queue without waiting
+    # a warm-up longer than the queue is still trained
+    assert _drained(delay=0.002, step_s=0.02, warmup=6)[0] == 6
 
 
 class _ReadyLoader:
