@@ -66,6 +66,7 @@ from dsx.models.gpt import GPT, GPTConfig
 from dsx.models.llama import Llama, LlamaConfig
 from dsx.models.megatron_gpt import build_megatron_gpt, build_megatron_llama, megatron_available
 from dsx.runtime import allocator
+from dsx.runtime.bandwidth import measure_file_bandwidth
 from dsx.runtime.events import EVENT_WAIT_MODES
 from dsx.runtime.process import single_process_env
 
@@ -79,6 +80,8 @@ CONFIGS = [
 MEGATRON_OFFLOAD = [f"megatron_offload_{k}" for k in OFFLOAD_SETS]
 ALL_CONFIGS = CONFIGS + MEGATRON_OFFLOAD
 # configs whose steps take seconds (bandwidth-bound copies): fewer steps, same warm-up rule
+# configs whose every moved byte goes to the SSD tier: the run reports the tier's rates against the drive's
+SSD_ONLY = ("dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel")
 SLOW = ("save_on_cpu", "hooks_offload", "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_host")
 NEEDS_BUDGET = ("dsx_auto_budget", "dsx_auto_budget_sel")
 
@@ -694,6 +697,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     child_argv += ["--copy-gb", str(run_args.copy_gb)]
                 # bandwidth-bound configs (SSD on a slow disk, synchronous copies) get twice the time
                 res = _child(name, child_argv, budget, args.child_timeout * (2 if name in SLOW else 1))
+            if name in SSD_ONLY and "error" not in res:
+                # the drive's own rate, measured beside the run, as `dsx report --io` measures it
+                res["drive_GBps"] = _drive_rates(ssd, 64 if args.quick else 2048)
             if scale != 1.0:
                 res["config"] = f"{name}@{scale:g}x"
             res["micro_batch"] = mb
@@ -752,6 +758,31 @@ def _largest_micro_batch(results: list[dict[str, Any]]) -> dict[str, Any]:
         for name, b in best.items():
             if name != "none":
                 out[f"{name}_vs_none_tokens_per_s"] = b["tokens_per_s"] / best["none"]["tokens_per_s"]
+    return out
+
+
+def _drive_rates(ssd_dir: str, mb: int = 2048) -> dict[str, Any]:
+    """``dsx report --io``'s sequential write and read of ``mb`` MiB in ``ssd_dir`` (GB/s)."""
+    m = measure_file_bandwidth(ssd_dir, mb)
+    return {"write": m["write_GBps"], "read": m["read_GBps"], "mode": m["mode"], "mb": mb}
+
+
+def _tier_vs_drive(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per SSD-only config: the tier's write and read rates while it had work (telemetry ``GBps_by_tier``),
+    the drive's rates measured beside each run, and the tier's fraction of the drive's, medians over runs."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r["config"] for r in rows if r.get("drive_GBps")):
+        runs = [r for r in rows if r["config"] == name and r.get("drive_GBps")]
+        rates = [r["telemetry"].get("GBps_by_tier", {}) for r in runs]
+        entry: dict[str, Any] = {"runs": len(runs)}
+        for way, tier in (("write", "ssd"), ("read", "ssd_read")):
+            tier_r = [x[tier] for x in rates if tier in x]
+            drive_r = [r["drive_GBps"][way] for r in runs]
+            entry[f"tier_{way}_GBps"] = tier_r
+            entry[f"drive_{way}_GBps"] = drive_r
+            if tier_r:
+                entry[f"{way}_fraction"] = statistics.median(tier_r) / statistics.median(drive_r)
+        out[name] = entry
     return out
 
 
@@ -819,6 +850,9 @@ def _write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         ):  # the same config without the check, interleaved with it: the measured difference and its spread
             ratios["verify"]["step_s_runs_unverified"] = off["step_s_runs"]
             ratios["verify"]["median_step_ratio"] = ssd["step_s"] / off["step_s"]
+    drive = _tier_vs_drive([r for r in results if "error" not in r])
+    if drive:
+        ratios["ssd_tier_vs_drive"] = drive
     out = {"name": "bench_offload", "env": environment(), "config": vars(args),
            "model": "megatron-core GPTModel" if _megatron(args) else "dsx torch GPT",
            "results": results, "ratios": ratios}  # fmt: skip

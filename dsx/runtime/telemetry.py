@@ -8,7 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["StepRecord", "StepTelemetry"]
+__all__ = ["StepRecord", "StepTelemetry", "union_s"]
 
 
 @dataclass
@@ -29,6 +29,9 @@ class StepRecord:
     gpu_wait_s: float = 0.0
     gpu_wait_by: dict[str, float] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    # per tier, the wall time during which at least one of its transfers ran (overlapping transfers count
+    # once): bytes_by_tier over it is the rate the tier moved data at while it had work
+    busy_by_tier: dict[str, float] = field(default_factory=dict)
     events: list[tuple[str, str, float, float]] = field(default_factory=list)  # (lane, name, t0, t1)
 
     def as_scalars(self) -> dict[str, float]:
@@ -53,6 +56,7 @@ class StepTelemetry:
         self._t_step = time.perf_counter()
         self._cur = StepRecord(step=0)
         self._bytes: dict[str, int] = defaultdict(int)
+        self._spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
         self.history: list[StepRecord] = []
         # device-side waits not yet resolved: (step, reached, ready, name)
         self._gpu_waits: list[tuple[int, Any, Any, str]] = []
@@ -70,6 +74,7 @@ class StepTelemetry:
         with self._lock:
             self._cur.transfer_s += t1 - t0
             self._bytes[tier] += nbytes
+            self._spans[tier].append((t0, t1))
             if self._keep_events:
                 self._cur.events.append((f"io:{tier}", name or tier, t0, t1))
 
@@ -128,10 +133,12 @@ class StepTelemetry:
             rec.t0, rec.t1 = self._t_step, now
             rec.compute_s = max(0.0, (now - self._t_step) - rec.stall_s)
             rec.bytes_by_tier = dict(self._bytes)
+            rec.busy_by_tier = {tier: union_s(spans) for tier, spans in self._spans.items()}
             self.history.append(replace(rec, events=[]))
             self._step += 1
             self._cur = StepRecord(step=self._step)
             self._bytes = defaultdict(int)
+            self._spans = defaultdict(list)
             self._t_step = now
         self._resolve_gpu_waits(block=False)
         return rec
@@ -152,7 +159,24 @@ class StepTelemetry:
             "gpu_wait_s": sum(r.gpu_wait_s for r in steps) / n,
             "gpu_wait_by": _mean_by_kind([r.gpu_wait_by for r in steps]),
             "bytes_by_tier": {t: sum(r.bytes_by_tier.get(t, 0) for r in steps) / n for t in tiers},
+            "busy_s_by_tier": {t: sum(r.busy_by_tier.get(t, 0.0) for r in steps) / n for t in tiers},
+            # bytes over busy time, summed over the steps: the rate each tier moved data at while it had work
+            "GBps_by_tier": {
+                t: sum(r.bytes_by_tier.get(t, 0) for r in steps) / busy / 1e9
+                for t in tiers
+                if (busy := sum(r.busy_by_tier.get(t, 0.0) for r in steps)) > 0
+            },
         }
+
+
+def union_s(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the ``(t0, t1)`` spans."""
+    total, end = 0.0, float("-inf")
+    for t0, t1 in sorted(spans):
+        if t1 > end:
+            total += t1 - max(t0, end)
+            end = t1
+    return total
 
 
 def _add_by_kind(acc: dict[str, float], name: str, seconds: float) -> None:

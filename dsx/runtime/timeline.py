@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsx.runtime.telemetry import union_s
 from dsx.runtime.trace import TRACE_FORMAT
 
 __all__ = ["Timeline", "TraceError", "cli", "lane_summary", "load_timeline", "plot_timeline", "select_steps"]
@@ -106,13 +107,7 @@ def select_steps(tl: Timeline, spec: str | None) -> Timeline:
 
 def _union_ms(intervals: list[Interval]) -> float:
     """Time covered by at least one interval (I/O threads overlap one another)."""
-    total, end = 0.0, float("-inf")
-    for _, t0, t1 in sorted(intervals, key=lambda iv: iv[1]):
-        if t1 <= end:
-            continue
-        total += t1 - max(t0, end)
-        end = t1
-    return total
+    return union_s([(t0, t1) for _, t0, t1 in intervals])
 
 
 def _stalls(evs: list[Interval]) -> list[Interval]:

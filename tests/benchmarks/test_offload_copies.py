@@ -61,3 +61,27 @@ def test_bytes_come_from_the_hide_only_run_at_the_same_micro_batch() -> None:
     assert bench_offload._hide_written_gb(results, 4) == 1.0
     assert bench_offload._hide_written_gb(results, 16) is None
     assert bench_offload._hide_written_gb(results[:2], 8) is None
+
+
+def test_ssd_runs_report_the_tier_rates_beside_the_drive_rates(tmp_path) -> None:
+    """An SSD-only config's run carries the drive's own rates, measured beside it in the same directory,
+    and the JSON sets the tier's rates while it had work (real files) against them, both ways."""
+    import json
+    import statistics
+
+    import pytest
+
+    bench_offload.main(["--quick", "--in-process", "--configs", "dsx_ssd", "--repeats", "2", "--ssd-dir",
+                        str(tmp_path), "--out", str(tmp_path), "--name", "ssd"])  # fmt: skip
+    saved = json.loads((tmp_path / "ssd.json").read_text())
+    runs = [r for r in saved["results"] if r["config"] == "dsx_ssd"]
+    assert len(runs) == 2 and all("error" not in r for r in runs), runs
+    entry = saved["ratios"]["ssd_tier_vs_drive"]["dsx_ssd"]
+    assert entry["runs"] == 2
+    for way, tier in (("write", "ssd"), ("read", "ssd_read")):
+        assert [r["drive_GBps"][way] for r in runs] == entry[f"drive_{way}_GBps"]
+        assert all(g > 0 for g in entry[f"drive_{way}_GBps"])
+        rates = [r["telemetry"]["GBps_by_tier"][tier] for r in runs]
+        assert rates == entry[f"tier_{way}_GBps"] and all(g > 0 for g in rates)
+        want = statistics.median(rates) / statistics.median(entry[f"drive_{way}_GBps"])
+        assert entry[f"{way}_fraction"] == pytest.approx(want)

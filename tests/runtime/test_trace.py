@@ -51,8 +51,15 @@ def offload_run(tmp_path_factory) -> dict:
     _train(engine, STEPS)
     rt = dsx.runtime_of(engine)
     ended = rt.scheduler.telemetry.steps
+    summary = rt.scheduler.telemetry.summary()
     rt.close()
-    return {"csv": tmp / "csv" / "job", "trace": tmp / "trace.json", "ended": ended, "tmp": tmp}
+    return {
+        "csv": tmp / "csv" / "job",
+        "trace": tmp / "trace.json",
+        "ended": ended,
+        "tmp": tmp,
+        "summary": summary,
+    }
 
 
 def _csv(path: Path) -> list[tuple[int, float]]:
@@ -190,6 +197,43 @@ def test_gpu_waits_resolve_into_their_step() -> None:
     assert tel.history[0].gpu_wait_by == {"unpack": pytest.approx(4.5e-3), "gate": pytest.approx(1e-3)}
     assert summary["gpu_wait_by"] == {"unpack": pytest.approx(2e-3)}  # step 0 (warm-up) is left out
     assert summary["gpu_wait_s"] == pytest.approx(2e-3)
+
+
+def test_tier_busy_time_counts_overlapping_transfers_once() -> None:
+    """A tier's rate is its bytes over the time at least one of its transfers ran: two overlapping writes
+    take the drive for their union, not their sum."""
+    from dsx.runtime.telemetry import StepTelemetry, union_s
+
+    rng = torch.Generator().manual_seed(0)
+    spans = [(float(a), float(a + b)) for a, b in torch.rand(40, 2, generator=rng).mul(10).tolist()]
+    grid = torch.linspace(0, 20, 200_001)[:-1] + 5e-5  # midpoints of 1e-4 s cells
+    covered = torch.zeros_like(grid, dtype=torch.bool)
+    for t0, t1 in spans:
+        covered |= (grid >= t0) & (grid < t1)
+    assert union_s(spans) == pytest.approx(float(covered.sum()) * 1e-4, abs=1e-3)
+    assert union_s([]) == 0.0
+
+    tel = StepTelemetry()
+    tel.end_step()  # step 0 (warm-up) is left out of the summary
+    tel.add_transfer("ssd", 3 * 10**9, 0.0, 2.0)
+    tel.add_transfer("ssd", 1 * 10**9, 1.0, 3.0)  # overlaps the first: the drive was busy 3 s, not 4
+    tel.add_transfer("ssd_read", 2 * 10**9, 5.0, 6.0)
+    tel.add_transfer("ssd_read", 2 * 10**9, 7.0, 8.0)  # apart: 2 s
+    tel.end_step()
+    assert tel.history[1].busy_by_tier == {"ssd": pytest.approx(3.0), "ssd_read": pytest.approx(2.0)}
+    tel.add_transfer("ssd", 10**9, 10.0, 11.0)
+    tel.end_step()
+    summary = tel.summary()
+    assert summary["busy_s_by_tier"] == {"ssd": pytest.approx(2.0), "ssd_read": pytest.approx(1.0)}
+    assert summary["GBps_by_tier"] == {"ssd": pytest.approx(5 / 4), "ssd_read": pytest.approx(2.0)}
+
+
+def test_offload_run_reports_the_host_tier_rate(offload_run) -> None:
+    rt_summary = offload_run["summary"]
+    assert rt_summary["busy_s_by_tier"]["host"] > 0
+    # a real copy's rate: bytes moved over the time the tier's copies ran, above 1 MB/s even on a slow host
+    assert rt_summary["GBps_by_tier"]["host"] > 1e-3
+    assert rt_summary["busy_s_by_tier"]["host"] <= rt_summary["transfer_s"] + 1e-9
 
 
 def test_rank_path() -> None:
