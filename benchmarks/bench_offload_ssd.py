@@ -4,7 +4,10 @@
 (``dsx_ssd_noverify``), each in its own process, ``--repeats`` rounds of both, at the offload benchmark's shape;
 the JSON's ``ratios.verify`` gives each config's step times, their medians' ratio, the bytes checked a step
 and the device's checksum rate (so the device time verifying takes a step, beside the measured difference,
-which a drive-bound step's spread can hide). Every other option is ``bench_offload.py``'s.
+which a drive-bound step's spread can hide). ``ratios.ssd_tier_vs_drive`` sets the tier's write and read rates
+while it had work against the drive's (``dsx report --io``'s sequential 4 MiB O_DIRECT write and read, 2 GiB,
+measured in the same directory after each run). One measured step a run: on a drive of 2 GB/s a step
+takes about 20 s. Every other option is ``bench_offload.py``'s.
 
     python benchmarks/bench_offload_ssd.py --out benchmarks/results      # suite offload-ssd
     python benchmarks/bench_offload_ssd.py --quick                        # CPU smoke test
@@ -19,7 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_offload
 
-DEFAULTS = ["--configs", "dsx_ssd", "dsx_ssd_noverify", "--repeats", "3", "--warmup", "1", "--steps", "2",
+DEFAULTS = ["--configs", "dsx_ssd", "dsx_ssd_noverify", "--repeats", "3", "--warmup", "1", "--steps", "1",
             "--pool-gb", "20", "--child-timeout", "100", "--name", "bench_offload_ssd"]  # fmt: skip
 
 

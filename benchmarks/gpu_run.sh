@@ -70,7 +70,8 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
     run plan-frontier 60 python benchmarks/plan_frontier.py "$RES/bench_offload.json" --config dsx_auto_hide_sel \
       --name plan_frontier --out "$RES"
     keep bench_offload plan_frontier ;;
-  offload-ssd)  # the SSD tier at the same shape with its default integrity check and without, 3 interleaved runs each
+  offload-ssd)  # the SSD tier at the same shape with its default integrity check and without, 3 interleaved runs each,
+               # the drive measured after each
     run bench-offload-ssd 560 python benchmarks/bench_offload_ssd.py --out "$RES"
     keep bench_offload_ssd ;;
   main)  # the main job with megatron-core; on 2+ GPUs also ZeRO-3 + NVMe optimizer offload (+ SSD activations)
