@@ -42,6 +42,7 @@ from dsx.offload.plan import (
     LayerProfile,
     PlanError,
     TierBandwidth,
+    bound_step_s,
     floor_bytes,
     lower_bound,
     make_plan,
@@ -166,16 +167,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if bound is not None:
         targets["lower_bound"] = {**bound, "windows": {k: {n: v for n, v in w.items() if n != "curve"}
                                                        for k, w in bound["windows"].items()}}  # fmt: skip
+    points = {
+        k: {"activation_peak_gb": r["activation_peak_gb"], "step_s": r["step_s"]} for k, r in measured.items()
+    }
+    if bound is not None:
+        targets["against_bound_and_peers"] = against(points, bound, fronts["offload"])
     name = args.name or f"plan_frontier_{Path(args.run).stem}"
     out = {"name": "plan_frontier", "env": environment(), "config": vars(args), "source": args.run,
            "source_env": run.get("env"), "kind": "cost-model prediction on measured profiles",
            "frontiers": fronts, "targets": targets, "lower_bound": bound,
-           "measured": {k: {"activation_peak_gb": r["activation_peak_gb"], "step_s": r["step_s"]}
-                        for k, r in measured.items()}}  # fmt: skip
+           "measured": points}  # fmt: skip
     write_json(out, args.out, name)
     _plot(out, args.out, name)
     print(json.dumps(targets, indent=1))
     return out
+
+
+def against(
+    points: dict[str, dict[str, float]], bound: dict[str, Any], front: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Each dsx point's step over the lower bound at its measured peak (window ``until_peak``) and over the
+    planner's own best prediction within that peak (``front``: the frontier with the run's tiers), and the
+    peers (configs not named ``dsx*``) that peak at the same or less memory and step faster: the points that
+    show dsx's curve not dominating. ``worst_over_bound``: the largest such ratio."""
+    per: dict[str, Any] = {}
+    for cfg, r in points.items():
+        if not cfg.startswith("dsx"):
+            continue
+        at = bound_step_s(bound, "until_peak", r["activation_peak_gb"])
+        faster = sorted(p for p, q in points.items() if not p.startswith("dsx")
+                        and q["activation_peak_gb"] <= r["activation_peak_gb"] and q["step_s"] < r["step_s"])  # fmt: skip
+        best = best_within(front, r["activation_peak_gb"])
+        planned = best["predicted_step_with_rest_s"] if best else None
+        per[cfg] = {"bound_step_s": at, "over_bound": r["step_s"] / at, "planner_best_step_s": planned,
+                    "over_planner_best": r["step_s"] / planned if planned else None,
+                    "planner_best_over_bound": planned / at if planned else None,
+                    "faster_peers_at_or_below": faster}  # fmt: skip
+    return {
+        "per_config": per,
+        "worst_over_bound": max((v["over_bound"] for v in per.values()), default=None),
+        "dominates_every_peer": all(not v["faster_peers_at_or_below"] for v in per.values()),
+    }
 
 
 def _plot(out: dict[str, Any], where: str, name: str) -> None:
@@ -202,6 +234,10 @@ def _plot(out: dict[str, Any], where: str, name: str) -> None:
             ls, label = bound_styles[key]
             ax.plot([c["budget_gb"] for c in w["curve"]], [c["step_s"] * 1e3 for c in w["curve"]],
                     color="black", ls=ls, lw=1, label=label)  # fmt: skip
+        sweep = sorted((r["activation_peak_gb"], r["step_s"] * 1e3) for c, r in out["measured"].items()
+                       if c.startswith("dsx_auto_budget"))  # fmt: skip
+        if len(sweep) > 1:  # dsx at the budgets of the sweep, as a curve
+            ax.plot(*zip(*sweep), color="tab:green", lw=1, label="dsx auto, measured over the budget sweep")
         for cfg, r in out["measured"].items():
             dsx_cfg = cfg.startswith("dsx")
             ax.scatter(r["activation_peak_gb"], r["step_s"] * 1e3, color="tab:green" if dsx_cfg else "tab:gray",

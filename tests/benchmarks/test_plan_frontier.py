@@ -87,3 +87,34 @@ def test_best_within_picks_the_fastest_plan_that_fits() -> None:
              {"predicted_peak_gb": 3.0, "predicted_step_s": 1.0}]  # fmt: skip
     assert plan_frontier.best_within(front, 2.5)["predicted_step_s"] == 2.0
     assert plan_frontier.best_within(front, 0.5) is None
+
+
+def test_against_names_the_peers_that_beat_dsx_at_or_below_its_memory() -> None:
+    from dsx.offload.plan import bound_step_s
+
+    rng = random.Random(11)
+    bound = {"no_offload_peak_gb": 13.0, "no_offload_step_s": 0.12, "write_GBps": 50.0,
+             "cost_s_per_gb": {"recompute": rng.uniform(2e-3, 4e-3)}, "cheapest": "recompute",
+             "windows": {"until_peak": {"movable_gb": rng.uniform(1.0, 3.0)}}}  # fmt: skip
+    points = {
+        "none": {"activation_peak_gb": 13.0, "step_s": 0.120},
+        "peer_low": {"activation_peak_gb": 9.0, "step_s": 0.130},  # less memory and faster than dsx_mid
+        "peer_high": {"activation_peak_gb": 12.0, "step_s": 0.100},  # faster, but above dsx_mid's memory
+        "dsx_mid": {"activation_peak_gb": 10.0, "step_s": 0.140},
+        "dsx_low": {"activation_peak_gb": 4.0, "step_s": 0.150},
+    }
+    front = [{"predicted_peak_gb": 3.9, "predicted_step_s": 0.150, "predicted_step_with_rest_s": 0.160},
+             {"predicted_peak_gb": 9.5, "predicted_step_s": 0.125, "predicted_step_with_rest_s": 0.135}]  # fmt: skip
+    out = plan_frontier.against(points, bound, front)
+    per = out["per_config"]
+    assert set(per) == {"dsx_mid", "dsx_low"}
+    assert per["dsx_mid"]["faster_peers_at_or_below"] == ["peer_low"]
+    assert per["dsx_low"]["faster_peers_at_or_below"] == []
+    assert not out["dominates_every_peer"]
+    for cfg, v in per.items():
+        at = bound_step_s(bound, "until_peak", points[cfg]["activation_peak_gb"])
+        assert v["over_bound"] == points[cfg]["step_s"] / at
+    assert per["dsx_mid"]["planner_best_step_s"] == 0.135 and per["dsx_low"]["planner_best_step_s"] == 0.160
+    assert out["worst_over_bound"] == max(v["over_bound"] for v in per.values())
+    points["peer_low"]["step_s"] = 0.145  # now slower than dsx_mid: dsx dominates every peer
+    assert plan_frontier.against(points, bound, front)["dominates_every_peer"]
