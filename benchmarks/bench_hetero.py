@@ -184,26 +184,35 @@ class _Pipeline:
         ahead of the step never empties it). What follows is an epoch's steady state, not batches sampled
         while nothing was timed. Returns the batches trained.
 
-        A torch ``DataLoader`` that keeps ahead says so sooner: a worker whose batches are all ready is idle,
-        so once the queued batches are trained, more ready batches than workers (some worker idle) mean the
-        workers outpace the step, which then sets the pace; the drain stops there."""
+        A torch ``DataLoader`` that keeps ahead says so sooner. Each worker holds ``prefetch_factor`` tasks,
+        so more ready batches than ``buffered() - num_workers`` mean some worker has all of its batches ready
+        and idles. Once the queued batches are trained, a worker idle after each of ``num_workers``
+        consecutive steps that did not wait (a whole round of the workers: a slow batch that held the others'
+        finished ones back would have made one of them wait) shows the step sets the pace; the drain stops
+        there."""
         waits: list[float] = []
         # the queued batches are served first, however long unpacking one of them takes
         first = max(warmup, self.buffered())
         cap = warmup + 4 * self.buffered()
         workers = getattr(self.loader, "num_workers", 0)
+        ahead = 0  # consecutive steps since the queued ones that found a worker idle
         for i in range(cap):
             self.step()
             if len(waits) < 3:
                 waits.append(self.last_wait)
             elif i >= first and self.last_wait > max(2e-3, 3 * statistics.median(waits)):
                 return i + 1
-            if workers and i + 1 >= first and (self.ready() or 0) > workers:
-                return i + 1
+            if workers and i >= first:  # (the batches after the queued ones: a round made during the drain)
+                ready = self.ready()
+                ahead = ahead + 1 if ready is not None and ready > self.buffered() - workers else 0
+                if ahead >= workers:
+                    return i + 1
         return cap
 
     def time_batches(self, warmup: int, n: int) -> float:
-        """Seconds per batch over ``n`` batches after :meth:`drain`; then :meth:`quiesce`."""
+        """Seconds per batch over ``n`` batches after :meth:`drain`, at least one per loader worker (a round
+        of every worker: fewer could fall between two slow ones); then :meth:`quiesce`."""
+        n = max(n, getattr(self.loader, "num_workers", 0))
         self.drained = self.drain(warmup)
         _sync(self.dev)
         t0 = time.perf_counter()

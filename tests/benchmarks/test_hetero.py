@@ -39,14 +39,15 @@ def test_bench_hetero_quick(tmp_path) -> None:
 class _SlowRows(torch.utils.data.Dataset):
     """Rows that take ``delay`` seconds each to make: a loader whose workers fall behind a fast step."""
 
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
+    def __init__(self, delay: float, slow: float = 0.0, workers: int = 1) -> None:
+        self.delay, self.slow, self.workers = delay, slow, workers
 
     def __len__(self) -> int:
         return 10_000
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        time.sleep(self.delay)
+        # torch hands batch i to worker i % workers: worker 0 makes every slow one
+        time.sleep(self.slow if self.slow and i % self.workers == 0 else self.delay)
         return torch.full((4,), float(i))
 
 
@@ -63,39 +64,61 @@ def _pipe(name: str, loader: object, step_s: float):
     return Pipe(name, loader, torch.nn.Linear(1, 1), torch.device("cpu"), "paper")
 
 
-def _drained(delay: float, step_s: float, warmup: int = 1) -> tuple[int, int, float]:
-    """(batches drain() trained, the loader's buffered batches, the waits of the 4 batches after the drain) for a
-    real two-worker DataLoader whose queue filled while nothing consumed it."""
-    loader = torch.utils.data.DataLoader(_SlowRows(delay), batch_size=None, num_workers=2, prefetch_factor=2,
-                                         persistent_workers=True)  # fmt: skip
+def _drained(delay: float, step_s: float, warmup: int = 1, workers: int = 2, prefetch: int = 2,
+             slow: float = 0.0) -> tuple[int, int, float, float]:  # fmt: skip
+    """(batches drain() trained, the loader's buffered batches, the wait of the drain's last step, the waits of
+    the 4 batches after the drain) for a real DataLoader whose queue filled while nothing consumed it; with
+    ``slow``, worker 0's batches take that long instead of ``delay``."""
+    loader = torch.utils.data.DataLoader(_SlowRows(delay, slow, workers), batch_size=None, num_workers=workers,
+                                         prefetch_factor=prefetch, persistent_workers=True)  # fmt: skip
     pipe = _pipe("pyg_w2", loader, step_s)
     pipe.next_batch()  # starts the workers
-    time.sleep(0.2 + 6 * delay)  # they fill the queue
+    time.sleep(0.2 + 3 * prefetch * max(delay, slow))  # they fill the queue
     n = pipe.drain(warmup=warmup)
+    last = pipe.last_wait
     wait = 0.0
     for _ in range(4):
         pipe.next_batch()
         wait += pipe.last_wait
     pipe._it._shutdown_workers()
-    return n, pipe.buffered(), wait
+    return n, pipe.buffered(), last, wait
 
 
 def test_drain_stops_when_the_queue_is_empty() -> None:
     # workers 20x slower than the step: the filled queue (4 batches) is all that is served without waiting
-    n, buffered, wait = _drained(delay=0.1, step_s=0.002)
+    n, buffered, _, wait = _drained(delay=0.1, step_s=0.002)
     assert buffered == 4
     assert buffered <= n <= buffered + 3 < 1 + 4 * buffered
     assert wait > 0.12  # what follows the drain comes at the workers' pace: 2 batches per 0.1 s
 
 
-def test_drain_stops_once_the_queued_batches_are_trained_when_workers_keep_ahead() -> None:
-    # workers 10x faster than the step: after the filled queue is trained, some worker has its batches
-    # ready again and idles; the step sets the pace, there is nothing to drain (no run to the cap of 17)
-    n, buffered, wait = _drained(delay=0.002, step_s=0.02)
-    assert n == buffered == 4
+def test_drain_stops_a_round_after_the_queued_batches_when_workers_keep_ahead() -> None:
+    # workers 10x faster than the step: once the filled queue is trained, a worker is idle after each of the
+    # next 2 steps (a round of both workers); the step sets the pace, there is nothing to drain (no run to the
+    # cap of 17)
+    n, buffered, _, wait = _drained(delay=0.002, step_s=0.02)
+    assert buffered == 4 and n == buffered + 2
     assert wait < 0.02  # and what follows comes from the refilled queue without waiting
     # a warm-up longer than the queue is still trained
-    assert _drained(delay=0.002, step_s=0.02, warmup=6)[0] == 6
+    assert _drained(delay=0.002, step_s=0.02, warmup=6)[0] == 6 + 2
+
+
+def test_drain_counts_a_worker_idle_only_with_all_its_prefetched_batches_ready() -> None:
+    # 3 batches prefetched per worker, workers slower than the step (30 ms a batch against 20): more ready
+    # batches than workers is no idle worker, so the drain goes on past the queue to the first wait
+    n, buffered, _, wait = _drained(delay=0.06, step_s=0.02, prefetch=3)
+    assert buffered == 6 and n > buffered
+    assert wait > 0.01  # what follows comes at the workers' pace (about 10 ms a batch more than the step)
+
+
+def test_drain_is_not_ended_by_batches_a_slow_one_holds_back() -> None:
+    # worker 0's batches take 0.3 s, the other three's 0.01: the others' finished batches wait behind each
+    # slow one (idle workers, but the loader sets the pace: 75 ms a batch); within a round the step waits for
+    # the slow batch, and that wait, not the idle workers, ends the drain
+    n, buffered, last, wait = _drained(delay=0.01, step_s=0.03, workers=4, slow=0.3)
+    assert n > buffered
+    assert last > 0.02  # the drain's last step waited (ready batches come in about 1 ms)
+    assert wait > 0.1  # and the next round comes at the slow worker's pace
 
 
 class _ReadyLoader:
