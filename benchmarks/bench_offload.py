@@ -79,9 +79,10 @@ CONFIGS = [
 # _megatron_offload.py): asked for by name, not in the default list
 MEGATRON_OFFLOAD = [f"megatron_offload_{k}" for k in OFFLOAD_SETS]
 ALL_CONFIGS = CONFIGS + MEGATRON_OFFLOAD
-# configs whose steps take seconds (bandwidth-bound copies): fewer steps, same warm-up rule
-# configs whose every moved byte goes to the SSD tier: the run reports the tier's rates against the drive's
+# configs whose only offload tier is the SSD (staged through the host pool): each run also measures the drive,
+# and the JSON sets the tier's rates against the drive's
 SSD_ONLY = ("dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel")
+# configs whose steps take seconds (bandwidth-bound copies): fewer steps, same warm-up rule
 SLOW = ("save_on_cpu", "hooks_offload", "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_host")
 NEEDS_BUDGET = ("dsx_auto_budget", "dsx_auto_budget_sel")
 
@@ -762,26 +763,32 @@ def _largest_micro_batch(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _drive_rates(ssd_dir: str, mb: int = 2048) -> dict[str, Any]:
-    """``dsx report --io``'s sequential write and read of ``mb`` MiB in ``ssd_dir`` (GB/s)."""
-    m = measure_file_bandwidth(ssd_dir, mb)
+    """``dsx report --io ssd_dir --io-mb mb``: a sequential write, then read, of ``mb`` MiB (GB/s); an
+    ``OSError`` (a full disk) is recorded, not raised: the run's own figures stand without it."""
+    try:
+        m = measure_file_bandwidth(ssd_dir, mb)
+    except OSError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300], "mb": mb}
     return {"write": m["write_GBps"], "read": m["read_GBps"], "mode": m["mode"], "mb": mb}
 
 
 def _tier_vs_drive(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per SSD-only config: the tier's write and read rates while it had work (telemetry ``GBps_by_tier``),
-    the drive's rates measured beside each run, and the tier's fraction of the drive's, medians over runs."""
+    """Per SSD-only config: the tier's write and read rates while it had work (telemetry ``GBps_by_tier``)
+    and the drive's measured after the same runs, each way over the runs that have both; ``<way>_fraction``
+    is the tier's median rate over the drive's (above 1 where the tier beats the one-request probe)."""
     out: dict[str, dict[str, Any]] = {}
-    for name in dict.fromkeys(r["config"] for r in rows if r.get("drive_GBps")):
-        runs = [r for r in rows if r["config"] == name and r.get("drive_GBps")]
-        rates = [r["telemetry"].get("GBps_by_tier", {}) for r in runs]
+    for name in dict.fromkeys(r["config"] for r in rows if "write" in r.get("drive_GBps", {})):
+        runs = [r for r in rows if r["config"] == name and "write" in r.get("drive_GBps", {})]
         entry: dict[str, Any] = {"runs": len(runs)}
         for way, tier in (("write", "ssd"), ("read", "ssd_read")):
-            tier_r = [x[tier] for x in rates if tier in x]
-            drive_r = [r["drive_GBps"][way] for r in runs]
-            entry[f"tier_{way}_GBps"] = tier_r
-            entry[f"drive_{way}_GBps"] = drive_r
-            if tier_r:
-                entry[f"{way}_fraction"] = statistics.median(tier_r) / statistics.median(drive_r)
+            both = [(r["telemetry"]["GBps_by_tier"][tier], r["drive_GBps"][way]) for r in runs
+                    if tier in r["telemetry"].get("GBps_by_tier", {})]  # fmt: skip
+            entry[f"tier_{way}_GBps"] = [t for t, _ in both]
+            entry[f"drive_{way}_GBps"] = [d for _, d in both]
+            if both:
+                entry[f"{way}_fraction"] = statistics.median(t for t, _ in both) / statistics.median(
+                    d for _, d in both
+                )
         out[name] = entry
     return out
 

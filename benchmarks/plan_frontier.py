@@ -188,15 +188,17 @@ def against(
 ) -> dict[str, Any]:
     """Each dsx point's step over the lower bound at its measured peak (window ``until_peak``) and over the
     planner's own best prediction within that peak (``front``: the frontier with the run's tiers), and the
-    peers (configs not named ``dsx*``) that peak at the same or less memory and step faster: the points that
-    show dsx's curve not dominating. ``worst_over_bound``: the largest such ratio."""
+    peers (configs not named ``dsx*``; not ``none_copies``, a diagnostic that moves bytes without freeing any)
+    that peak at the same or less memory and step faster: the points that show dsx's curve not dominating.
+    ``worst_over_bound``: the largest such ratio; both summaries are None without a dsx point."""
     per: dict[str, Any] = {}
+    peers = {p: q for p, q in points.items() if not p.startswith("dsx") and p != "none_copies"}
     for cfg, r in points.items():
         if not cfg.startswith("dsx"):
             continue
         at = bound_step_s(bound, "until_peak", r["activation_peak_gb"])
-        faster = sorted(p for p, q in points.items() if not p.startswith("dsx")
-                        and q["activation_peak_gb"] <= r["activation_peak_gb"] and q["step_s"] < r["step_s"])  # fmt: skip
+        faster = sorted(p for p, q in peers.items()
+                        if q["activation_peak_gb"] <= r["activation_peak_gb"] and q["step_s"] < r["step_s"])  # fmt: skip
         best = best_within(front, r["activation_peak_gb"])
         planned = best["predicted_step_with_rest_s"] if best else None
         per[cfg] = {"bound_step_s": at, "over_bound": r["step_s"] / at, "planner_best_step_s": planned,
@@ -206,7 +208,7 @@ def against(
     return {
         "per_config": per,
         "worst_over_bound": max((v["over_bound"] for v in per.values()), default=None),
-        "dominates_every_peer": all(not v["faster_peers_at_or_below"] for v in per.values()),
+        "dominates_every_peer": all(not v["faster_peers_at_or_below"] for v in per.values()) if per else None,
     }
 
 
@@ -234,10 +236,17 @@ def _plot(out: dict[str, Any], where: str, name: str) -> None:
             ls, label = bound_styles[key]
             ax.plot([c["budget_gb"] for c in w["curve"]], [c["step_s"] * 1e3 for c in w["curve"]],
                     color="black", ls=ls, lw=1, label=label)  # fmt: skip
-        sweep = sorted((r["activation_peak_gb"], r["step_s"] * 1e3) for c, r in out["measured"].items()
-                       if c.startswith("dsx_auto_budget"))  # fmt: skip
-        if len(sweep) > 1:  # dsx at the budgets of the sweep, as a curve
-            ax.plot(*zip(*sweep), color="tab:green", lw=1, label="dsx auto, measured over the budget sweep")
+        sweeps: dict[
+            str, list[tuple[float, float]]
+        ] = {}  # dsx at the budgets of a sweep (@<scale>x), a curve
+        for c, r in out["measured"].items():
+            if c.startswith("dsx_auto_budget"):
+                sweeps.setdefault(c.split("@")[0], []).append((r["activation_peak_gb"], r["step_s"] * 1e3))
+        for base, pts in sweeps.items():
+            if len(pts) > 1:
+                ax.plot(
+                    *zip(*sorted(pts)), color="tab:green", lw=1, label=f"{base}, measured over the budgets"
+                )
         for cfg, r in out["measured"].items():
             dsx_cfg = cfg.startswith("dsx")
             ax.scatter(r["activation_peak_gb"], r["step_s"] * 1e3, color="tab:green" if dsx_cfg else "tab:gray",

@@ -30,7 +30,9 @@ class StepRecord:
     gpu_wait_by: dict[str, float] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
     # per tier, the wall time during which at least one of its transfers ran (overlapping transfers count
-    # once): bytes_by_tier over it is the rate the tier moved data at while it had work
+    # once): bytes_by_tier over it is the rate the tier moved data at while it had work. A transfer counts,
+    # bytes and whole span, in the step it ends in, so a span begun in the step before can be counted in
+    # both steps' time: a rate summed over steps errs low, never high
     busy_by_tier: dict[str, float] = field(default_factory=dict)
     events: list[tuple[str, str, float, float]] = field(default_factory=list)  # (lane, name, t0, t1)
 

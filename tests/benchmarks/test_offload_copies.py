@@ -85,3 +85,26 @@ def test_ssd_runs_report_the_tier_rates_beside_the_drive_rates(tmp_path) -> None
         assert rates == entry[f"tier_{way}_GBps"] and all(g > 0 for g in rates)
         want = statistics.median(rates) / statistics.median(entry[f"drive_{way}_GBps"])
         assert entry[f"{way}_fraction"] == pytest.approx(want)
+
+
+def test_a_drive_that_cannot_be_measured_is_recorded_and_left_out(tmp_path) -> None:
+    missing = bench_offload._drive_rates(str(tmp_path / "gone"), 4)
+    assert "not a writable directory" in missing["error"] and "write" not in missing
+    ok = {"write": 2.0, "read": 1.0}
+    rows = [
+        {"config": "dsx_ssd", "drive_GBps": ok, "telemetry": {"GBps_by_tier": {"ssd": 3.0, "ssd_read": 1.5}}},
+        {
+            "config": "dsx_ssd",
+            "drive_GBps": missing,
+            "telemetry": {"GBps_by_tier": {"ssd": 9.0, "ssd_read": 9.0}},
+        },
+        {"config": "dsx_ssd", "drive_GBps": ok, "telemetry": {"GBps_by_tier": {"ssd": 1.0}}},  # no read back
+    ]
+    entry = bench_offload._tier_vs_drive(rows)["dsx_ssd"]
+    assert entry["runs"] == 2
+    assert entry["tier_write_GBps"] == [3.0, 1.0] and entry["write_fraction"] == 2.0 / 2.0
+    assert (
+        entry["tier_read_GBps"] == [1.5]
+        and entry["drive_read_GBps"] == [1.0]
+        and entry["read_fraction"] == 1.5
+    )

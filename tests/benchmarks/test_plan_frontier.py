@@ -100,6 +100,8 @@ def test_against_names_the_peers_that_beat_dsx_at_or_below_its_memory() -> None:
         "none": {"activation_peak_gb": 13.0, "step_s": 0.120},
         "peer_low": {"activation_peak_gb": 9.0, "step_s": 0.130},  # less memory and faster than dsx_mid
         "peer_high": {"activation_peak_gb": 12.0, "step_s": 0.100},  # faster, but above dsx_mid's memory
+        "peer_equal": {"activation_peak_gb": 4.0, "step_s": 0.149},  # dsx_low's memory, a little faster
+        "none_copies": {"activation_peak_gb": 3.0, "step_s": 0.121},  # a diagnostic, not a peer
         "dsx_mid": {"activation_peak_gb": 10.0, "step_s": 0.140},
         "dsx_low": {"activation_peak_gb": 4.0, "step_s": 0.150},
     }
@@ -109,12 +111,17 @@ def test_against_names_the_peers_that_beat_dsx_at_or_below_its_memory() -> None:
     per = out["per_config"]
     assert set(per) == {"dsx_mid", "dsx_low"}
     assert per["dsx_mid"]["faster_peers_at_or_below"] == ["peer_low"]
-    assert per["dsx_low"]["faster_peers_at_or_below"] == []
+    assert per["dsx_low"]["faster_peers_at_or_below"] == ["peer_equal"]
     assert not out["dominates_every_peer"]
     for cfg, v in per.items():
         at = bound_step_s(bound, "until_peak", points[cfg]["activation_peak_gb"])
         assert v["over_bound"] == points[cfg]["step_s"] / at
     assert per["dsx_mid"]["planner_best_step_s"] == 0.135 and per["dsx_low"]["planner_best_step_s"] == 0.160
+    assert per["dsx_mid"]["over_planner_best"] == 0.140 / 0.135
+    assert per["dsx_low"]["planner_best_over_bound"] == 0.160 / per["dsx_low"]["bound_step_s"]
     assert out["worst_over_bound"] == max(v["over_bound"] for v in per.values())
-    points["peer_low"]["step_s"] = 0.145  # now slower than dsx_mid: dsx dominates every peer
-    assert plan_frontier.against(points, bound, front)["dominates_every_peer"]
+    points["peer_low"]["step_s"] = 0.145  # now slower than dsx_mid, and peer_equal than dsx_low
+    points["peer_equal"]["step_s"] = 0.150
+    assert plan_frontier.against(points, bound, front)["dominates_every_peer"] is True
+    no_dsx = plan_frontier.against({k: v for k, v in points.items() if not k.startswith("dsx")}, bound, front)
+    assert no_dsx["dominates_every_peer"] is None and no_dsx["worst_over_bound"] is None
