@@ -156,12 +156,16 @@ class _Pipeline:
                 ms[key].append(1e3 * (z - a))
         return {k: statistics.median(v) for k, v in ms.items()}
 
+    @property
+    def workers(self) -> int:
+        """The loader's worker processes (PyG's ``num_workers``); 0 for dsx's, which has none."""
+        return int(getattr(self.loader, "num_workers", 0) or 0)
+
     def buffered(self) -> int:
         """Batches the loader prepares ahead of the caller: PyG's ``prefetch_factor`` x ``num_workers``,
         dsx's ``prefetch``. Served from a full queue, these would time the training step, not the loader."""
-        workers = getattr(self.loader, "num_workers", 0)
-        if workers:
-            return (self.loader.prefetch_factor or 2) * workers
+        if self.workers:
+            return (self.loader.prefetch_factor or 2) * self.workers
         return int(getattr(self.loader, "prefetch", 0))
 
     def ready(self) -> int | None:
@@ -194,7 +198,7 @@ class _Pipeline:
         # the queued batches are served first, however long unpacking one of them takes
         first = max(warmup, self.buffered())
         cap = warmup + 4 * self.buffered()
-        workers = getattr(self.loader, "num_workers", 0)
+        workers = self.workers
         ahead = 0  # consecutive steps since the queued ones that found a worker idle
         for i in range(cap):
             self.step()
@@ -212,7 +216,7 @@ class _Pipeline:
     def time_batches(self, warmup: int, n: int) -> float:
         """Seconds per batch over ``n`` batches after :meth:`drain`, at least one per loader worker (a round
         of every worker: fewer could fall between two slow ones); then :meth:`quiesce`."""
-        n = max(n, getattr(self.loader, "num_workers", 0))
+        n = max(n, self.workers)
         self.drained = self.drain(warmup)
         _sync(self.dev)
         t0 = time.perf_counter()

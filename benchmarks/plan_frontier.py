@@ -236,9 +236,8 @@ def _plot(out: dict[str, Any], where: str, name: str) -> None:
             ls, label = bound_styles[key]
             ax.plot([c["budget_gb"] for c in w["curve"]], [c["step_s"] * 1e3 for c in w["curve"]],
                     color="black", ls=ls, lw=1, label=label)  # fmt: skip
-        sweeps: dict[
-            str, list[tuple[float, float]]
-        ] = {}  # dsx at the budgets of a sweep (@<scale>x), a curve
+        # dsx at the budgets of a sweep (config@<scale>x), one curve per config
+        sweeps: dict[str, list[tuple[float, float]]] = {}
         for c, r in out["measured"].items():
             if c.startswith("dsx_auto_budget"):
                 sweeps.setdefault(c.split("@")[0], []).append((r["activation_peak_gb"], r["step_s"] * 1e3))
