@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -218,6 +219,15 @@ class SavedTensorHooks:
 
     def _pack(self, t: torch.Tensor) -> Any:
         i = self._cur
+        if i is None or self._scope_profile or self.actions[i] == "profile":
+            return self._pack_in(i, t)
+        t0 = time.perf_counter()  # the host time a step's hooks take is telemetry's hook_s
+        try:
+            return self._pack_in(i, t)
+        finally:
+            self.mover.sched.telemetry.add_hook(time.perf_counter() - t0)
+
+    def _pack_in(self, i: int | None, t: torch.Tensor) -> Any:
         if i is None or self._keep(t):
             return t
         st = t.untyped_storage()
@@ -331,6 +341,13 @@ class SavedTensorHooks:
     def _unpack(self, h: Any) -> torch.Tensor:
         if not isinstance(h, _Handle):
             return h
+        t0 = time.perf_counter()
+        try:
+            return self._unpack_handle(h)
+        finally:
+            self.mover.sched.telemetry.add_hook(time.perf_counter() - t0)
+
+    def _unpack_handle(self, h: _Handle) -> torch.Tensor:
         self.release_dead()
         self._drain_after_backward()
         if h.probe._version != h.version:

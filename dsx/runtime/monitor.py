@@ -1,7 +1,8 @@
 """The scheduler's per-step figures in DeepSpeed's monitor (TensorBoard, CSV, W&B, Comet).
 
 Every ``log_interval`` steps the mean per step over the interval is written as ``dsx/compute_s``,
-``dsx/transfer_s``, ``dsx/stall_s`` (seconds) and ``dsx/bytes_<tier>`` (bytes), at
+``dsx/transfer_s``, ``dsx/stall_s``, ``dsx/hook_s`` (seconds; the last is the host time in the saved-tensor
+hooks of moved layers) and ``dsx/bytes_<tier>`` (bytes), at
 ``engine.global_samples`` like DeepSpeed's own ``Train/Samples/*`` events.
 """
 
@@ -19,7 +20,7 @@ PREFIX = "dsx/"
 def interval_means(records: list[StepRecord], tiers: set[str]) -> dict[str, float]:
     """Mean of each scalar over ``records``; a tier in ``tiers`` that moved nothing counts as 0 bytes."""
     n = len(records)
-    keys = ["compute_s", "transfer_s", "stall_s", *(f"bytes_{t}" for t in sorted(tiers))]
+    keys = ["compute_s", "transfer_s", "stall_s", "hook_s", *(f"bytes_{t}" for t in sorted(tiers))]
     sums = dict.fromkeys(keys, 0.0)
     for r in records:
         for k, v in r.as_scalars().items():

@@ -34,11 +34,16 @@ class StepRecord:
     # bytes and whole span, in the step it ends in, so a span begun in the step before can be counted in
     # both steps' time: a rate summed over steps errs low, never high
     busy_by_tier: dict[str, float] = field(default_factory=dict)
+    # host time inside the saved-tensor hooks of moved layers (pack and unpack, an unpack's wait for its read
+    # included: stall_by["unpack"] is that part): what the offload costs the threads that queue the GPU's work
+    hook_s: float = 0.0
+    hooks: int = 0  # how many hook calls hook_s covers
     events: list[tuple[str, str, float, float]] = field(default_factory=list)  # (lane, name, t0, t1)
 
     def as_scalars(self) -> dict[str, float]:
         # (no gpu_wait_s: at the step's end the GPU has not run it yet)
-        out = {"compute_s": self.compute_s, "transfer_s": self.transfer_s, "stall_s": self.stall_s}
+        out = {"compute_s": self.compute_s, "transfer_s": self.transfer_s, "stall_s": self.stall_s,
+               "hook_s": self.hook_s}  # fmt: skip
         for tier, n in self.bytes_by_tier.items():
             out[f"bytes_{tier}"] = float(n)
         return out
@@ -79,6 +84,12 @@ class StepTelemetry:
             self._spans[tier].append((t0, t1))
             if self._keep_events:
                 self._cur.events.append((f"io:{tier}", name or tier, t0, t1))
+
+    def add_hook(self, seconds: float) -> None:
+        """One saved-tensor hook call of a moved layer took ``seconds`` of host time."""
+        with self._lock:
+            self._cur.hook_s += seconds
+            self._cur.hooks += 1
 
     def add_stall(self, t0: float, t1: float, name: str = "wait") -> None:
         with self._lock:
@@ -160,6 +171,8 @@ class StepTelemetry:
             "stall_by": _mean_by_kind([r.stall_by for r in steps]),
             "gpu_wait_s": sum(r.gpu_wait_s for r in steps) / n,
             "gpu_wait_by": _mean_by_kind([r.gpu_wait_by for r in steps]),
+            "hook_s": sum(r.hook_s for r in steps) / n,
+            "hooks": sum(r.hooks for r in steps) / n,
             "bytes_by_tier": {t: sum(r.bytes_by_tier.get(t, 0) for r in steps) / n for t in tiers},
             "busy_s_by_tier": {t: sum(r.busy_by_tier.get(t, 0.0) for r in steps) / n for t in tiers},
             # bytes over busy time, summed over the steps: the rate each tier moved data at while it had work

@@ -76,7 +76,7 @@ def test_offload_ends_each_step_once(offload_run) -> None:
 
 def test_monitor_csv_rows_and_values(offload_run) -> None:
     d = offload_run["csv"]
-    series = {k: _csv(d / f"dsx_{k}.csv") for k in ("compute_s", "transfer_s", "stall_s", "bytes_host", "bytes_host_read")}  # fmt: skip
+    series = {k: _csv(d / f"dsx_{k}.csv") for k in ("compute_s", "transfer_s", "stall_s", "hook_s", "bytes_host", "bytes_host_read")}  # fmt: skip
     expected_steps = [MICRO * INTERVAL * (i + 1) for i in range(STEPS // INTERVAL)]  # global_samples
     for name, rows in series.items():
         assert [s for s, _ in rows] == expected_steps, name
@@ -234,6 +234,28 @@ def test_offload_run_reports_the_host_tier_rate(offload_run) -> None:
     # a real copy's rate: bytes moved over the time the tier's copies ran, above 1 MB/s even on a slow host
     assert rt_summary["GBps_by_tier"]["host"] > 1e-3
     assert rt_summary["busy_s_by_tier"]["host"] <= rt_summary["transfer_s"] + 1e-9
+
+
+def test_offload_run_reports_its_hooks_host_time(offload_run) -> None:
+    """Every layer moves: each step packs and unpacks, and the hooks' host time is part of the step's."""
+    rt_summary = offload_run["summary"]
+    assert rt_summary["hooks"] > 0
+    assert 0 < rt_summary["hook_s"] < rt_summary["compute_s"] + rt_summary["stall_s"]
+
+
+def test_hook_time_adds_up_per_step() -> None:
+    from dsx.runtime.telemetry import StepTelemetry
+
+    tel = StepTelemetry()
+    tel.add_hook(1.0)  # step 0 (warm-up) is left out of the summary
+    tel.end_step()
+    for s in (2e-3, 3e-3, 5e-3):
+        tel.add_hook(s)
+    tel.end_step()
+    tel.end_step()  # a step that moved nothing
+    assert (tel.history[1].hook_s, tel.history[1].hooks) == (pytest.approx(1e-2), 3)
+    assert tel.history[1].as_scalars()["hook_s"] == pytest.approx(1e-2)
+    assert tel.summary()["hook_s"] == pytest.approx(5e-3) and tel.summary()["hooks"] == 1.5
 
 
 def test_rank_path() -> None:
