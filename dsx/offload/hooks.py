@@ -16,6 +16,7 @@ from torch import nn
 
 from dsx.offload.saved import SavedTensorHooks, tensors_of
 from dsx.offload.transfer import Mover
+from dsx.runtime.streams import current_stream
 
 __all__ = ["LayerHooks"]
 
@@ -158,7 +159,7 @@ class LayerHooks(SavedTensorHooks):
         name = f"write-barrier:layer{upto}"
         cuda = self.mover.device.type == "cuda"
         if cuda:  # what the wait costs the GPU: the time it idles between the work queued so far and the next
-            stream = torch.cuda.current_stream(self.mover.device)
+            stream = current_stream(self.mover.device)
             reached = torch.cuda.Event(enable_timing=True)
             reached.record(stream)
         t0 = time.perf_counter()

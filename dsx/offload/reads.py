@@ -31,6 +31,7 @@ import torch
 from dsx.offload.align import align_up, aligned_empty
 from dsx.offload.checksum import checksum, mismatch
 from dsx.offload.entry import Entry, OffloadIntegrityError
+from dsx.runtime.streams import current_stream, on_stream
 
 __all__ = ["ReadPath"]
 
@@ -54,7 +55,7 @@ class ReadPath:
                 if self._cuda and self.read_pool == "compute":
                     out = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
                     issued = torch.cuda.Event()
-                    issued.record(torch.cuda.current_stream(self.device))
+                    issued.record(current_stream(self.device))
                     dst = (out, issued)
                 if self._reads_inline(e):
                     e.fetched = self._read_inline(e, dst)
@@ -106,7 +107,7 @@ class ReadPath:
         stream's order (``wait`` skips waits that an earlier one covers)."""
         side = self.sched.stream("prefetch")
         # (the number and the queueing under one lock: inline reads and I/O threads' reads share the stream)
-        with self._read_lock, torch.cuda.stream(side):
+        with self._read_lock, on_stream(side):
             if dst is None:
                 out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             else:  # (no record_stream(side) here: every freed block would wait for all the copies queued
@@ -182,7 +183,7 @@ class ReadPath:
             raise err
         out, ev, seq = fut.result()
         if ev is not None:
-            cur = torch.cuda.current_stream(self.device)
+            cur = current_stream(self.device)
             # copies on the prefetch stream end in the order they were queued: once this stream waits for one,
             # every earlier one is covered. A layer's reads are queued in save order and unpacked mostly in
             # reverse, so its first unpack's wait covers the rest (a cross-stream wait per saved tensor left the

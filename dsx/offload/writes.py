@@ -27,6 +27,7 @@ from dsx.offload.align import align_up
 from dsx.offload.checksum import checksum
 from dsx.offload.entry import Entry
 from dsx.offload.store import SsdFull
+from dsx.runtime.streams import current_stream, on_stream
 
 __all__ = ["WritePath"]
 
@@ -67,9 +68,9 @@ class WritePath:
         t0 = time.perf_counter()
         if self._cuda:
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+            ready.record(current_stream(self.device))
             side = self.sched.stream("offload")
-            with torch.cuda.stream(side):
+            with on_stream(side):
                 side.wait_event(ready)
                 if e.tier in self.verify:  # the checksum of the bytes as they are on the device
                     e.checksum = torch.empty(3, dtype=torch.int64, pin_memory=True)
