@@ -7,6 +7,9 @@ One process, one pinned table (default ~4 GB), 1M random row ids (with repeats, 
 * ``cpu_pinned``     CPU ``index_select`` into pinned staging memory, then a non-blocking copy
 * ``naive_kernel``   zero-copy kernel, one warp per row, ids in the order given (no sort)
 * ``dsx``            ``UnifiedTensor.gather``: GPU sort + dedup + tuned zero-copy kernel (sort included)
+* ``dsx_queued``     ``dsx`` queued behind other GPU work, as a loader's gather is: the clock starts when the GPU
+                     reaches it, so the host's launches (the sort alone is several kernels) do not leave the
+                     GPU idle inside the timed span; ``copy_ceiling_queued`` is the copy timed so
 * ``dsx_unsorted``   the tuned kernel without the sort
 * ``dsx_bounded``    ``dsx`` limited to ``--bounded-sms`` SMs (what it may take beside training)
 * ``dsx_all_sms``    ``dsx`` with no bound (one wave over every SM; rows < 512 B still keep to 8 SMs)
@@ -64,14 +67,25 @@ def _env() -> dict[str, Any]:
     return info
 
 
-def _time(fn, repeats: int, cuda: bool) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up (CUDA events on a GPU)."""
+# GPU cycles of the busy kernel that ``queued`` timing puts before ``fn``: a few ms at H100 clocks, longer
+# than the host takes to queue a gather's launches
+_QUEUE_CYCLES = 8_000_000
+
+
+def _time(fn, repeats: int, cuda: bool, queued: bool = False) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up (CUDA events on a GPU).
+
+    ``queued``: the GPU is kept busy while the host queues ``fn``'s work, and the clock starts when the GPU
+    reaches it: the time of the work itself, as when it runs behind other work. A host slower than the busy
+    kernel would show up in the figure (against dsx, never for it)."""
     fn()
     times = []
     for _ in range(repeats):
         if cuda:
             torch.cuda.synchronize()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queued:
+                torch.cuda._sleep(_QUEUE_CYCLES)
             a.record()
             fn()
             b.record()
@@ -118,8 +132,8 @@ def _measure(
     check: dict[str, bool] = {}
     gbs: dict[str, float] = {}
 
-    def record(key: str, fn, out_fn) -> None:
-        secs = _time(fn, args.repeats, cuda)
+    def record(key: str, fn, out_fn, queued: bool = False) -> None:
+        secs = _time(fn, args.repeats, cuda, queued)
         gbs[key] = gathered / secs / 1e9
         out_fn().zero_()  # buffers are shared between methods: make a stale result impossible to pass
         fn()
@@ -130,6 +144,9 @@ def _measure(
     dst = torch.empty(gathered, dtype=torch.uint8, device=dev)
     secs = _time(lambda: dst.copy_(src, non_blocking=True), args.repeats, cuda)
     gbs["copy_ceiling"] = gathered / secs / 1e9
+    if cuda:
+        secs = _time(lambda: dst.copy_(src, non_blocking=True), args.repeats, cuda, queued=True)
+        gbs["copy_ceiling_queued"] = gathered / secs / 1e9
 
     out_pg: list[torch.Tensor] = []
 
@@ -165,13 +182,20 @@ def _measure(
                 "unified", cfg
             ):  # (ut_view has no config of its own: it follows the defaults)
                 record(key, lambda: ut_view.gather(didx, out=dst2), lambda: dst2)
+        # the deferred check: a "sync" gather would make the host wait for the GPU inside the timed span
+        record(
+            "dsx_queued", lambda: ut_view.gather(didx, out=dst2, check="deferred"), lambda: dst2, queued=True
+        )
+        ut_view.check()
         ut_view.close()
     else:
         ut_view = unified(table, shared="off", config=UnifiedConfig(backend="torch"))
         record("dsx", lambda: ut_view.gather(gidx), lambda: ut_view.gather(gidx))
     rec["gb_per_s"] = {k: round(v, 2) for k, v in gbs.items()}
-    rec["fraction_of_ceiling"] = {
-        k: round(v / gbs["copy_ceiling"], 3) for k, v in gbs.items() if k != "copy_ceiling"
+    rec["fraction_of_ceiling"] = {  # queued figures against the copy timed the same way
+        k: round(v / gbs["copy_ceiling_queued" if k == "dsx_queued" else "copy_ceiling"], 3)
+        for k, v in gbs.items()
+        if not k.startswith("copy_ceiling")
     }
     if "dsx" in gbs:
         rec["dsx_read_gb_per_s"] = round(gbs["dsx"] * uniq / n, 2)  # bytes read from host / time
@@ -202,8 +226,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         r512 = by.get(512)
         targets = {
             "dsx_512B_ge_45GBps": None if r512 is None else r512["gb_per_s"]["dsx"] >= 45.0,
-            "dsx_ge_0.8_ceiling_rows_ge_256B": all(
-                r["fraction_of_ceiling"]["dsx"] >= 0.8 for r in results if r["row_bytes"] >= 256
+            "dsx_ge_0.85_ceiling_rows_ge_256B": all(
+                r["fraction_of_ceiling"]["dsx"] >= 0.85 for r in results if r["row_bytes"] >= 256
+            ),
+            "dsx_queued_ge_0.85_ceiling_rows_ge_256B": all(
+                r["fraction_of_ceiling"]["dsx_queued"] >= 0.85 for r in results if r["row_bytes"] >= 256
             ),
         }
     return {
@@ -213,8 +240,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "register_seconds": round(reg_s, 3),
         "results": results,
         "targets": targets,
-        "notes": "GB/s = gathered bytes / median time; dsx includes the GPU sort of the ids; CPU baselines "
-        "receive host ids. Output of every method checked against index_select (first 4096 rows).",
+        "notes": "GB/s = gathered bytes / median time; dsx includes the GPU sort of the ids; dsx_queued is dsx "
+        "timed from when the GPU reaches it (its fraction is of copy_ceiling_queued); CPU baselines receive "
+        "host ids. Output of every method checked against index_select (first 4096 rows).",
     }
 
 
@@ -227,9 +255,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     res = report["results"]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for key in res[0]["gb_per_s"]:
-        style = "k--" if key == "copy_ceiling" else "-o"
+        style = {"copy_ceiling": "k--", "copy_ceiling_queued": "k:"}.get(key, "-o")
         pts = [(r["row_bytes"], r["gb_per_s"][key]) for r in res if key in r["gb_per_s"]]
-        ax.plot(*zip(*pts), style, label=key, lw=2.5 if key == "dsx" else 1.3)
+        ax.plot(*zip(*pts), style, label=key, lw=2.5 if key in ("dsx", "dsx_queued") else 1.3)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("row size (bytes)")
     ax.set_ylabel("GB/s (gathered bytes / time)")
