@@ -166,9 +166,10 @@ def _section(
     attention: str,
     read_pool: str = "auto",
     write_barrier: str = "auto",
+    io_backend: str = "auto",
 ) -> dict[str, Any] | None:
     base = {"enabled": True, "min_tensor_bytes": 1 << 16, "host_pool_gb": pool_gb, "ssd_capacity_gb": pool_gb,
-            "read_pool": read_pool}  # fmt: skip
+            "read_pool": read_pool, "io_backend": io_backend}  # fmt: skip
     if name.endswith("_sel"):
         base["recompute_modules"] = [attention]
         name = name.removesuffix("_sel")
@@ -205,7 +206,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     model = _model(args, name)
     bf16 = dev.type == "cuda"
     attention = _attention_module(args)
-    section = _section(name, ssd_dir, budget_gb, args.pool_gb, attention, args.read_pool, args.write_barrier)
+    section = _section(name, ssd_dir, budget_gb, args.pool_gb, attention, args.read_pool, args.write_barrier,
+                       args.io_backend)  # fmt: skip
     if name == "ds_cpu_ckpt":
         _deepspeed_checkpointing(model)
     engine, _, _, _ = dsx.initialize(
@@ -642,6 +644,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="dsx configs: the read_pool setting (allocator pool of read buffers)")  # fmt: skip
     p.add_argument("--write-barrier", choices=["auto", "on", "off"], default="auto",
                    help="dsx configs that move bytes: the write_barrier setting (default: dsx's)")  # fmt: skip
+    p.add_argument("--io-backend", choices=["auto", "kvikio", "aio", "posix"], default="auto",
+                   help="dsx configs: the SSD tier's io_backend (auto: the best available)")  # fmt: skip
     p.add_argument(
         "--event-wait",
         choices=EVENT_WAIT_MODES,
