@@ -9,7 +9,8 @@ One process, one pinned table (default ~4 GB), 1M random row ids (with repeats, 
 * ``dsx``            ``UnifiedTensor.gather``: GPU sort + dedup + tuned zero-copy kernel (sort included)
 * ``dsx_queued``     ``dsx`` queued behind other GPU work, as a loader's gather is: the clock starts when the GPU
                      reaches it, so the host's launches (the sort alone is several kernels) do not leave the
-                     GPU idle inside the timed span; ``copy_ceiling_queued`` is the copy timed so
+                     GPU idle inside the timed span, and the index check is deferred (``dsx`` waits for it);
+                     ``copy_ceiling_queued`` is the copy timed so
 * ``dsx_unsorted``   the tuned kernel without the sort
 * ``dsx_bounded``    ``dsx`` limited to ``--bounded-sms`` SMs (what it may take beside training)
 * ``dsx_all_sms``    ``dsx`` with no bound (one wave over every SM; rows < 512 B still keep to 8 SMs)
@@ -182,11 +183,16 @@ def _measure(
                 "unified", cfg
             ):  # (ut_view has no config of its own: it follows the defaults)
                 record(key, lambda: ut_view.gather(didx, out=dst2), lambda: dst2)
-        # the deferred check: a "sync" gather would make the host wait for the GPU inside the timed span
-        record(
-            "dsx_queued", lambda: ut_view.gather(didx, out=dst2, check="deferred"), lambda: dst2, queued=True
-        )
-        ut_view.check()
+        # with the index check deferred, as a loader's gathers run ("sync", dsx's figure, makes the host wait for
+        # the check inside the timed span)
+        with dsx.defaults.set("unified", UnifiedConfig(backend="cuda")):
+            record(
+                "dsx_queued",
+                lambda: ut_view.gather(didx, out=dst2, check="deferred"),
+                lambda: dst2,
+                queued=True,
+            )
+            ut_view.check()
         ut_view.close()
     else:
         ut_view = unified(table, shared="off", config=UnifiedConfig(backend="torch"))

@@ -338,8 +338,11 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
                     "profiles": [dataclasses.asdict(p) for p in off.plan.profiles]}  # fmt: skip
     read_pool = None  # the pool dsx's reads used ("auto" resolved)
     barrier = None  # whether the write barrier was installed (the host waits for moved bytes to leave)
+    ssd_io = None  # the backend the SSD tier's file opened with ("auto" resolved; None: no SSD tier)
     if rt and "activation_offload" in rt.features:
         read_pool = rt.features["activation_offload"].offload.mover.read_pool
+        ssd = rt.features["activation_offload"].offload.mover.ssd
+        ssd_io = ssd.io.name if ssd is not None else None
         hooks = rt.features["activation_offload"].offload.hooks
         barrier = bool(hooks.write_barrier or hooks.write_barrier_bwd)
     # the event_wait mode ("auto" resolved; None: a dsx without the setting, which spins)
@@ -378,7 +381,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     return {"config": name, "step_s": step_s, "tokens_per_s": args.micro_batch * args.seq_len / step_s,
             "activation_peak_gb": peak / 1e9, "peak_allocated_gb": peak_total / 1e9, "peak_breakdown_gb": breakdown,
             "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan,
-            "allocator_per_step": alloc_counts, "read_pool": read_pool, "write_barrier": barrier, "event_wait": waiter.mode if waiter else None,
+            "allocator_per_step": alloc_counts, "read_pool": read_pool, "write_barrier": barrier, "ssd_io_backend": ssd_io, "event_wait": waiter.mode if waiter else None,
             "expandable_segments": expandable,
             "measured_window_unix": window, "step_times_s": times, "gc_in_measured_steps": gc_clock.summary(),
             "host_probe_s": host_probe, "dsx_path": str(Path(dsx.__file__).parent),

@@ -74,8 +74,10 @@ class LayerHooks(SavedTensorHooks):
         # backward starts with the last layer: bring back what its backward and the next prefetch_depth
         # layers' need as soon as forward is over (the window the planner's cost model assumes: an offloaded
         # layer further down is read later, so its bytes are not back on the device for the whole backward)
+        t0 = time.perf_counter()  # (issuing reads is offload host time: telemetry's hook_s)
         for i in self._moved_from(len(self.actions) - 1):
             self._prefetch_layer(i)
+        self.mover.sched.telemetry.add_hook(time.perf_counter() - t0)
 
     def _make_pre(self, i: int) -> Any:
         def pre(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
@@ -127,6 +129,13 @@ class LayerHooks(SavedTensorHooks):
         return any(0 <= j < len(self.actions) and self.actions[j] in ("host", "ssd") for j in (i - 1, i + 1))
 
     def _backward_starts(self, i: int, upto: int | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._backward_starts_in(i, upto)
+        finally:
+            self.mover.sched.telemetry.add_hook(time.perf_counter() - t0)
+
+    def _backward_starts_in(self, i: int, upto: int | None) -> None:
         self.release_dead()
         self._drain_after_backward()
         if upto is not None:

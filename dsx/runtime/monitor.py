@@ -1,8 +1,8 @@
 """The scheduler's per-step figures in DeepSpeed's monitor (TensorBoard, CSV, W&B, Comet).
 
 Every ``log_interval`` steps the mean per step over the interval is written as ``dsx/compute_s``,
-``dsx/transfer_s``, ``dsx/stall_s``, ``dsx/hook_s`` (seconds; the last is the host time in the saved-tensor
-hooks of moved layers) and ``dsx/bytes_<tier>`` (bytes), at
+``dsx/transfer_s``, ``dsx/stall_s``, ``dsx/hook_s`` (seconds; the last is activation offload's host time in
+its hooks, 0 without offload) and ``dsx/bytes_<tier>`` (bytes), at
 ``engine.global_samples`` like DeepSpeed's own ``Train/Samples/*`` events.
 """
 

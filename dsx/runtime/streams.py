@@ -1,8 +1,8 @@
 """The current CUDA stream and a switch to a side stream, cheap enough to run once per saved tensor.
 
 ``torch.cuda.current_stream(device)`` builds a new ``Stream`` object on every call, and the
-``torch.cuda.stream`` context asks for the current device and the current stream again: tens of microseconds
-of host time per switch (docs/performance.md, "Host time of the hooks"). Activation offload's hooks switch
+``torch.cuda.stream`` context asks for the current device and the current stream again (their host time:
+docs/performance.md, "Host time of the hooks"). Activation offload's hooks switch
 to a side stream for each moved tensor's copy, on the thread that queues the GPU's work, where that time can
 leave the GPU waiting. :func:`current_stream` keeps the last ``Stream`` object per device and hands it out
 again while the raw stream it wraps is still current (one lookup of the raw handle); :class:`on_stream` is

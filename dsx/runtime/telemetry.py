@@ -34,10 +34,11 @@ class StepRecord:
     # bytes and whole span, in the step it ends in, so a span begun in the step before can be counted in
     # both steps' time: a rate summed over steps errs low, never high
     busy_by_tier: dict[str, float] = field(default_factory=dict)
-    # host time inside the saved-tensor hooks of moved layers (pack and unpack, an unpack's wait for its read
-    # included: stall_by["unpack"] is that part): what the offload costs the threads that queue the GPU's work
+    # activation offload's host time: its saved-tensor hooks inside the layers it hooks (each pack there, each
+    # unpack of a moved tensor) and the reads it issues where a backward starts. Waits in them are included
+    # (stall_by says how long: "unpack", "write-barrier"); the layers' forward hooks are not
     hook_s: float = 0.0
-    hooks: int = 0  # how many hook calls hook_s covers
+    hooks: int = 0  # how many of those calls hook_s covers
     events: list[tuple[str, str, float, float]] = field(default_factory=list)  # (lane, name, t0, t1)
 
     def as_scalars(self) -> dict[str, float]:
@@ -86,7 +87,7 @@ class StepTelemetry:
                 self._cur.events.append((f"io:{tier}", name or tier, t0, t1))
 
     def add_hook(self, seconds: float) -> None:
-        """One saved-tensor hook call of a moved layer took ``seconds`` of host time."""
+        """One of activation offload's hook calls took ``seconds`` of host time (see ``StepRecord.hook_s``)."""
         with self._lock:
             self._cur.hook_s += seconds
             self._cur.hooks += 1

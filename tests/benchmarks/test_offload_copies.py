@@ -77,7 +77,7 @@ def test_ssd_runs_report_the_tier_rates_beside_the_drive_rates(tmp_path) -> None
     saved = json.loads((tmp_path / "ssd.json").read_text())
     runs = [r for r in saved["results"] if r["config"] == "dsx_ssd"]
     assert len(runs) == 2 and all("error" not in r for r in runs), runs
-    assert saved["config"]["io_backend"] == "posix"
+    assert [r["ssd_io_backend"] for r in runs] == ["posix", "posix"]  # the file the tier opened
     entry = saved["ratios"]["ssd_tier_vs_drive"]["dsx_ssd"]
     assert entry["runs"] == 2
     for way, tier in (("write", "ssd"), ("read", "ssd_read")):
