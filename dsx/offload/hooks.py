@@ -75,9 +75,11 @@ class LayerHooks(SavedTensorHooks):
         # layers' need as soon as forward is over (the window the planner's cost model assumes: an offloaded
         # layer further down is read later, so its bytes are not back on the device for the whole backward)
         t0 = time.perf_counter()  # (issuing reads is offload host time: telemetry's hook_s)
-        for i in self._moved_from(len(self.actions) - 1):
+        due = self._moved_from(len(self.actions) - 1)
+        for i in due:
             self._prefetch_layer(i)
-        self.mover.sched.telemetry.add_hook(time.perf_counter() - t0)
+        if due:
+            self.mover.sched.telemetry.add_hook(time.perf_counter() - t0)
 
     def _make_pre(self, i: int) -> Any:
         def pre(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
