@@ -325,7 +325,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         telemetry["gpu_wait_by_measured_step"] = [
             r.gpu_wait_by for r in rt.scheduler.telemetry.history[-n_steps:]
         ]
-        # host time in the saved-tensor hooks of moved layers (see StepRecord.hook_s), s per step
+        # activation offload's host time in its hooks (see StepRecord.hook_s), s per step
         telemetry["hook_s_by_measured_step"] = [r.hook_s for r in rt.scheduler.telemetry.history[-n_steps:]]
     plan = None
     if rt and "activation_offload" in rt.features:
