@@ -6,9 +6,11 @@ per ``edge_index`` / ``edge_type`` tensor objects (identity and in-place version
 repeatedly on the same graph costs one dictionary look-up. Inference tensors keep no version counter, so an
 in-place refill of one could not be told from the graph it held before: they are never cached.
 
-Performance: a handful of sorts / ``unique`` over ``E`` elements on the graph's device, and a host
-synchronisation only per unique-pair map (its size depends on the data); on a GPU this is cheap enough to
-redo per sampled mini-batch (``benchmarks/bench_hetero.py`` reports the cost, ``prep_ms``).
+Performance: one sort of ``E`` keys on the graph's device; the unique (node, relation) maps and the RGCN
+degrees scatter into a table with a slot per key where that table is small next to the edges (a sampled
+mini-batch), else they sort the keys (``torch.unique``). A host synchronisation only per unique-pair map (its
+size depends on the data). On a GPU the cost is a few dozen launches, cheap enough to redo per sampled
+mini-batch (``benchmarks/bench_hetero.py`` reports it, ``prep_ms``).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class RelGraph:
         self._edge_index = edge_index  # the caller's tensor (no copy): only ``perm`` reads it again
         self._wanted: set[str] = set()
         self._fresh = False  # True while fields seeded by prepare() await the first require()
+        self._sorted_dst: torch.Tensor | None = None  # prepare()'s sort key (int32 where ids fit), until then
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """``Tensor.record_stream`` for every tensor the graph holds now: a graph built on one stream (a
@@ -103,7 +106,7 @@ class RelGraph:
         for name in missing:
             getattr(self, name)
         if missing or self._fresh:
-            self._fresh = False
+            self._fresh, self._sorted_dst = False, None
             for name in self.LAZY:
                 if name not in self._wanted:
                     self.__dict__.pop(name, None)
@@ -133,6 +136,8 @@ class RelGraph:
 
     @functools.cached_property
     def dst(self) -> torch.Tensor:
+        if self._sorted_dst is not None:
+            return self._sorted_dst.long()
         return _ptr_groups(self.dst_ptr, self.num_edges)
 
     @functools.cached_property
@@ -165,12 +170,26 @@ class RelGraph:
     def inv_deg_rel(self) -> torch.Tensor:
         if "edge_dst_row" in self.__dict__:
             inverse = self.edge_dst_row
-            deg = _counts(inverse, self.dst_row_idx.numel())[inverse]
-        else:  # only the counts are needed: each edge's (relation, destination) key found in the sorted keys
+            return 1.0 / _counts(inverse, self.dst_row_idx.numel())[inverse].to(torch.float32)
+        # only the counts are needed: each edge's (relation, destination) key counted in a dense table, or
+        # found in the sorted keys where the key space is too large for a table
+        n = max(self.num_dst, 1)
+        if not _dense_fits(self.num_relations * n, self.num_edges):
             key = _pair_key(self.dst, self.rel, self.num_dst, self.num_relations)
             keys = torch.sort(key).values
             deg = torch.searchsorted(keys, key, right=True) - torch.searchsorted(keys, key)
-        return 1.0 / deg.to(torch.float32)
+            return 1.0 / deg.to(torch.float32)
+        dst = self.__dict__.get("dst", self._sorted_dst)  # the narrow sort key where prepare() left it
+        key = torch.add(self.dst if dst is None else dst, self.rel, alpha=n)  # int64 (rel is)
+        # float32 counts are exact below 2**24 edges (a count never exceeds the edges)
+        exact = self.num_edges < 2**24
+        counts = torch.zeros(
+            self.num_relations * n, dtype=torch.float32 if exact else torch.int64, device=key.device
+        )
+        counts.index_add_(
+            0, key, torch.ones((), dtype=counts.dtype, device=key.device).expand(self.num_edges)
+        )
+        return counts[key].reciprocal_() if exact else 1.0 / counts[key].to(torch.float32)
 
     @functools.cached_property
     def rel_perm(self) -> torch.Tensor:
@@ -209,7 +228,7 @@ def _ptr(groups: torch.Tensor, n: int) -> torch.Tensor:
 def _sorted_ptr(sorted_groups: torch.Tensor, n: int, stride: int = 1) -> torch.Tensor:
     """CSR pointer over ``n`` groups of ``sorted_groups`` (group ``g`` holds the values in
     ``[g * stride, (g + 1) * stride)``): a binary search per group instead of a histogram."""
-    bounds = torch.arange(n + 1, device=sorted_groups.device, dtype=sorted_groups.dtype) * stride
+    bounds = torch.arange(0, (n + 1) * stride, stride, device=sorted_groups.device, dtype=sorted_groups.dtype)
     return torch.searchsorted(sorted_groups, bounds)
 
 
@@ -223,16 +242,43 @@ def _key_dtype(bound: int) -> torch.dtype:
     return torch.int32 if bound <= INT32_MAX else torch.int64
 
 
+def _dense_fits(num_keys: int, num_edges: int) -> bool:
+    """Whether a table with one slot per (relation, node) key is cheap next to the edges: a sampled batch (a
+    few hundred thousand nodes, a handful of relations) fits, so its maps are built by scattering into the table
+    instead of sorting the edges' keys; a large sparse graph sorts."""
+    return num_keys <= max(4 * num_edges, 1 << 22)
+
+
 def _pair_key(node: torch.Tensor, rel: torch.Tensor, num_nodes: int, num_relations: int) -> torch.Tensor:
     # key = rel * N + node sorts by relation first: the unique pairs come out grouped by relation.
-    dtype = _key_dtype(num_relations * max(num_nodes, 1))
-    return rel.to(dtype) * max(num_nodes, 1) + node.to(dtype)
+    n = max(num_nodes, 1)
+    dtype = _key_dtype(num_relations * n)
+    return torch.add(node.to(dtype), rel.to(dtype), alpha=n)
 
 
 def _pairs(node: torch.Tensor, rel: torch.Tensor, num_nodes: int, num_relations: int):
-    uniq, inverse = torch.unique(_pair_key(node, rel, num_nodes, num_relations), return_inverse=True)
-    ptr = _sorted_ptr(uniq, num_relations, max(num_nodes, 1))
-    return (uniq % max(num_nodes, 1)).long(), ptr.long(), inverse
+    """The unique (node, relation) pairs of ``E`` edges, grouped by relation and ascending within one:
+    ``(node of each pair, CSR over relations, each edge's pair)``. One host synchronisation (their number)."""
+    n = max(num_nodes, 1)
+    if _dense_fits(num_relations * n, node.numel()):
+        return _pairs_dense(node, rel, n, num_relations)
+    return _pairs_sorted(node, rel, n, num_relations)
+
+
+def _pairs_sorted(node: torch.Tensor, rel: torch.Tensor, n: int, num_relations: int):
+    uniq, inverse = torch.unique(_pair_key(node, rel, n, num_relations), return_inverse=True)
+    ptr = _sorted_ptr(uniq, num_relations, n)
+    return (uniq % n).long(), ptr.long(), inverse
+
+
+def _pairs_dense(node: torch.Tensor, rel: torch.Tensor, n: int, num_relations: int):
+    # the keys present, marked in a table of every key: its non-zeros are the sorted unique keys and its running
+    # count each key's rank, without sorting the edges (torch.unique sorts them, at several times the launches)
+    key = torch.add(node.long(), rel.long(), alpha=n)
+    seen = torch.zeros(num_relations * n, dtype=torch.bool, device=key.device).index_fill_(0, key, True)
+    uniq = seen.nonzero().view(-1)
+    inverse = seen.cumsum(0).sub_(1)[key]
+    return uniq % n, _sorted_ptr(uniq, num_relations, n), inverse
 
 
 def check_index_tensor(t: object, name: str, what: str) -> None:
@@ -294,8 +340,8 @@ def _build(edge_index, edge_type, num_src, num_dst, num_relations) -> RelGraph:
     graph = RelGraph(num_src, num_dst, num_relations, src.numel(), dst_ptr, src_row_idx, src_rel_ptr,
                      edge_src_row, edge_index)  # fmt: skip
     # Already computed: seeded so that require() reuses them, then drops them unless someone wants them.
-    graph.__dict__.update(src=src, rel=rel, dst=dst.long())
-    graph._fresh = True
+    graph.__dict__.update(src=src, rel=rel)
+    graph._sorted_dst, graph._fresh = dst, True
     return graph
 
 

@@ -147,9 +147,9 @@ def _build(
         return TypedLayout(offset, sizes, empty, empty[0])
     # A batch has a handful of edge types and a few hundred thousand edges: the cost is in launches, not
     # bytes. So the edge lists are concatenated first and every per-type value (relation, offsets, sizes)
-    # comes from one small table, gathered per edge by its segment: about fifteen launches whatever the number
-    # of edge types, and one host synchronisation for the range check. (Gathers of single columns: a gather
-    # of [E, 6] rows is slower than six of them.)
+    # comes from one small table, gathered per edge by its segment: about a dozen launches whatever the number
+    # of edge types, and one host synchronisation for the range check. (The table is gathered by columns, a
+    # pair of rows per launch: a gather of [E, 6] rows is slower than six of columns.)
     device = nonempty[0][1].device
     ends = list(itertools.accumulate(ei.size(1) for _, ei in nonempty))
     columns = [[rel_of[e] for e, _ in nonempty], [offset[e[0]] for e, _ in nonempty],
@@ -160,10 +160,11 @@ def _build(
         table = table.pin_memory().to(device, non_blocking=True)
     local = torch.cat([ei.long() for _, ei in nonempty], 1)
     seg = torch.searchsorted(table[5], torch.arange(ends[-1], device=device), right=True)
-    rel, off_s, off_d, n_s, n_d = (table[i][seg] for i in range(5))
-    if bool(((local < 0).any(0) | (local[0] >= n_s) | (local[1] >= n_d)).any()):
+    rel = table[0][seg]
+    count = table[3:5].index_select(1, seg)  # [2, E]: the source's and the destination's node count
+    if bool(((local < 0) | (local >= count)).any()):
         _raise_out_of_range(sizes, nonempty)
-    edge_index = local + torch.stack((off_s, off_d))
+    edge_index = local + table[1:3].index_select(1, seg)
     return TypedLayout(offset, sizes, edge_index, rel)
 
 

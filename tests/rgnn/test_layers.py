@@ -189,6 +189,43 @@ def test_graph_maps_from_int32_ids_and_either_order_of_fields():
     torch.testing.assert_close(pairs_first.inv_deg_rel, wide.inv_deg_rel, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("n,e,r", [(23, 90, 5), (3000, 40000, 9)])
+def test_dense_table_and_sorted_keys_build_the_same_graph(monkeypatch, device, n, e, r) -> None:
+    """A graph whose (relation, node) keys fit a dense table is built by scattering into it; a larger one by
+    sorting its keys (torch.unique): both give the same maps and 1/deg_r, field for field."""
+    import dsx.rgnn.graph as graph_mod
+
+    gen = torch.Generator().manual_seed(n + e)
+    ei = torch.randint(0, n, (2, e), generator=gen).to(device)
+    et = torch.randint(0, r, (e,), generator=gen).to(device)
+    fields = ("dst_ptr", "src_row_idx", "src_rel_ptr", "edge_src_row", "dst_row_idx", "dst_rel_ptr",
+              "edge_dst_row", "src", "dst", "rel")  # fmt: skip
+    built = {}
+    for dense in (True, False):
+        monkeypatch.setattr(graph_mod, "_dense_fits", lambda keys, edges, dense=dense: dense)
+        alone = rg.prepare(ei, et, n, r, cache=False, needs=("inv_deg_rel",))  # 1/deg_r from the keys
+        built[dense] = rg.prepare(ei, et, n, r, cache=False, needs=fields[4:])
+        built[dense].inv_alone = alone.inv_deg_rel
+    for name in fields:
+        a, b = getattr(built[True], name), getattr(built[False], name)
+        assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b), name
+    g = built[True]
+    deg = torch.zeros(r * n, dtype=torch.int64, device=device).index_add_(
+        0, g.rel * n + g.dst, torch.ones_like(g.dst)
+    )
+    expected = 1.0 / deg[g.rel * n + g.dst].float()
+    for dense in (True, False):
+        assert built[dense].inv_alone.dtype == torch.float32
+        torch.testing.assert_close(built[dense].inv_alone, expected, rtol=0, atol=0)
+    # the pairs are the unique (node, relation) keys, grouped by relation and ascending: the sorted path's
+    # torch.unique is the reference, and both agree with it
+    assert torch.equal(
+        g.src_rel_ptr,
+        torch.searchsorted(torch.unique(g.rel * n + g.src), torch.arange(r + 1, device=device) * n),
+    )
+
+
 def test_prepare_cache_and_bad_input():
     ei, et = rel_graph()
     g = rg.prepare(ei, et, 23, 5)
