@@ -150,7 +150,10 @@ class RelGraph:
         return torch.sort(self._edge_index[1].long(), stable=True).indices
 
     def _dst_pairs(self):
-        idx, ptr, inverse = _pairs(self.dst, self.rel, self.num_dst, self.num_relations)
+        dst = self.__dict__.get("dst", self._sorted_dst)  # the narrow sort key where prepare() left it
+        idx, ptr, inverse = _pairs(
+            self.dst if dst is None else dst, self.rel, self.num_dst, self.num_relations
+        )
         self.__dict__.update(dst_row_idx=idx, dst_rel_ptr=ptr, edge_dst_row=inverse)
         return idx, ptr, inverse
 
@@ -274,7 +277,7 @@ def _pairs_sorted(node: torch.Tensor, rel: torch.Tensor, n: int, num_relations: 
 def _pairs_dense(node: torch.Tensor, rel: torch.Tensor, n: int, num_relations: int):
     # the keys present, marked in a table of every key: its non-zeros are the sorted unique keys and its running
     # count each key's rank, without sorting the edges (torch.unique sorts them, at several times the launches)
-    key = torch.add(node.long(), rel.long(), alpha=n)
+    key = torch.add(node, rel.long(), alpha=n)  # int64 (rel is), from a narrower node id too
     seen = torch.zeros(num_relations * n, dtype=torch.bool, device=key.device).index_fill_(0, key, True)
     uniq = seen.nonzero().view(-1)
     inverse = seen.cumsum(0).sub_(1)[key]
