@@ -68,7 +68,13 @@ def test_wrong_type_or_choice(section: dict, path: str, value: str, allowed: str
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("host_pool_gb", -1), ("ssd_capacity_gb", -0.5), ("memory_budget_gb", -2), ("min_tensor_bytes", -4096)],
+    [
+        ("host_pool_gb", -1),
+        ("ssd_capacity_gb", -0.5),
+        ("memory_budget_gb", -2),
+        ("min_tensor_bytes", -4096),
+        ("moved_tensor_host_us", -1.0),
+    ],
 )
 def test_negative_sizes(key: str, value: float) -> None:
     msg = _err({"activation_offload": {key: value}})

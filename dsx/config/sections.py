@@ -61,6 +61,11 @@ class ActivationOffloadConfig(_Section):
     expandable_segments: Literal["auto", "on", "off"] = "auto"
     io_backend: Literal["auto", "kvikio", "aio", "posix"] = "auto"
     min_tensor_bytes: int = Field(default=1 << 20, ge=0, le=1 << 50)
+    # policy auto without memory_budget_gb: the host time each moved tensor costs a step (its hooks' copies,
+    # events and handles, write and read), which the planner adds to a hide-only plan's step time, so that it
+    # moves fewer, larger tensors where that costs less. The default is what the hooks took a tensor on an H100
+    # host (docs/performance.md, "Host time of the hooks"); a run's telemetry reports its own as hook_s
+    moved_tensor_host_us: float = Field(default=200.0, ge=0, le=1e6)
     # which tiers' read-backs are checked against a checksum taken on the device as the bytes left it: "auto"
     # the SSD tier (a drive or file system can corrupt bytes), true every tier, false none
     verify: bool | Literal["auto"] = "auto"

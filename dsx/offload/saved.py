@@ -266,9 +266,8 @@ class SavedTensorHooks:
             if entry is None:
                 cap = self.move_caps.get(i)
                 done = self._moved_bytes.get(i, 0)
-                if (
-                    cap is not None and done + key[1] > cap
-                ):  # a partial layer: its first storages move, to the cap
+                # a partial layer: its first storages (of at least the cap's floor) move, to the cap
+                if cap is not None and (done + key[1] > cap or key[1] < getattr(cap, "floor", 0)):
                     return t
                 entry = self.mover.offload(st, i, self.actions[i], name=f"{tuple(t.shape)}:{t.dtype}")
                 if entry is None:  # no room in any tier: stays on the device (the mover warned once)

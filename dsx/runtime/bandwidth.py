@@ -30,11 +30,14 @@ logger = logging.getLogger("dsx")
 
 @dataclass
 class TierBandwidth:
-    """Bandwidth one rank gets on a tier while every rank of its node uses it (bytes per second)."""
+    """Bandwidth one rank gets on a tier while every rank of its node uses it (bytes per second), and the host
+    time each tensor moved through it costs a step whatever its size (its write, read and handles; the planner
+    sets it from ``moved_tensor_host_us``)."""
 
     tier: str
     write_Bps: float
     read_Bps: float
+    per_tensor_s: float = 0.0
 
 
 def measure_file_bandwidth(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from dsx.config import ActivationOffloadConfig
-from dsx.offload.plan import LayerProfile, TierBandwidth
+from dsx.offload.plan import LayerProfile, TierBandwidth, planned_bandwidths
 
 GiB = 1 << 30
 BW = [TierBandwidth("host", 20e9, 20e9), TierBandwidth("ssd", 2e9, 1.5e9)]
@@ -20,6 +20,12 @@ def _profiles(rng: random.Random, n: int) -> list[LayerProfile]:
 
 def _cfg(**kw) -> ActivationOffloadConfig:
     return ActivationOffloadConfig(tiers=["host", "ssd"], **kw)
+
+
+def _bw(bws: list[TierBandwidth] = BW, budget: bool = False) -> dict[str, TierBandwidth]:
+    """The tiers as the planner sees them under the default settings: without a budget each moved tensor's
+    host time is added, under one it is not."""
+    return planned_bandwidths(bws, _cfg(memory_budget_gb=1.0 if budget else None))
 
 
 def _sel_profiles(rng: random.Random, n: int) -> list[LayerProfile]:

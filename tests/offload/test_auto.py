@@ -67,11 +67,12 @@ def test_auto_profiles_selective_bytes_and_moves_what_it_predicts(tmp_path):
     assert hist[3].bytes_by_tier["host"] == profiles[1].sel_saved_bytes
 
 
-def test_partial_moves_move_what_the_plan_counts(tmp_path):
+@pytest.mark.parametrize("floored", [False, True])
+def test_partial_moves_move_what_the_plan_counts(tmp_path, floored):
     """A hide-only plan moves part of a layer (its first saved storages, each that still fits under the
-    cap): the profile records the storages in save order, and plan.movable() predicts the bytes the runtime
-    then moves, for caps that fall between storage sizes."""
-    from dsx.offload.plan import movable
+    cap, and with a floor only those at least that large): the profile records the storages in save order,
+    and plan.movable() predicts the bytes the runtime then moves, for caps that fall between storage sizes."""
+    from dsx.offload.plan import MoveCap, movable
 
     model, batches, want = _reference(12, 3)
     sched = Scheduler(SchedulerConfig(io_workers=2))
@@ -82,7 +83,14 @@ def test_partial_moves_move_what_the_plan_counts(tmp_path):
         if step == 0:
             profiles.extend(off.plan.profiles)
             caps.update(
-                {i: int(p.saved_bytes * f) for i, (p, f) in enumerate(zip(profiles, (0.31, 0.55, 0.83)))}
+                {
+                    # a floor in the middle of the layer's sizes: its smaller storages stay, whatever the cap
+                    i: MoveCap(
+                        int(p.saved_bytes * f),
+                        sorted(p.saved_sizes)[len(p.saved_sizes) // 2] if floored else 0,
+                    )
+                    for i, (p, f) in enumerate(zip(profiles, (0.31, 0.55, 0.83)))
+                }
             )
             off._apply([Action.HOST] * len(profiles), 1, caps)
 
@@ -417,7 +425,9 @@ def test_a_hide_only_plan_that_peaks_above_keeping_everything_keeps_everything(t
     under it keeps the plan. Gradients stay bitwise equal. On CPU there is no peak to read: it is stubbed."""
     model, batches, want = _reference(7, 5)
     sched = Scheduler()
-    off = ActivationOffload(model, _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0), sched)
+    # (no host time charged per moved tensor: the tiny model's layers take less than that, so no plan would move)
+    cfg = _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0, moved_tensor_host_us=0)
+    off = ActivationOffload(model, cfg, sched)
     measured: list[int] = []
 
     def fake_peak() -> int:

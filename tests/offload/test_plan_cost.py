@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from dsx.offload.plan import (
     Action,
     LayerProfile,
+    MoveCap,
     TierBandwidth,
     make_plan,
     movable,
@@ -20,7 +21,7 @@ from dsx.offload.plan import (
     write_barrier,
     write_barrier_fixed,
 )
-from tests.offload._plans import BW, GiB, _cfg, _profiles, _with_background
+from tests.offload._plans import BW, GiB, _bw, _cfg, _profiles, _with_background
 
 
 def test_simulate_hand_case() -> None:
@@ -64,7 +65,7 @@ def test_keep_all_peak_reproduces_the_measured_points() -> None:
         points.append(p.fwd_background_bytes + sum(saved[:i]) + p.fwd_peak_bytes)
         points.append(p.gap_background_bytes + sum(saved[: i + 1]))
         points.append(p.bwd_background_bytes + sum(saved[: i + 1]) + p.bwd_workspace_bytes)
-    _, _, peak = simulate(prof, [Action.KEEP] * 6, {b.tier: b for b in BW}, 2)
+    _, _, peak = simulate(prof, [Action.KEEP] * 6, _bw(BW), 2)
     assert peak == max(points)
 
 
@@ -210,6 +211,18 @@ def _timeline_reference(profiles, actions, bw, depth, caps=None):
             + p.bwd_own(actions[i])
         )
         t += p.bwd_s + p.extra_bwd_s(actions[i])
+    for j, a in enumerate(actions):  # each moved tensor's host time
+        if not a.moved:
+            continue
+        sizes = [] if a.recomputed else (profiles[j].sel_saved_sizes if a.sel else profiles[j].saved_sizes)
+        cap = (caps or {}).get(j)
+        count = len(sizes) or 1
+        if sizes and cap is not None:
+            done = count = 0
+            for size in sizes:
+                if size >= getattr(cap, "floor", 0) and done + size <= cap:
+                    done, count = done + size, count + 1
+        t += bw[a.tier.value].per_tensor_s * count
     return t, feet
 
 
@@ -223,9 +236,17 @@ def test_timeline_matches_the_plain_reference(n: int, seed: int, depth: int) -> 
     for p in prof:
         p.sel_saved_bytes, p.sel_recompute_s = p.saved_bytes // 4, 0.003
         p.input_bytes = p.saved_bytes // 16
-    bw = {b.tier: b for b in BW}
+        if rng.random() < 0.7:  # the storages, in save order (a floor and the tensor count need them)
+            cuts = sorted(rng.sample(range(1, p.saved_bytes), min(6, p.saved_bytes - 1)))
+            p.saved_sizes = [b - a for a, b in zip([0, *cuts], [*cuts, p.saved_bytes])]
+    bw = _bw(BW)
     actions = [rng.choice(list(Action)) for _ in range(n)]
-    caps = {i: rng.randint(1, 1 << 28) for i in range(n) if actions[i].moved and rng.random() < 0.3}
+    caps = {
+        i: MoveCap(rng.randint(1, 1 << 28), rng.choice([0, 0, 1 << 20, 1 << 24]))
+        for i in range(n)
+        if actions[i].moved and rng.random() < 0.3
+    }
+    assert all(b.per_tensor_s > 0 for b in bw.values())  # the host time per tensor is in the comparison
     t, _, feet = _timeline(prof, actions, bw, depth, caps)
     t_ref, feet_ref = _timeline_reference(prof, actions, bw, depth, caps)
     assert feet == feet_ref and t == pytest.approx(t_ref, rel=1e-12)

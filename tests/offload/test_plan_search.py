@@ -15,6 +15,7 @@ from dsx.config import ActivationOffloadConfig
 from dsx.offload.plan import (
     Action,
     LayerProfile,
+    MoveCap,
     PlanError,
     TierBandwidth,
     make_plan,
@@ -23,7 +24,7 @@ from dsx.offload.plan import (
     tier_capacity,
     tier_usage,
 )
-from tests.offload._plans import BW, GiB, _cfg, _profiles, _sel_profiles, _with_background
+from tests.offload._plans import BW, GiB, _bw, _cfg, _profiles, _sel_profiles, _with_background
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -32,7 +33,7 @@ def test_exhaustive_is_optimal_and_greedy_is_close(seed: int) -> None:
     prof = _profiles(rng, 5)
     keep = sum(p.saved_bytes for p in prof)
     cfg = _cfg(memory_budget_gb=keep * rng.uniform(0.3, 0.8) / GiB, prefetch_depth=2)
-    bw = {b.tier: b for b in BW}
+    bw = _bw(BW, budget=True)
     runs = [
         simulate(prof, list(a), bw, 2) for a in itertools.product([a for a in Action if not a.sel], repeat=5)
     ]
@@ -131,7 +132,7 @@ def test_selective_beats_full_recompute_under_a_tight_budget(seed: int) -> None:
     rng = random.Random(seed)
     prof = _sel_profiles(rng, 6)
     slow = [TierBandwidth("host", 2e8, 2e8)]  # too slow to hide much: offload alone cannot meet the budget
-    bw = {b.tier: b for b in slow}
+    bw = _bw(slow, budget=True)
     full = simulate(prof, [Action.RECOMPUTE] * 6, bw, 1)
     budget = full[2] * 1.3 / GiB  # a little above full recompute's peak
     cfg = ActivationOffloadConfig(tiers=["host"], memory_budget_gb=budget, recompute_modules=["Attn"])
@@ -150,7 +151,7 @@ def test_selective_beats_full_recompute_under_a_tight_budget(seed: int) -> None:
 def test_exhaustive_with_selective_matches_brute_force(seed: int) -> None:
     rng = random.Random(100 + seed)
     prof = _sel_profiles(rng, 4)
-    bw = {b.tier: b for b in BW}
+    bw = _bw(BW, budget=True)
     runs = [simulate(prof, list(a), bw, 1) for a in itertools.product(list(Action), repeat=4)]
     floor, keep_all = min(r[2] for r in runs), sum(p.saved_bytes for p in prof)
     budget = floor + (keep_all - floor) * rng.uniform(0.05, 0.4)
@@ -173,7 +174,7 @@ def test_offload_all_with_recompute_modules_uses_selective_variant() -> None:
 @given(n=st.integers(1, 8), seed=st.integers(0, 10**6), frac=st.floats(0.2, 1.0))
 def test_budget_respected_with_background(n: int, seed: int, frac: float) -> None:
     prof = _with_background(random.Random(seed), n)
-    bw = {b.tier: b for b in BW}
+    bw = _bw(BW, budget=True)
     keep_peak = simulate(prof, [Action.KEEP] * n, bw, 1)[2]
     budget = keep_peak * frac / GiB
     try:
@@ -198,14 +199,21 @@ def _lowers_no_further(prof: list[LayerProfile], plan, room: int, bw: dict[str, 
         act = a if a.moved else Action("host+sel" if a.sel else "host")
         acts = [*plan.actions[:i], act, *plan.actions[i + 1 :]]
         worth = max(1 << 20, prof[i].stored(act) // 64)
-        for more in (64 << 20, 256 << 20, 1 << 30):
-            if more <= room:
-                caps = {**plan.move_caps, i: plan.move_caps.get(i, 0) + more}
-                t, _, peak = simulate(prof, acts, bw, plan.prefetch_depth, caps)
-                tried += t <= limit
-                assert t > limit or peak > plan.peak_bytes - worth, (i, caps, more)
-        if i in plan.move_caps and plan.move_caps[i] > 64 << 20:  # and less of a partial layer peaks higher
-            caps = {**plan.move_caps, i: movable(prof[i], act, plan.move_caps[i] - (64 << 20))}
+        cap = plan.move_caps.get(i, 0)
+        # a partial layer keeps its floor; a kept one may take any of its storage sizes as one
+        floors = (
+            [cap.floor] if i in plan.move_caps else [0, *{n for n in prof[i].saved_sizes if n >= 1 << 20}]
+        )
+        for floor in floors:
+            for more in (64 << 20, 256 << 20, 1 << 30, 2 << 30):
+                if more <= room:
+                    caps = {**plan.move_caps, i: MoveCap(cap + more, floor)}
+                    t, _, peak = simulate(prof, acts, bw, plan.prefetch_depth, caps)
+                    tried += t <= limit
+                    assert t > limit or peak > plan.peak_bytes - worth, (i, caps, more)
+        if i in plan.move_caps and cap > 64 << 20:  # and less of a partial layer peaks higher
+            less = MoveCap(movable(prof[i], act, MoveCap(cap - (64 << 20), cap.floor)), cap.floor)
+            caps = {**plan.move_caps, i: less}
             assert simulate(prof, acts, bw, plan.prefetch_depth, caps)[2] > plan.peak_bytes, (i, caps)
     return tried
 
@@ -223,7 +231,7 @@ def test_hide_only_moves_parts_of_layers_that_lower_the_peak() -> None:
     assert plan.bound["keep_all_bytes"] - plan.peak_bytes >= 0.9 * plan.bound["planned_bytes"] > GiB
     assert plan.predicted_step_s <= plan.bound["baseline_step_s"] * 1.005 + 1e-12
     room = int(plan.bound["hideable_write_bytes"] - plan.bound["planned_bytes"])
-    assert _lowers_no_further(prof, plan, room, {b.tier: b for b in bws}) >= 1
+    assert _lowers_no_further(prof, plan, room, _bw(bws)) >= 1
     cap = next(iter(plan.move_caps.values()))
     assert f"({cap >> 20}Mi of 4096Mi)" in plan.describe()
     # with a budget no partial layer is made: the search itself moves and recomputes whole layers
@@ -251,7 +259,7 @@ def test_partial_layers_are_planned_at_what_their_storages_move(seed: int) -> No
         assert movable(prof[i], plan.actions[i], cap) == cap >= 1 << 20  # achievable exactly, a MiB or more
         done = 0  # and it is the sum of the storages the runtime's rule picks (LayerHooks._pack)
         for n in prof[i].saved_sizes:
-            if done + n <= cap:
+            if n >= cap.floor and done + n <= cap:
                 done += n
         assert done == cap
     whole = sum(
@@ -261,7 +269,7 @@ def test_partial_layers_are_planned_at_what_their_storages_move(seed: int) -> No
     assert plan.bound["fraction_of_bound"] <= 1.0 + 1e-9
     assert plan.predicted_step_s <= plan.bound["baseline_step_s"] * 1.005 + 1e-12
     room = int(min(plan.bound["hideable_write_bytes"], plan.bound["hideable_read_bytes"]))
-    assert _lowers_no_further(prof, plan, room - plan.bound["planned_bytes"], {b.tier: b for b in bw}) >= 1
+    assert _lowers_no_further(prof, plan, room - plan.bound["planned_bytes"], _bw(bw)) >= 1
 
 
 @pytest.mark.parametrize(
@@ -324,7 +332,7 @@ def test_auto_plans_stay_within_both_tiers(n: int, seed: int, pool: float, frac:
         except PlanError:
             continue
         cap = tier_capacity(cfg)
-        usage = tier_usage(prof, plan.actions, {b.tier: b for b in BW}, plan.move_caps)
+        usage = tier_usage(prof, plan.actions, _bw(BW), plan.move_caps)
         assert usage["host"] <= cap["host"] and usage["ssd"] <= cap["ssd"], (plan.actions, usage, cap)
 
 
@@ -336,7 +344,7 @@ def test_recompute_moving_its_inputs_lowers_the_floor() -> None:
     prof = _with_background(rng, n)
     for p in prof:
         p.input_bytes = p.saved_bytes // 8
-    bw = {b.tier: b for b in BW}
+    bw = _bw(BW, budget=True)
     rc_t, _, rc_peak = simulate(prof, [Action.RECOMPUTE] * n, bw, 1)
     mv_t, _, mv_peak = simulate(prof, [Action.RECOMPUTE_HOST] * n, bw, 1)
     assert mv_peak < rc_peak and mv_t >= rc_t
@@ -399,7 +407,7 @@ def test_filling_the_bound_never_raises_the_peak(monkeypatch) -> None:
         assert plan.predicted_step_s <= plan.bound["baseline_step_s"] * 1.005 + 1e-12
         filled += bool(plan.move_caps)
         # and each fill, at every depth, peaks no higher than the plan it started from
-        bw = {b.tier: b for b in bws}
+        bw = _bw(bws)
         for d in (1, 2, 3):
             acts, caps = fill(prof, whole.actions, bw, d, whole.bound["baseline_step_s"] * 1.005, 1 << 40,
                               tier_capacity(cfg))  # fmt: skip
@@ -443,7 +451,7 @@ def _memory_profiles(rng: random.Random, n: int) -> list[LayerProfile]:
 
 def _lowest_peak(prof: list[LayerProfile], bws: list[TierBandwidth]) -> int:
     """Brute force at depth 1: the lowest peak of any assignment of keep, recompute (host, recompute+host)."""
-    bw = {b.tier: b for b in bws}
+    bw = _bw(bws, budget=True)
     acts = [Action.KEEP, Action.RECOMPUTE] + ([Action.HOST, Action.RECOMPUTE_HOST] if bw else [])
     return min(simulate(prof, list(c), bw, 1)[2] for c in itertools.product(acts, repeat=len(prof)))
 
@@ -462,7 +470,7 @@ def test_best_effort_installs_the_lowest_peak(with_tier: bool) -> None:
         assert plan.peak_bytes == _lowest_peak(prof, bws), seed
         # the local search: no higher than any plan it starts from (every uniform plan)
         local = make_plan(prof, bws, cfg, best_effort=True, exhaustive_limit=0)
-        bw = {b.tier: b for b in bws}
+        bw = _bw(bws, budget=True)
         uniform = [Action.KEEP, Action.RECOMPUTE] + ([Action.HOST, Action.RECOMPUTE_HOST] if bws else [])
         assert local.peak_bytes <= min(simulate(prof, [a] * 4, bw, 1)[2] for a in uniform)
 
@@ -533,7 +541,7 @@ def test_over_budget_is_set_for_every_policy(policy: str) -> None:
     prof = _profiles(rng, 5)
     for p in prof:
         p.input_bytes = p.saved_bytes // 8
-    bw = {b.tier: b for b in BW}
+    bw = _bw(BW, budget=True)
     keep_peak = simulate(prof, [Action.KEEP] * 5, bw, 1)[2]
     for budget, over in ((keep_peak * 4 / GiB, False), (1e-3, True)):
         plan = make_plan(prof, BW, _cfg(policy=policy, memory_budget_gb=budget), best_effort=True)
@@ -559,3 +567,36 @@ def test_bad_profiles_are_a_clear_error(field: str, value) -> None:
     ok = _profiles(random.Random(29), 4)
     ok[1].fwd_background_bytes = -(1 << 20)
     make_plan(ok, BW, _cfg())
+
+
+def _tensors(plan) -> int:
+    """How many storages the runtime's rule (``LayerHooks._pack``) moves a step under ``plan``."""
+    count = 0
+    for i, (p, a) in enumerate(zip(plan.profiles, plan.actions)):
+        if a.moved:
+            cap = plan.move_caps.get(i)
+            floor = getattr(cap, "floor", 0)
+            done = 0
+            for n in p.saved_sizes:
+                if cap is None or (n >= floor and done + n <= cap):
+                    done, count = done + n, count + 1
+    return count
+
+
+def test_the_host_time_of_each_moved_tensor_makes_the_plan_move_fewer_larger_ones() -> None:
+    # layers of sixteen 64 MiB storages and one of 1 GiB, 12 ms forward and 20 ms backward at 55 GB/s: what
+    # hides behind compute moves as a few large tensors once each costs the host 200 us (2 % of a layer's
+    # forward in 64 MiB pieces), and still lowers the peak
+    mib = 1 << 20
+    sizes = [64 * mib] * 8 + [1024 * mib] + [64 * mib] * 8
+    prof = [LayerProfile(i, f"L{i}", sum(sizes), 0.012, 0.020, saved_sizes=list(sizes)) for i in range(6)]
+    bws = [TierBandwidth("host", 55e9, 55e9)]
+    free = make_plan(prof, bws, ActivationOffloadConfig(tiers=["host"], moved_tensor_host_us=0))
+    costly = make_plan(prof, bws, ActivationOffloadConfig(tiers=["host"], moved_tensor_host_us=200))
+    assert costly.peak_bytes < costly.bound["keep_all_bytes"]
+    assert 0 < _tensors(costly) < _tensors(free) / 4
+    assert any(getattr(c, "floor", 0) == 1024 * mib for c in costly.move_caps.values())
+    # the plan's step counts each moved tensor's host time, and stays within the hide-only limit
+    assert costly.predicted_step_s >= costly.bound["baseline_step_s"] + _tensors(costly) * 200e-6 - 1e-12
+    assert costly.predicted_step_s <= costly.bound["baseline_step_s"] * 1.005 + 1e-12
+    assert "tensors >= 1024Mi" in costly.describe()

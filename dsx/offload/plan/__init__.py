@@ -11,14 +11,15 @@ runtime waits for writes), :mod:`~dsx.offload.plan.search` (the search) and :mod
 from dsx.offload.plan.barrier import write_barrier, write_barrier_fixed
 from dsx.offload.plan.bound import bound_step_s, lower_bound
 from dsx.offload.plan.cost import movable, simulate, tier_capacity, tier_usage
-from dsx.offload.plan.search import MAX_DEPTH, floor_bytes, make_plan
-from dsx.offload.plan.types import Action, LayerProfile, Plan, PlanError
+from dsx.offload.plan.search import MAX_DEPTH, floor_bytes, make_plan, planned_bandwidths
+from dsx.offload.plan.types import Action, LayerProfile, MoveCap, Plan, PlanError
 from dsx.runtime.bandwidth import TierBandwidth
 
 __all__ = [
     "MAX_DEPTH",
     "Action",
     "LayerProfile",
+    "MoveCap",
     "Plan",
     "PlanError",
     "TierBandwidth",
@@ -27,6 +28,7 @@ __all__ = [
     "lower_bound",
     "make_plan",
     "movable",
+    "planned_bandwidths",
     "simulate",
     "tier_capacity",
     "tier_usage",

@@ -50,11 +50,12 @@ def _sizes(p: LayerProfile, a: Action) -> list[int]:
     return p.sel_saved_sizes if a.sel else p.saved_sizes
 
 
-def _greedy(sizes: list[int], cap: int) -> list[int]:
-    """The runtime's rule (``LayerHooks._pack``): in save order, each storage still fitting under ``cap``."""
+def _greedy(sizes: list[int], cap: int, floor: int = 0) -> list[int]:
+    """The runtime's rule (``LayerHooks._pack``): in save order, each storage of at least ``floor`` bytes still
+    fitting under ``cap``."""
     out, done = [], 0
     for n in sizes:
-        if done + n <= cap:
+        if n >= floor and done + n <= cap:
             done += n
             out.append(n)
     return out
@@ -63,15 +64,25 @@ def _greedy(sizes: list[int], cap: int) -> list[int]:
 def movable(p: LayerProfile, a: Action, cap: int) -> int:
     """Bytes layer ``p`` moves under action ``a`` when at most ``cap`` may move: the runtime's rule
     (``LayerHooks._pack``) over its saved storages in save order (``saved_sizes``; ``sel_saved_sizes`` for
-    ``+sel`` actions), each moving if it still fits under the cap. A storage is not split, so a cap between
-    storage sizes moves less than the cap (much less for a layer of a few large storages, as a megatron-core
-    layer's softmax block). Where the order is unknown (profiles without those sizes, recomputed layers'
-    inputs), the cap itself."""
-    s = p.stored(a)
-    if cap >= s:
+    ``+sel`` actions), each moving if it still fits under the cap (and is at least a
+    :class:`~dsx.offload.plan.types.MoveCap`'s ``floor``). A storage is not split, so a cap between storage
+    sizes moves less than the cap (much less for a layer of a few large storages, as a megatron-core layer's
+    softmax block). Where the order is unknown (profiles without those sizes, recomputed layers' inputs), the
+    cap itself."""
+    s, floor = p.stored(a), getattr(cap, "floor", 0)
+    if cap >= s and not floor:
         return s
     sizes = _sizes(p, a)
-    return sum(_greedy(sizes, cap)) if sizes else cap
+    return sum(_greedy(sizes, cap, floor)) if sizes else min(cap, s)
+
+
+def _moved_tensors(p: LayerProfile, a: Action, cap: int | None) -> int:
+    """How many storages layer ``p`` moves under ``a`` (``cap``: a partial layer's); one where the profile
+    does not know them."""
+    sizes = _sizes(p, a)
+    if not sizes:
+        return 1
+    return len(sizes) if cap is None else len(_greedy(sizes, cap, getattr(cap, "floor", 0)))
 
 
 def _held(p: LayerProfile, a: Action, cap: int | None) -> int:
@@ -81,8 +92,8 @@ def _held(p: LayerProfile, a: Action, cap: int | None) -> int:
     sizes = _sizes(p, a)
     if not sizes:
         return p.stored(a) if cap is None else movable(p, a, cap)
-    if cap is not None and cap < p.stored(a):
-        sizes = _greedy(sizes, cap)
+    if cap is not None and (cap < p.stored(a) or getattr(cap, "floor", 0)):
+        sizes = _greedy(sizes, cap, getattr(cap, "floor", 0))
     return sum(align_up(max(n, 1)) for n in sizes)
 
 
@@ -243,6 +254,12 @@ def _timeline(
         p = profiles[i]
         feet.append(p.bwd_background_bytes + on_device(i + 1, t, i - depth) + p.bwd_own(actions[i]))
         t += p.bwd_s + p.extra_bwd_s(actions[i])
+    # the host time of the moved tensors' hooks, on the thread that queues the GPU's work: the step waits for it
+    t += sum(
+        bw[a.tier.value].per_tensor_s * _moved_tensors(p, a, caps.get(i) if caps else None)
+        for i, (p, a) in enumerate(zip(profiles, actions))
+        if a.moved and bw[a.tier.value].per_tensor_s
+    )
     return t, stall, feet
 
 

@@ -17,6 +17,7 @@ grows about as n^3 (``Plan.search_s`` records it; docs/performance.md).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -27,16 +28,17 @@ from dsx.offload.plan.cost import (
     _held,
     _over_capacity,
     _overflow,
+    _sizes,
     _split,
     movable,
     simulate,
     tier_capacity,
     tier_usage,
 )
-from dsx.offload.plan.types import GB, Action, LayerProfile, Plan, PlanError, check_profiles
+from dsx.offload.plan.types import GB, Action, LayerProfile, MoveCap, Plan, PlanError, check_profiles
 from dsx.runtime.bandwidth import TierBandwidth
 
-__all__ = ["MAX_DEPTH", "floor_bytes", "make_plan"]
+__all__ = ["MAX_DEPTH", "floor_bytes", "make_plan", "planned_bandwidths"]
 
 # Deepest prefetch the search tries. A layer's read must be issued this many layers ahead when it takes
 # longer than one layer's backward: a large layer's read over the host link can outlast several layers'
@@ -119,7 +121,7 @@ def make_plan(
     """
     t_start = time.perf_counter()
     check_profiles(profiles)
-    bw = _bandwidths(bandwidths, cfg)
+    bw = planned_bandwidths(bandwidths, cfg)
     n = len(profiles)
     depth = cfg.prefetch_depth or _depth(profiles, bw)
     # doing nothing: every layer kept, but those profiled only as recomputed (they cannot be kept)
@@ -219,9 +221,19 @@ def make_plan(
                 write_barrier_bwd=bwd_barrier, outside_s=outside_s)  # fmt: skip
 
 
-def _bandwidths(bandwidths: list[TierBandwidth], cfg: ActivationOffloadConfig) -> dict[str, TierBandwidth]:
-    """The configured tiers with a measured bandwidth."""
-    return {b.tier: b for b in bandwidths if b.tier in cfg.tiers and b.write_Bps > 0 and b.read_Bps > 0}
+def planned_bandwidths(
+    bandwidths: list[TierBandwidth], cfg: ActivationOffloadConfig
+) -> dict[str, TierBandwidth]:
+    """The configured tiers with a measured bandwidth; without a budget each moved tensor also costs
+    ``moved_tensor_host_us``. (A hide-only plan's many tensors made the step slower than the model saw by about
+    their hooks' host time. Under a budget the model without it matched the measured steps, and the write barrier
+    holds the host at layer boundaries until the copies are done, which those hooks' time overlaps.)"""
+    per_tensor = cfg.moved_tensor_host_us * 1e-6 if cfg.memory_budget_gb is None else 0.0
+    return {
+        b.tier: dataclasses.replace(b, per_tensor_s=per_tensor)
+        for b in bandwidths
+        if b.tier in cfg.tiers and b.write_Bps > 0 and b.read_Bps > 0
+    }
 
 
 def _floor(
@@ -250,7 +262,7 @@ def floor_bytes(
     is exhaustive no plan peaks lower, so budgets below it have no plan; the local search may miss lower ones.
     """
     check_profiles(profiles)
-    bw = _bandwidths(bandwidths, cfg)
+    bw = planned_bandwidths(bandwidths, cfg)
     choices = _choices(cfg, bw, profiles)
     depths = [cfg.prefetch_depth] if cfg.prefetch_depth else range(1, min(len(profiles), MAX_DEPTH) + 1)
     uniform = min(_floor(profiles, bw, choices, d, tier_capacity(cfg)) for d in depths)
@@ -277,65 +289,106 @@ def _fill_bound(
     whose part lowers the predicted peak most, with the fewest bytes that reach that peak, up to the ``room``
     left under the bound, while the step stays within ``limit_s`` (a grid, then a bisection, on the byte
     count) and the tier within ``capacity``, until no layer lowers the peak by a 64th of what it saves. A part
-    that lowers no peak is not moved, however much of the bound is left: its bytes would cost hooks, events
-    and link time for nothing (and moving part of a layer can hold the link while another layer's write
-    would have ended)."""
+    may also be only the layer's larger storages (a :class:`MoveCap` floor): the same bytes in fewer tensors
+    cost less host time, which the model charges per tensor. A part that lowers no peak is not moved, however
+    much of the bound is left: its bytes would cost hooks, events and link time for nothing (and moving part
+    of a layer can hold the link while another layer's write would have ended)."""
     actions, caps = list(actions), {}
     tier = next(iter(bw))
     room = min(room, capacity[tier] - tier_usage(profiles, actions, bw)[tier])
     cur_peak = simulate(profiles, actions, bw, depth)[2]
     while room >= 1 << 20:
-        best: tuple[int, int, int, Action] | None = None
+        best: tuple[tuple[int, float, int], MoveCap, int, Action] | None = None
         for i, a in enumerate(actions):
             if a.base != Action.KEEP:
                 continue
             act = Action(f"{tier}+sel") if a.sel else Action(tier)
             cand = [*actions[:i], act, *actions[i + 1 :]]
-
-            def fits(cap: int, cand: list[Action] = cand, i: int = i) -> tuple[bool, int]:
-                """(within the step limit, the peak so far and the capacity; the peak) with layer i capped."""
-                trial = {**caps, i: cap}
-                t, _, peak = simulate(profiles, cand, bw, depth, trial)
-                ok = t <= limit_s and peak <= cur_peak  # noqa: B023 (called in this iteration only)
-                return ok and not _over_capacity(tier_usage(profiles, cand, bw, trial), capacity), peak
-
-            # The peak is not monotone in the cap (a larger part can hold the link until its read lands
-            # before the peak): caps on a grid, doubling from a MiB and in 16ths, what the runtime moves
-            # under each (in whole MiB, so that a cap is exactly the bytes it moves)
-            top = min(profiles[i].stored(act), room) >> 20
-            grid = {1 << k for k in range(top.bit_length())} | {top * k // 16 for k in range(1, 17)}
-            caps_tried = sorted({movable(profiles[i], act, m << 20) for m in grid if m} - {0})
-            found, below = None, 0
-            for prev, c in zip([0, *caps_tried], caps_tried):
-                ok, peak = fits(c)
-                if ok and (found is None or peak < found[1]):  # ascending: the fewest bytes win a tie
-                    found, below = (c, peak), prev
-            if found is None or found[0] < 1 << 20:  # only storages under a MiB (norm statistics)
-                continue
-            cap, peak = found
-            # the fewest bytes between the grid point below and the one found that reach its peak
-            lo, hi = below, cap
-            while hi - lo > max(1 << 20, hi // 256):
-                mid = (lo + hi) // 2
-                ok_mid, peak_mid = fits(mid)
-                if ok_mid and peak_mid <= peak:
-                    hi = mid
-                else:
-                    lo = mid
-            lean = movable(profiles[i], act, -(-hi >> 20) << 20)
-            if lean < cap and lean >= 1 << 20 and (f := fits(lean))[0] and f[1] <= peak:
-                cap, peak = lean, f[1]
-            # a partial layer must lower the peak by a 64th of what the layer saves (and a MiB): moving bytes
-            # that lower nothing, or next to nothing, costs the layer's hooks, its copy events and the link
-            worth = max(1 << 20, profiles[i].stored(act) // 64)
-            if cur_peak - peak >= worth and (best is None or (-peak, -cap) > (-best[1], -best[0])):
-                best = (cap, peak, i, act)
+            sizes = _sizes(profiles[i], act)
+            # the floors that change what moves: every storage, or only those of the largest few sizes
+            floors = [0, *sorted({n for n in sizes if n >= 1 << 20}, reverse=True)[:_FLOORS]]
+            for floor in floors:
+                found = _part(
+                    profiles, cand, i, act, floor, caps, bw, depth, limit_s, cur_peak, room, capacity
+                )
+                if found is None:
+                    continue
+                cap, (t, peak) = found
+                # a partial layer must lower the peak by a 64th of what the layer saves (and a MiB): moving bytes
+                # that lower nothing, or next to nothing, costs the layer's hooks, its copy events and the link
+                worth = max(1 << 20, profiles[i].stored(act) // 64)
+                key = (peak, t, int(cap))
+                if cur_peak - peak >= worth and (best is None or key < best[0]):
+                    best = (key, cap, i, act)
         if best is None:
             break
-        lo, cur_peak, i, act = best
-        actions[i], caps[i] = act, lo
-        room -= lo
+        (cur_peak, _, moved), cap, i, act = best
+        actions[i], caps[i] = act, cap
+        room -= moved
     return actions, caps
+
+
+# how many of a layer's largest storage sizes the fill tries as a part's floor
+_FLOORS = 4
+
+
+def _part(
+    profiles: list[LayerProfile],
+    cand: list[Action],
+    i: int,
+    act: Action,
+    floor: int,
+    caps: dict[int, int],
+    bw: dict[str, TierBandwidth],
+    depth: int,
+    limit_s: float,
+    cur_peak: int,
+    room: int,
+    capacity: dict[str, int],
+) -> tuple[MoveCap, tuple[float, int]] | None:
+    """The cap of layer ``i``'s part (its storages of at least ``floor`` bytes) that peaks lowest within the
+    step limit, the peak so far and the capacity, with the fewest bytes reaching that peak; and its (step,
+    peak). None if no part of at least a MiB fits."""
+
+    def fits(cap: int) -> tuple[bool, float, int]:
+        """(within the limits, step time, peak) with layer i capped."""
+        trial = {**caps, i: MoveCap(cap, floor)}
+        t, _, peak = simulate(profiles, cand, bw, depth, trial)
+        ok = t <= limit_s and peak <= cur_peak
+        return ok and not _over_capacity(tier_usage(profiles, cand, bw, trial), capacity), t, peak
+
+    def moves(cap_mib: int) -> int:
+        return movable(profiles[i], act, MoveCap(cap_mib << 20, floor))
+
+    # The peak is not monotone in the cap (a larger part can hold the link until its read lands before the
+    # peak): caps on a grid, doubling from a MiB and in 16ths, what the runtime moves under each (in whole
+    # MiB, so that a cap is exactly the bytes it moves)
+    top = min(moves(profiles[i].stored(act) >> 20), room) >> 20
+    grid = {1 << k for k in range(top.bit_length())} | {top * k // 16 for k in range(1, 17)}
+    caps_tried = sorted({moves(m) for m in grid if m} - {0})
+    found, below = None, 0
+    for prev, c in zip([0, *caps_tried], caps_tried):
+        ok, t, peak = fits(c)
+        if ok and (
+            found is None or (peak, t) < (found[2], found[1])
+        ):  # ascending: the fewest bytes win a tie
+            found, below = (c, t, peak), prev
+    if found is None or found[0] < 1 << 20:  # only storages under a MiB (norm statistics)
+        return None
+    cap, t, peak = found
+    # the fewest bytes between the grid point below and the one found that reach its peak
+    lo, hi = below, cap
+    while hi - lo > max(1 << 20, hi // 256):
+        mid = (lo + hi) // 2
+        ok_mid, _, peak_mid = fits(mid)
+        if ok_mid and peak_mid <= peak:
+            hi = mid
+        else:
+            lo = mid
+    lean = moves(-(-hi >> 20))
+    if lean < cap and lean >= 1 << 20 and (f := fits(lean))[0] and f[2] <= peak:
+        cap, t, peak = lean, f[1], f[2]
+    return MoveCap(cap, floor), (t, peak)
 
 
 @dataclass

@@ -17,9 +17,28 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["GB", "Action", "LayerProfile", "Plan", "PlanError", "check_profiles"]
+__all__ = ["GB", "Action", "LayerProfile", "MoveCap", "Plan", "PlanError", "check_profiles"]
 
 GB = 1 << 30
+
+
+class MoveCap(int):
+    """What a partial layer moves: at most this many bytes (it is the byte count), of its storages of at least
+    ``floor`` bytes, each in save order while it still fits (``LayerHooks._pack``; the cost model's
+    ``movable``). A floor moves the same bytes as fewer, larger tensors: each moved tensor costs the host its
+    hooks' time (``moved_tensor_host_us``), whatever its size."""
+
+    floor: int
+
+    def __new__(cls, cap: int, floor: int = 0) -> MoveCap:
+        if cap < 0 or floor < 0:
+            raise ValueError(f"MoveCap({cap}, floor={floor}): both must be >= 0")
+        obj = super().__new__(cls, cap)
+        obj.floor = int(floor)
+        return obj
+
+    def __repr__(self) -> str:
+        return f"MoveCap({int(self)}, floor={self.floor})"
 
 
 class Action(str, Enum):
@@ -159,7 +178,8 @@ class Plan:
     # the predicted peak exceeds memory_budget_gb (auto, best effort: no plan the search considered fits the
     # budget, and this one peaks lowest among them; or a fixed policy over the budget)
     over_budget: bool = False
-    # layer -> bytes it moves when it moves only part of what it saves (the rest stays on the device)
+    # layer -> bytes it moves when it moves only part of what it saves (the rest stays on the device); a
+    # MoveCap also names the smallest storage that moves
     move_caps: dict[int, int] = field(default_factory=dict)
     search_s: float = 0.0  # wall time make_plan took (the search is once per run, plus re-plans)
     # per layer, then for the start of backward: the layers whose writes the runtime awaits there; and at
@@ -193,7 +213,13 @@ class Plan:
                 f"{p.name:<22} {p.saved_bytes / 2**20:>8.1f}Mi {p.fwd_s * 1e3:>8.2f} {p.bwd_s * 1e3:>8.2f}{col}  "
                 f"{a.value}"
                 + (
-                    f" ({self.move_caps[i] / 2**20:.0f}Mi of {p.stored(a) / 2**20:.0f}Mi)"
+                    f" ({self.move_caps[i] / 2**20:.0f}Mi of {p.stored(a) / 2**20:.0f}Mi"
+                    + (
+                        f", tensors >= {floor / 2**20:.0f}Mi"
+                        if (floor := getattr(self.move_caps[i], "floor", 0))
+                        else ""
+                    )
+                    + ")"
                     if i in self.move_caps
                     else ""
                 )
