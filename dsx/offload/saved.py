@@ -90,7 +90,8 @@ class SavedTensorHooks:
         self.model, self.layers, self.mover, self.min_bytes = model, layers, mover, min_bytes
         self.actions: list[str] = ["keep"] * len(layers)
         self.prefetch_depth = 1
-        # layer -> bytes it may move per step (the planner's partial layers); what is saved beyond stays
+        # layer -> bytes it may move per step (the planner's partial layers; a MoveCap also names the smallest
+        # storage that moves); what is saved beyond stays
         self.move_caps: dict[int, int] = {}
         self._moved_bytes: dict[int, int] = {}
         self._cur: int | None = None
@@ -110,7 +111,8 @@ class SavedTensorHooks:
         # storages a kept layer beside a moved one saved this step: (address, bytes) -> (base, version)
         self._kept: dict[tuple[int, int], tuple[weakref.ref, int]] = {}
         self._fetched_layers: set[int] = set()
-        # each layer's saved storages in the order it saves them (what a partial move takes: its first ones)
+        # each layer's saved storages in the order it saves them (a partial move takes, in that order, those of
+        # at least its cap's floor that fit under the cap)
         self.profile_sizes: list[list[int]] = [[] for _ in layers]
         self._profile_seen: set[tuple[int, int]] = set()
         self._scope_profile = False  # inside profile_scope(): pack counts, whatever the layer's action

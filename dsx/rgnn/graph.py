@@ -7,8 +7,8 @@ repeatedly on the same graph costs one dictionary look-up. Inference tensors kee
 in-place refill of one could not be told from the graph it held before: they are never cached.
 
 Performance: one sort of ``E`` keys on the graph's device; the unique (node, relation) maps and the RGCN
-degrees scatter into a table with a slot per key where that table is small next to the edges (a sampled
-mini-batch), else they sort the keys (``torch.unique``). A host synchronisation only per unique-pair map (its
+degrees scatter into a table with a slot per key on a GPU where that table is small next to the edges (a
+sampled mini-batch), else they sort the keys (``torch.unique``). A host synchronisation only per unique-pair map (its
 size depends on the data). On a GPU the cost is a few dozen launches, cheap enough to redo per sampled
 mini-batch (``benchmarks/bench_hetero.py`` reports it, ``prep_ms``).
 """
@@ -95,8 +95,8 @@ class RelGraph:
 
         The graph keeps the fields some caller required (the union over calls); intermediates built on the
         way (e.g. ``dst`` for ``inv_deg_rel``) are dropped again, so a graph used only by RGCN holds no
-        ``[E]`` maps that only RGAT needs. May synchronise with the host (``unique``) the first time a field
-        is built, never once it exists.
+        ``[E]`` maps that only RGAT needs. May synchronise with the host (a unique-pair map's size) the first
+        time a field is built, never once it exists.
         """
         bad = [n for n in names if n not in self.LAZY]
         if bad:
@@ -177,15 +177,14 @@ class RelGraph:
         # only the counts are needed: each edge's (relation, destination) key counted in a dense table, or
         # found in the sorted keys where the key space is too large for a table
         n = max(self.num_dst, 1)
-        if not _dense_fits(self.num_relations * n, self.num_edges):
+        if not _dense_fits(self.num_relations * n, self.num_edges, self.device):
             key = _pair_key(self.dst, self.rel, self.num_dst, self.num_relations)
             keys = torch.sort(key).values
             deg = torch.searchsorted(keys, key, right=True) - torch.searchsorted(keys, key)
             return 1.0 / deg.to(torch.float32)
         dst = self.__dict__.get("dst", self._sorted_dst)  # the narrow sort key where prepare() left it
         key = torch.add(self.dst if dst is None else dst, self.rel, alpha=n)  # int64 (rel is)
-        # float32 counts are exact below 2**24 edges (a count never exceeds the edges)
-        exact = self.num_edges < 2**24
+        exact = self.num_edges < _FLOAT_COUNTS_EXACT_BELOW
         counts = torch.zeros(
             self.num_relations * n, dtype=torch.float32 if exact else torch.int64, device=key.device
         )
@@ -241,15 +240,20 @@ def _ptr_groups(ptr: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(groups, ptr.diff(), output_size=total)
 
 
+# float32 counts are exact below 2**24 (a degree never exceeds the edges); more edges count in int64
+_FLOAT_COUNTS_EXACT_BELOW = 2**24
+
+
 def _key_dtype(bound: int) -> torch.dtype:
     return torch.int32 if bound <= INT32_MAX else torch.int64
 
 
-def _dense_fits(num_keys: int, num_edges: int) -> bool:
-    """Whether a table with one slot per (relation, node) key is cheap next to the edges: a sampled batch (a
-    few hundred thousand nodes, a handful of relations) fits, so its maps are built by scattering into the table
-    instead of sorting the edges' keys; a large sparse graph sorts."""
-    return num_keys <= max(4 * num_edges, 1 << 22)
+def _dense_fits(num_keys: int, num_edges: int, device: torch.device) -> bool:
+    """Whether the maps are built by scattering into a table with one slot per (relation, node) key instead
+    of sorting the edges' keys: on a GPU, where the table is small next to the edges (a sampled batch: a few
+    hundred thousand nodes, a handful of relations). The table's few launches beat a sort's many there; a large
+    sparse graph sorts, and so does the CPU, where sorting is the cheaper of the two."""
+    return device.type == "cuda" and num_keys <= 4 * num_edges
 
 
 def _pair_key(node: torch.Tensor, rel: torch.Tensor, num_nodes: int, num_relations: int) -> torch.Tensor:
@@ -263,7 +267,7 @@ def _pairs(node: torch.Tensor, rel: torch.Tensor, num_nodes: int, num_relations:
     """The unique (node, relation) pairs of ``E`` edges, grouped by relation and ascending within one:
     ``(node of each pair, CSR over relations, each edge's pair)``. One host synchronisation (their number)."""
     n = max(num_nodes, 1)
-    if _dense_fits(num_relations * n, node.numel()):
+    if _dense_fits(num_relations * n, node.numel(), node.device):
         return _pairs_dense(node, rel, n, num_relations)
     return _pairs_sorted(node, rel, n, num_relations)
 

@@ -148,8 +148,8 @@ def _build(
     # A batch has a handful of edge types and a few hundred thousand edges: the cost is in launches, not
     # bytes. So the edge lists are concatenated first and every per-type value (relation, offsets, sizes)
     # comes from one small table, gathered per edge by its segment: about a dozen launches whatever the number
-    # of edge types, and one host synchronisation for the range check. (The table is gathered by columns, a
-    # pair of rows per launch: a gather of [E, 6] rows is slower than six of columns.)
+    # of edge types, and one host synchronisation for the range check. (Each launch gathers one or two of the
+    # table's rows per edge: one launch for all six, an [E, 6] gather of columns, is slower.)
     device = nonempty[0][1].device
     ends = list(itertools.accumulate(ei.size(1) for _, ei in nonempty))
     columns = [[rel_of[e] for e, _ in nonempty], [offset[e[0]] for e, _ in nonempty],

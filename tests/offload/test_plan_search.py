@@ -24,6 +24,7 @@ from dsx.offload.plan import (
     tier_capacity,
     tier_usage,
 )
+from dsx.offload.plan.search import _FLOORS
 from tests.offload._plans import BW, GiB, _bw, _cfg, _profiles, _sel_profiles, _with_background
 
 
@@ -200,10 +201,10 @@ def _lowers_no_further(prof: list[LayerProfile], plan, room: int, bw: dict[str, 
         acts = [*plan.actions[:i], act, *plan.actions[i + 1 :]]
         worth = max(1 << 20, prof[i].stored(act) // 64)
         cap = plan.move_caps.get(i, 0)
-        # a partial layer keeps its floor; a kept one may take any of its storage sizes as one
-        floors = (
-            [cap.floor] if i in plan.move_caps else [0, *{n for n in prof[i].saved_sizes if n >= 1 << 20}]
-        )
+        # a partial layer keeps its floor; a kept one may take one of its largest storage sizes as one, as the
+        # search does
+        largest = sorted({n for n in prof[i].saved_sizes if n >= 1 << 20}, reverse=True)[:_FLOORS]
+        floors = [cap.floor] if i in plan.move_caps else [0, *largest]
         for floor in floors:
             for more in (64 << 20, 256 << 20, 1 << 30, 2 << 30):
                 if more <= room:

@@ -203,10 +203,15 @@ def test_dense_table_and_sorted_keys_build_the_same_graph(monkeypatch, device, n
               "edge_dst_row", "src", "dst", "rel")  # fmt: skip
     built = {}
     for dense in (True, False):
-        monkeypatch.setattr(graph_mod, "_dense_fits", lambda keys, edges, dense=dense: dense)
+        monkeypatch.setattr(graph_mod, "_dense_fits", lambda keys, edges, device, dense=dense: dense)
         alone = rg.prepare(ei, et, n, r, cache=False, needs=("inv_deg_rel",))  # 1/deg_r from the keys
         built[dense] = rg.prepare(ei, et, n, r, cache=False, needs=fields[4:])
         built[dense].inv_alone = alone.inv_deg_rel
+    # the dense table's counts in int64, as a graph of 2**24 edges or more counts them
+    with monkeypatch.context() as m:
+        m.setattr(graph_mod, "_dense_fits", lambda keys, edges, device: True)
+        m.setattr(graph_mod, "_FLOAT_COUNTS_EXACT_BELOW", 1)
+        wide_counts = rg.prepare(ei, et, n, r, cache=False, needs=("inv_deg_rel",)).inv_deg_rel
     for name in fields:
         a, b = getattr(built[True], name), getattr(built[False], name)
         assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b), name
@@ -215,15 +220,24 @@ def test_dense_table_and_sorted_keys_build_the_same_graph(monkeypatch, device, n
         0, g.rel * n + g.dst, torch.ones_like(g.dst)
     )
     expected = 1.0 / deg[g.rel * n + g.dst].float()
-    for dense in (True, False):
-        assert built[dense].inv_alone.dtype == torch.float32
-        torch.testing.assert_close(built[dense].inv_alone, expected, rtol=0, atol=0)
+    for inv in (built[True].inv_alone, built[False].inv_alone, wide_counts):
+        assert inv.dtype == torch.float32
+        torch.testing.assert_close(inv, expected, rtol=0, atol=0)
     # the pairs are the unique (node, relation) keys, grouped by relation and ascending: the sorted path's
     # torch.unique is the reference, and both agree with it
     assert torch.equal(
         g.src_rel_ptr,
         torch.searchsorted(torch.unique(g.rel * n + g.src), torch.arange(r + 1, device=device) * n),
     )
+
+
+def test_the_dense_table_is_for_gpu_batches_whose_keys_are_few_next_to_their_edges() -> None:
+    from dsx.rgnn.graph import _dense_fits
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _dense_fits(8 * 200_000, 750_000, cuda)  # a sampled batch: 8 relations, 200k nodes, 750k edges
+    assert not _dense_fits(4 * 1_000_000, 100, cuda)  # few edges over many keys: sorting them is cheaper
+    assert not _dense_fits(8 * 200_000, 750_000, cpu)  # on the CPU the sort is the cheaper path
 
 
 def test_prepare_cache_and_bad_input():

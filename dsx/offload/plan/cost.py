@@ -23,6 +23,9 @@ measures, for each of these points, what is allocated beyond the saved bytes (gr
 the model outside the layers holds: LayerProfile's ``*_background_bytes``), so that with everything kept the
 model reproduces the measured peaks; a recomputed layer's re-run forward peaks at ``fwd_peak_bytes``.
 
+Without a budget, each moved tensor also costs the step its hooks' host time (``TierBandwidth.per_tensor_s``,
+from ``moved_tensor_host_us``), added at the end: the hooks run on the thread that queues the GPU's work.
+
 A plan never holds more in a tier than the tier can (``tier_usage`` within ``tier_capacity``: the host pool
 also stages SSD writes; each storage whose size the profile recorded counts at its 4 KiB-aligned size, as
 the pool and the file allocate it).

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from dsx.config import ActivationOffloadConfig
 from dsx.offload.plan.barrier import write_barrier
 from dsx.offload.plan.cost import (
+    _greedy,
     _held,
     _over_capacity,
     _overflow,
@@ -226,8 +227,8 @@ def planned_bandwidths(
 ) -> dict[str, TierBandwidth]:
     """The configured tiers with a measured bandwidth; without a budget each moved tensor also costs
     ``moved_tensor_host_us``. (A hide-only plan's many tensors made the step slower than the model saw by about
-    their hooks' host time. Under a budget the model without it matched the measured steps, and the write barrier
-    holds the host at layer boundaries until the copies are done, which those hooks' time overlaps.)"""
+    their hooks' host time. Under a budget the charge is left out: there it steers plans from moving layers
+    toward recomputing them, and no measurement has shown those plans faster.)"""
     per_tensor = cfg.moved_tensor_host_us * 1e-6 if cfg.memory_budget_gb is None else 0.0
     return {
         b.tier: dataclasses.replace(b, per_tensor_s=per_tensor)
@@ -305,8 +306,11 @@ def _fill_bound(
             act = Action(f"{tier}+sel") if a.sel else Action(tier)
             cand = [*actions[:i], act, *actions[i + 1 :]]
             sizes = _sizes(profiles[i], act)
-            # the floors that change what moves: every storage, or only those of the largest few sizes
+            worth = max(1 << 20, profiles[i].stored(act) // 64)
+            # the floors that change what moves: every storage, or only those of the largest few sizes (a floor
+            # whose storages together could not lower the peak by the part's worth is not tried)
             floors = [0, *sorted({n for n in sizes if n >= 1 << 20}, reverse=True)[:_FLOORS]]
+            floors = [f for f in floors if not f or sum(n for n in sizes if n >= f) >= worth]
             for floor in floors:
                 found = _part(
                     profiles, cand, i, act, floor, caps, bw, depth, limit_s, cur_peak, room, capacity
@@ -316,7 +320,6 @@ def _fill_bound(
                 cap, (t, peak) = found
                 # a partial layer must lower the peak by a 64th of what the layer saves (and a MiB): moving bytes
                 # that lower nothing, or next to nothing, costs the layer's hooks, its copy events and the link
-                worth = max(1 << 20, profiles[i].stored(act) // 64)
                 key = (peak, t, int(cap))
                 if cur_peak - peak >= worth and (best is None or key < best[0]):
                     best = (key, cap, i, act)
@@ -329,7 +332,7 @@ def _fill_bound(
 
 
 # how many of a layer's largest storage sizes the fill tries as a part's floor
-_FLOORS = 4
+_FLOORS = 3
 
 
 def _part(
@@ -350,12 +353,19 @@ def _part(
     step limit, the peak so far and the capacity, with the fewest bytes reaching that peak; and its (step,
     peak). None if no part of at least a MiB fits."""
 
+    sizes = _sizes(profiles[i], act)
+    seen: dict[object, tuple[bool, float, int]] = {}
+
     def fits(cap: int) -> tuple[bool, float, int]:
-        """(within the limits, step time, peak) with layer i capped."""
-        trial = {**caps, i: MoveCap(cap, floor)}
-        t, _, peak = simulate(profiles, cand, bw, depth, trial)
-        ok = t <= limit_s and peak <= cur_peak
-        return ok and not _over_capacity(tier_usage(profiles, cand, bw, trial), capacity), t, peak
+        """(within the limits, step time, peak) with layer i capped; once per set of storages the cap moves
+        (caps between two storage sums move the same ones)."""
+        key = tuple(_greedy(sizes, cap, floor)) if sizes else cap
+        if key not in seen:
+            trial = {**caps, i: MoveCap(cap, floor)}
+            t, _, peak = simulate(profiles, cand, bw, depth, trial)
+            ok = t <= limit_s and peak <= cur_peak
+            seen[key] = (ok and not _over_capacity(tier_usage(profiles, cand, bw, trial), capacity), t, peak)
+        return seen[key]
 
     def moves(cap_mib: int) -> int:
         return movable(profiles[i], act, MoveCap(cap_mib << 20, floor))

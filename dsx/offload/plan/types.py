@@ -40,6 +40,9 @@ class MoveCap(int):
     def __repr__(self) -> str:
         return f"MoveCap({int(self)}, floor={self.floor})"
 
+    # printed as the byte count it is (equality, hashing and arithmetic are the int's too: the floor rides along)
+    __str__ = int.__repr__
+
 
 class Action(str, Enum):
     """One layer's action; the value is its name in plans and logs (``"host+sel"``)."""
