@@ -253,7 +253,7 @@ def _dense_fits(num_keys: int, num_edges: int, device: torch.device) -> bool:
     of sorting the edges' keys: on a GPU, where the table is small next to the edges (a sampled batch: a few
     hundred thousand nodes, a handful of relations). The table's few launches beat a sort's many there; a large
     sparse graph sorts, and so does the CPU, where sorting is the cheaper of the two."""
-    return device.type == "cuda" and num_keys <= 4 * num_edges
+    return device.type == "cuda" and num_keys <= 8 * num_edges
 
 
 def _pair_key(node: torch.Tensor, rel: torch.Tensor, num_nodes: int, num_relations: int) -> torch.Tensor:
