@@ -149,11 +149,14 @@ class RelGraph:
             )
         return torch.sort(self._edge_index[1].long(), stable=True).indices
 
+    def _dst_key(self) -> torch.Tensor:
+        """Each sorted edge's destination for building a key: ``dst`` if built, else prepare()'s narrow sort key
+        while it is kept (no widening launch), else ``dst`` built now."""
+        dst = self.__dict__.get("dst", self._sorted_dst)
+        return self.dst if dst is None else dst
+
     def _dst_pairs(self):
-        dst = self.__dict__.get("dst", self._sorted_dst)  # the narrow sort key where prepare() left it
-        idx, ptr, inverse = _pairs(
-            self.dst if dst is None else dst, self.rel, self.num_dst, self.num_relations
-        )
+        idx, ptr, inverse = _pairs(self._dst_key(), self.rel, self.num_dst, self.num_relations)
         self.__dict__.update(dst_row_idx=idx, dst_rel_ptr=ptr, edge_dst_row=inverse)
         return idx, ptr, inverse
 
@@ -182,8 +185,7 @@ class RelGraph:
             keys = torch.sort(key).values
             deg = torch.searchsorted(keys, key, right=True) - torch.searchsorted(keys, key)
             return 1.0 / deg.to(torch.float32)
-        dst = self.__dict__.get("dst", self._sorted_dst)  # the narrow sort key where prepare() left it
-        key = torch.add(self.dst if dst is None else dst, self.rel, alpha=n)  # int64 (rel is)
+        key = torch.add(self._dst_key(), self.rel, alpha=n)  # int64 (rel is)
         exact = self.num_edges < _FLOAT_COUNTS_EXACT_BELOW
         counts = torch.zeros(
             self.num_relations * n, dtype=torch.float32 if exact else torch.int64, device=key.device
