@@ -104,7 +104,7 @@ DSX_HD void gather_thread(const GatherArgs& a, int64_t block, int64_t grid, int 
   for (int64_t i = block * kGroupsPerBlock + tid / GROUP; i < a.n; i += stride) {
     int64_t r = 0, end = 0;
     if (!row_run(a, idx, i, lane, GROUP, r, end)) continue;
-    const uint8_t* __restrict__ src = a.table + r * a.row_bytes;
+    const uint8_t* __restrict__ src = a.table + r * a.row_stride;
     // Start at the 128-byte line boundary at or below the row, so each instruction asks for whole lines.
     int64_t head = 0;
     if (kStep >= 128 && a.row_bytes >= 128) head = static_cast<int64_t>(reinterpret_cast<uintptr_t>(src) & 127);
@@ -143,7 +143,7 @@ DSX_HD void gather_wide_thread(const GatherArgs& a, int64_t block, int64_t grid,
   for (int64_t i = block * kGroupsPerBlock + tid / GROUP; i < a.n; i += stride) {
     int64_t r = 0, end = 0;
     if (!row_run(a, idx, i, lane, GROUP, r, end)) continue;
-    const uint8_t* __restrict__ src = a.table + r * a.row_bytes;
+    const uint8_t* __restrict__ src = a.table + r * a.row_stride;
     const int64_t head = static_cast<int64_t>(reinterpret_cast<uintptr_t>(src) & 127);
     for (int64_t k0 = lane * 16 - head; k0 < a.row_bytes; k0 += kStep * kUnroll) {
       uint4 v[kUnroll] = {};
@@ -186,7 +186,7 @@ DSX_HD void naive_thread(const GatherArgs& a, int64_t block, int tid) {
     report_bad(a, r, i, i + 1, lane, 32);
     return;
   }
-  const uint8_t* src = a.table + r * a.row_bytes;
+  const uint8_t* src = a.table + r * a.row_stride;
   uint8_t* dst = a.out + out_pos(a.perm, i) * a.row_bytes;
   for (int64_t k = static_cast<int64_t>(lane) * W; k < a.row_bytes; k += 32 * W) {
     *reinterpret_cast<VecT*>(dst + k) = *reinterpret_cast<const VecT*>(src + k);
@@ -255,10 +255,10 @@ struct Plan {
 
 }  // namespace
 
-int pick_vector_bytes(const void* table, const void* out, int64_t row_bytes) {
+int pick_vector_bytes(const void* table, const void* out, int64_t row_bytes, int64_t row_stride) {
   const auto t = reinterpret_cast<uintptr_t>(table), o = reinterpret_cast<uintptr_t>(out);
   for (int w : {16, 8, 4, 2}) {
-    if (row_bytes % w == 0 && t % w == 0 && o % w == 0) return w;
+    if (row_bytes % w == 0 && row_stride % w == 0 && t % w == 0 && o % w == 0) return w;
   }
   return 1;
 }
@@ -279,7 +279,7 @@ namespace {
 
 Plan plan_gather(const GatherArgs& a, int max_blocks) {
   Plan p{};
-  p.w = pick_vector_bytes(a.table, a.out, a.row_bytes);
+  p.w = pick_vector_bytes(a.table, a.out, a.row_bytes, a.row_stride);
   p.wide = use_wide_loads(a.row_bytes, p.w);
   p.lanes = pick_group_lanes(a.row_bytes, p.wide ? 16 : p.w);
   const int64_t groups_per_block = kThreads / p.lanes;
@@ -332,7 +332,7 @@ cudaError_t launch_gather(const GatherArgs& a, int max_sms, cudaStream_t stream)
 
 cudaError_t launch_naive_gather(const GatherArgs& a, cudaStream_t stream) {
   if (a.n == 0 || a.row_bytes == 0) return cudaSuccess;
-  const int w = pick_vector_bytes(a.table, a.out, a.row_bytes);
+  const int w = pick_vector_bytes(a.table, a.out, a.row_bytes, a.row_stride);
   const int64_t blocks = (a.n * 32 + kThreads - 1) / kThreads;
   if (blocks > (1LL << 31) - 1) return cudaErrorInvalidConfiguration;
   with_index(a.index_is_int64, [&](auto idx_tag) {
@@ -352,7 +352,7 @@ extern "C" int dsx_emulate_gather(const GatherArgs* args, int max_blocks, int na
   const GatherArgs& a = *args;
   if (a.n == 0 || a.row_bytes == 0) return 0;
   if (naive) {
-    const int w = pick_vector_bytes(a.table, a.out, a.row_bytes);
+    const int w = pick_vector_bytes(a.table, a.out, a.row_bytes, a.row_stride);
     const int64_t blocks = (a.n * 32 + kThreads - 1) / kThreads;
     plan_out[0] = w, plan_out[1] = 32, plan_out[2] = blocks;
     with_index(a.index_is_int64, [&](auto idx_tag) {

@@ -17,6 +17,7 @@ struct GatherArgs {
   const int64_t* perm;       // output position of index[i]; nullptr means position i
   int64_t n;                 // number of indices
   int64_t row_bytes;         // bytes per row (any value >= 1)
+  int64_t row_stride;        // bytes from one row of the table to the next (>= row_bytes; padded tables)
   int64_t num_rows;          // rows in the table; ids outside [0, num_rows) are errors
   unsigned long long* flag;  // device [count of bad ids, one bad id]; zero before the launch
   bool index_is_int64;
@@ -34,7 +35,7 @@ cudaError_t launch_gather(const GatherArgs& args, int max_sms, cudaStream_t stre
 cudaError_t launch_naive_gather(const GatherArgs& args, cudaStream_t stream);
 
 // Vector width (bytes) and lanes per row the tuned kernel would use (exposed for tests and reports).
-int pick_vector_bytes(const void* table, const void* out, int64_t row_bytes);
+int pick_vector_bytes(const void* table, const void* out, int64_t row_bytes, int64_t row_stride);
 int pick_group_lanes(int64_t row_bytes, int vec_bytes);
 // Whether a row of row_bytes whose accesses can be vec_bytes wide is loaded 16 bytes at a time instead.
 bool use_wide_loads(int64_t row_bytes, int vec_bytes);

@@ -149,6 +149,16 @@ class UnifiedConfig(_Section):
     backend: Literal["auto", "cuda", "torch"] = "auto"
     # "sync": a GPU gather waits for its out-of-range flag; "deferred": checked at the next gather/check().
     check_indices: Literal["sync", "deferred"] = "sync"
+    # Rows start at multiples of this many bytes (a padded copy of the table), so that each row crosses PCIe in
+    # whole 32-byte sectors (docs/unified.md, "Padded rows"). 0: rows as given, pinned in place.
+    row_alignment: int = 0
+
+    @field_validator("row_alignment")
+    @classmethod
+    def _alignment(cls, v: int) -> int:
+        if v != 0 and not (16 <= v <= 4096 and v & (v - 1) == 0):
+            raise ValueError(f"row_alignment={v!r}: use 0 (rows as given) or a power of two from 16 to 4096")
+        return v
 
     @field_validator("shared_memory_dir")
     @classmethod

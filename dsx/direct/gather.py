@@ -24,6 +24,10 @@ __all__ = [
     "bad_index_message",
     "check_index",
     "cuda_gather",
+    "padded_row_stride",
+    "row_bytes_of",
+    "rows_contiguous",
+    "strided_rows",
     "torch_gather",
 ]
 
@@ -61,6 +65,44 @@ def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, de
         )
     if not out.is_contiguous():
         raise ValueError("unified gather: out must be contiguous")
+
+
+def rows_contiguous(table: torch.Tensor) -> bool:
+    """Whether ``table``'s rows are each contiguous and equally spaced, at least a row apart: a contiguous
+    tensor, or the leading columns of a wider one (a row-padded table)."""
+    if table.dim() == 0:
+        return False
+    inner = table.shape[1:]
+    expect = 1
+    for size, stride in zip(reversed(inner), reversed(table.stride()[1:])):
+        if size > 1 and stride != expect:
+            return False
+        expect *= size
+    return table.shape[0] <= 1 or table.stride(0) >= expect
+
+
+def padded_row_stride(row_bytes: int, align: int) -> int:
+    """Bytes from one row to the next when rows of ``row_bytes`` start ``align`` bytes apart (0: unpadded)."""
+    return -(-row_bytes // align) * align if align > 0 else row_bytes
+
+
+def row_bytes_of(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:
+    """Bytes in one row of a table of ``shape`` and ``dtype``."""
+    return math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+
+
+def strided_rows(
+    buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], row_stride: int
+) -> torch.Tensor:
+    """The table of ``shape`` and ``dtype`` whose rows lie ``row_stride`` bytes apart in the byte buffer
+    ``buf`` (a view: each row contiguous, the padding between rows not part of it)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if row_stride % size:
+        raise ValueError(f"a row stride of {row_stride} bytes is not a whole number of {dtype} elements")
+    if math.prod(shape) == 0:
+        return torch.empty(shape, dtype=dtype)
+    inner = torch.empty(tuple(shape[1:]), dtype=dtype, device="meta").stride()
+    return buf.view(dtype).as_strided(tuple(shape), (row_stride // size, *inner))
 
 
 # ------------------------------------------------------------------------------------- PyTorch twin
@@ -148,8 +190,8 @@ def cuda_gather(
 ) -> tuple[torch.Tensor, PendingCheck]:
     """Launch the zero-copy kernel on the current stream of ``index.device``; return ``(out, check)``.
 
-    ``table`` must be a contiguous CPU tensor registered with ``cudaHostRegister`` (see
-    :func:`dsx.direct.unified`). The indices are sorted on the GPU (``torch.sort``, part of the op); the
+    ``table`` must be a CPU tensor registered with ``cudaHostRegister`` (see :func:`dsx.direct.unified`)
+    whose rows are contiguous and equally spaced: contiguous, or a row-padded table (:func:`strided_rows`). The indices are sorted on the GPU (``torch.sort``, part of the op); the
     kernel reads each distinct row once and writes it to every output position that asked for it. An
     out-of-range index makes the kernel zero that output row and set a device flag; ``check`` holds the flag
     (copied to pinned host memory behind an event) — call ``check.raise_if_bad()`` at a sync point.
@@ -157,8 +199,11 @@ def cuda_gather(
     check_index(index)
     if index.device.type != "cuda":
         raise ValueError(f"unified gather: the CUDA backend needs the index on a GPU, got {index.device}")
-    if not table.is_contiguous() or table.device.type != "cpu":
-        raise ValueError("unified gather: the table must be a contiguous, registered CPU tensor")
+    if table.device.type != "cpu" or not rows_contiguous(table):
+        raise ValueError(
+            "unified gather: the table must be a registered CPU tensor whose rows are contiguous "
+            "(contiguous, or the leading columns of a wider table)"
+        )
     dev = index.device
     shape = (*index.shape, *table.shape[1:])
     if out is None:
@@ -169,6 +214,9 @@ def cuda_gather(
     if not idx.is_contiguous():
         idx = idx.contiguous()
     row_bytes = math.prod(table.shape[1:]) * table.element_size()
+    row_stride = (
+        table.stride(0) * table.element_size() if table.dim() > 1 and table.shape[0] > 1 else row_bytes
+    )
     flag = torch.zeros(2, dtype=torch.int64, device=dev)
     keep = [table]
     if idx.numel() and row_bytes:
@@ -178,10 +226,10 @@ def cuda_gather(
                 # in-range id exact and every out-of-range id out of range (reported at the int32 bound).
                 idx = idx.clamp(-_I32_MAX - 1, _I32_MAX).int()
             sidx, perm = torch.sort(idx)
-            ext.gather(table, sidx, perm, out, flag, row_bytes, table.shape[0], max_sms, True)  # type: ignore[attr-defined]
+            ext.gather(table, sidx, perm, out, flag, row_bytes, row_stride, table.shape[0], max_sms, True)  # type: ignore[attr-defined]
             keep += [sidx, perm]
         else:
-            ext.gather(table, idx, None, out, flag, row_bytes, table.shape[0], max_sms, False)  # type: ignore[attr-defined]
+            ext.gather(table, idx, None, out, flag, row_bytes, row_stride, table.shape[0], max_sms, False)  # type: ignore[attr-defined]
     host_flag = torch.empty(2, dtype=torch.int64, pin_memory=True)
     host_flag.copy_(flag, non_blocking=True)
     event = torch.cuda.Event()

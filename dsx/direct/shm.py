@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dsx.direct.gather import padded_row_stride, row_bytes_of, rows_contiguous, strided_rows
 from dsx.runtime.process import ShmFinding, all_gather, judge, owner_tag, parse_owner_tag
 
 __all__ = [
@@ -204,7 +205,10 @@ def _map(path: str, nbytes: int) -> torch.Tensor:
 
 
 def share_tensor(
-    tensor: torch.Tensor | None, shared_memory_dir: str = "/dev/shm", name: str | None = None
+    tensor: torch.Tensor | None,
+    shared_memory_dir: str = "/dev/shm",
+    name: str | None = None,
+    row_alignment: int = 0,
 ) -> tuple[torch.Tensor, NodeGroup]:
     """Return a tensor equal to ``tensor`` whose pages are shared by all ranks of this node.
 
@@ -217,6 +221,9 @@ def share_tensor(
         Where the segment file lives while ranks map it (a tmpfs: ``/dev/shm``).
     name
         Readable tag in the file name (for ``ls /dev/shm`` while the segment is being set up).
+    row_alignment
+        Read on the leader: rows start at multiples of this many bytes in the segment (0: packed). The result
+        is then a view of the leading bytes of each padded row (see :func:`dsx.direct.gather.strided_rows`).
 
     Returns
     -------
@@ -236,9 +243,13 @@ def share_tensor(
         try:
             if tensor is None:
                 raise SharedMemoryError("the node leader must pass the tensor to share")
-            if not tensor.is_contiguous():
-                raise SharedMemoryError("the tensor to share must be contiguous (call .contiguous() first)")
-            nbytes = tensor.numel() * tensor.element_size()
+            if not rows_contiguous(tensor):
+                raise SharedMemoryError(
+                    "the tensor to share must have contiguous rows (call .contiguous() first)"
+                )
+            shape = tuple(tensor.shape)
+            stride = padded_row_stride(row_bytes_of(shape, tensor.dtype), row_alignment) if shape else 0
+            nbytes = shape[0] * stride if shape else tensor.element_size()
             check_space(shared_memory_dir, nbytes)
             tag = re.sub(r"[^A-Za-z0-9_.]", "_", name or "tensor")[:40]
             name_ = f"{_user_prefix()}{job}-{owner_tag()}-r{group.rank}-{tag}"
@@ -251,9 +262,9 @@ def share_tensor(
                 raise SharedMemoryError(f"{_space_message(shared_memory_dir, nbytes)} ({exc})") from None
             base = _map(path, max(nbytes, 1))[:nbytes]
             if nbytes:
-                base.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+                _table(base, tensor.dtype, shape, stride).copy_(tensor)
             _setup_point("filled")
-            meta = [(path, nbytes, tensor.dtype, tuple(tensor.shape))]
+            meta = [(path, nbytes, tensor.dtype, shape, stride)]
         except Exception as exc:  # published to the other ranks, raised everywhere below
             error = f"{type(exc).__name__}: {exc}"
             if path is not None and os.path.exists(path):
@@ -270,7 +281,7 @@ def share_tensor(
         if bad:
             r, e = bad[0]
             raise SharedMemoryError(f"rank {r} could not create the shared segment: {e}")
-        path, nbytes, dtype, shape = leader_meta  # type: ignore[misc]
+        path, nbytes, dtype, shape, stride = leader_meta  # type: ignore[misc]
         if group.is_leader:
             _setup_point("published")
         try:
@@ -289,5 +300,12 @@ def share_tensor(
     # One more exchange so that, on every rank, unified() returns only once the name is gone.
     _all_ok(None)
     assert base is not None
-    shared = base.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+    shared = _table(base, dtype, shape, stride) if nbytes else torch.empty(shape, dtype=dtype)
     return shared, group
+
+
+def _table(base: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], stride: int) -> torch.Tensor:
+    """The shared table in the segment's bytes: packed, or rows ``stride`` bytes apart."""
+    if not shape or stride == row_bytes_of(shape, dtype):
+        return base.view(dtype).view(shape)
+    return strided_rows(base, dtype, shape, stride)

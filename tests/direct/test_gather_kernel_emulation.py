@@ -31,6 +31,7 @@ class GatherArgs(ctypes.Structure):
         ("perm", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("row_bytes", ctypes.c_int64),
+        ("row_stride", ctypes.c_int64),
         ("num_rows", ctypes.c_int64),
         ("flag", ctypes.c_void_p),
         ("index_is_int64", ctypes.c_bool),
@@ -61,8 +62,10 @@ def emu(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
 
 def _run(lib, table: torch.Tensor, idx: torch.Tensor, *, sort: bool, max_blocks: int = 0, naive: bool = False,
          out_offset: int = 0):  # fmt: skip
-    """Emulated gather of byte table rows ``idx``; returns (out, flag, plan)."""
+    """Emulated gather of byte table rows ``idx`` (``table`` may be the leading columns of a wider table);
+    returns (out, flag, plan)."""
     rows, row_bytes = table.shape
+    row_stride = table.stride(0)
     n = idx.numel()
     if sort:
         sidx, perm = torch.sort(idx)
@@ -74,7 +77,7 @@ def _run(lib, table: torch.Tensor, idx: torch.Tensor, *, sort: bool, max_blocks:
     flag = torch.zeros(2, dtype=torch.int64)
     plan = torch.zeros(4, dtype=torch.int64)
     a = GatherArgs(table.data_ptr(), out.data_ptr(), sidx.data_ptr(), perm.data_ptr() if perm is not None else None,
-                   n, row_bytes, rows, flag.data_ptr(), idx.dtype == torch.int64, sort)  # fmt: skip
+                   n, row_bytes, row_stride, rows, flag.data_ptr(), idx.dtype == torch.int64, sort)  # fmt: skip
     assert lib.dsx_emulate_gather(ctypes.byref(a), max_blocks, int(naive), plan.data_ptr()) == 0
     # nothing stored outside the output rows (wide loads read neighbouring bytes, they must not write them)
     assert bool((out_buf[:out_offset] == 0xAB).all()) and bool(
@@ -117,6 +120,29 @@ def test_tuned_kernel_equals_index_select(emu, row_bytes, offset, index_dtype) -
     load = 16 if wide else w
     if row_bytes >= 128:
         assert lanes * load >= 128 or lanes == 32  # an instruction covers a whole line when it can
+
+
+@pytest.mark.parametrize(
+    ("row_bytes", "row_stride"), [(300, 320), (1000, 1024), (300, 304), (12, 16), (512, 640)]
+)
+@pytest.mark.parametrize("offset", [0, 4])
+def test_padded_rows_are_read_at_their_stride(emu, row_bytes, row_stride, offset) -> None:
+    # the table is the leading row_bytes of rows row_stride apart; the padding between them holds a marker
+    # byte, so a read at the wrong stride or a stored padding byte shows in the output
+    rows = 200
+    g = torch.Generator().manual_seed(row_bytes + row_stride + offset)
+    buf = torch.full((rows * row_stride + offset + 64,), 0xCD, dtype=torch.uint8)
+    wide = buf[offset : offset + rows * row_stride].view(rows, row_stride)
+    wide[:, :row_bytes] = torch.randint(0, 256, (rows, row_bytes), generator=g, dtype=torch.uint8)
+    table = wide[:, :row_bytes]
+    idx = torch.randint(0, rows, (500,), generator=g)
+    ref = table.index_select(0, idx)
+    for sort in (True, False):
+        out, flag, plan = _run(emu, table, idx, sort=sort)
+        assert flag.tolist() == [0, 0] and torch.equal(out, ref), (sort, plan)
+    assert plan[0] == next(
+        w for w in (16, 8, 4, 2, 1) if row_bytes % w == 0 and row_stride % w == 0 and offset % w == 0
+    )
 
 
 @pytest.mark.parametrize("row_bytes", [4, 64, 130, 512, 4096])

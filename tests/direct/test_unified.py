@@ -100,6 +100,38 @@ def test_host_indexing_passes_through(tmp_path) -> None:
     assert ut.tensor.data_ptr() == t.data_ptr()  # pinned in place: no copy
 
 
+@pytest.mark.parametrize(
+    ("row_shape", "dtype", "stride"),
+    [((75,), torch.float32, 320), ((3, 25), torch.float32, 320), ((129,), torch.bfloat16, 288),
+     ((1000,), torch.uint8, 1024), ((64,), torch.float32, 256)],
+)  # fmt: skip
+def test_row_alignment_lays_rows_out_in_whole_sectors(tmp_path, row_shape, dtype, stride) -> None:
+    t = _table(211, row_shape, dtype, stride)
+    row = t[0].numel() * t.element_size()
+    ut = unified(t, shared="off", config=_cfg(tmp_path, row_alignment=32))
+    assert ut.shape == t.shape and ut.dtype == t.dtype and torch.equal(ut.tensor, t)
+    assert ut.row_stride == stride and ut.nbytes == 210 * stride + row
+    if stride == row:  # already whole sectors: pinned in place
+        assert ut.tensor.data_ptr() == t.data_ptr()
+    else:
+        assert ut.tensor.data_ptr() != t.data_ptr() and ut.tensor.data_ptr() % 32 == 0
+        assert not ut.tensor.is_contiguous()
+        # a table already laid out so is taken as it is
+        assert unified(
+            ut.tensor, shared="off", config=_cfg(tmp_path, row_alignment=32)
+        ).tensor.data_ptr() == (ut.tensor.data_ptr())
+    idx = torch.randint(0, 211, (500,), generator=torch.Generator().manual_seed(stride))
+    assert torch.equal(ut.gather(idx), t.index_select(0, idx)) and torch.equal(ut[idx], t[idx])
+    # the default pins a table in place, whatever its rows
+    assert unified(t, shared="off", config=_cfg(tmp_path)).tensor.data_ptr() == t.data_ptr()
+
+
+@pytest.mark.parametrize("bad", [8, 24, 8192, -32, "32B", 1.5])
+def test_row_alignment_rejects_what_it_cannot_lay_out(bad) -> None:
+    with pytest.raises(ValueError, match="row_alignment"):
+        UnifiedConfig(row_alignment=bad)  # type: ignore[arg-type]
+
+
 # -------------------------------------------------------------------------------------------- errors
 
 
@@ -179,6 +211,18 @@ def test_shared_single_process_unlinks_and_maps(shm_dir) -> None:
     ut.close()  # a second close is a no-op
     empty = unified(torch.empty(0, 4), shared="on", config=_cfg(shm_dir))
     assert empty.shape == (0, 4) and empty[torch.empty(0, dtype=torch.int64)].shape == (0, 4)
+    assert os.listdir(shm_dir) == []
+
+
+def test_a_shared_copy_lays_rows_out_at_the_alignment(shm_dir) -> None:
+    # the node's one copy is laid out padded where asked: no second copy
+    for row_shape, cfg, stride in (((75,), {"row_alignment": 32}, 320), ((75,), {}, 300), ((17,), {}, 68),
+                                   ((17,), {"row_alignment": 16}, 80), ((64,), {"row_alignment": 32}, 256)):  # fmt: skip
+        t = _table(300, row_shape, torch.float32, stride)
+        with unified(t, shared="on", config=_cfg(shm_dir, **cfg)) as ut:
+            assert ut.row_stride == stride and torch.equal(ut.tensor, t)
+            idx = torch.randint(0, 300, (64,))
+            assert torch.equal(ut[idx], t[idx])
     assert os.listdir(shm_dir) == []
 
 

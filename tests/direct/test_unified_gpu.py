@@ -46,6 +46,21 @@ def test_gpu_kernel_equals_index_select(row_bytes, index_dtype, sort) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("row_bytes", "align"), [(300, 32), (1000, 32), (258, 32), (12, 16), (300, 128)])
+@pytest.mark.parametrize("sort", [True, False])
+def test_gpu_padded_rows_equal_index_select(row_bytes, align, sort) -> None:
+    t = _gpu_table(4099, row_bytes, row_bytes + align)
+    cfg = UnifiedConfig(backend="cuda", sort_indices=sort, row_alignment=align)
+    with unified(t, shared="off", config=cfg) as ut:
+        assert ut.row_stride == -(-row_bytes // align) * align and ut.is_pinned
+        idx = torch.randint(0, 4099, (15_000,), generator=torch.Generator().manual_seed(row_bytes))
+        idx[::6] = idx[1]
+        assert torch.equal(ut.gather(idx.cuda()), t.index_select(0, idx).cuda())
+        with pytest.raises(IndexOutOfRangeError, match="index 4099"):
+            ut.gather(torch.tensor([3, 4099], device="cuda"))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64])
 def test_gpu_dtypes_and_unaligned_views(dtype) -> None:
     t = _table(3001, (37,), dtype, 9)
