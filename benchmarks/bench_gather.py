@@ -16,8 +16,11 @@ One process, one pinned table (default ~4 GB), 1M random row ids (with repeats, 
 * ``dsx_all_sms``    ``dsx`` with no bound (one wave over every SM; rows < 512 B still keep to 8 SMs)
 * ``dsx_sms{N}``     ``dsx`` limited to N SMs (``--sweep-sms``, rows <= 512 B only; rows < 512 B never take
                      more than 8 SMs, so N > 8 is not run for them)
+* ``dsx_padded``     ``dsx`` from a copy of the table with rows 32 bytes apart (``row_alignment=32``), for row
+                     sizes that are not a multiple of 32; ``dsx_padded_queued`` timed as ``dsx_queued``
 
-CPU baselines get their ids already on the host; GPU methods get them on the GPU. Every output is checked
+Each method is timed 5 times a round (median), in 3 rounds over every row size (median of the rounds, each
+round's figures kept in the JSON). CPU baselines get their ids already on the host; GPU methods get them on the GPU. Every output is checked
 against ``index_select``. ``--quick`` runs tiny sizes on the CPU (the CPU paths only) as a smoke test.
 
     python benchmarks/bench_gather.py --out benchmarks/results
@@ -183,23 +186,29 @@ def _measure(
                 "unified", cfg
             ):  # (ut_view has no config of its own: it follows the defaults)
                 record(key, lambda: ut_view.gather(didx, out=dst2), lambda: dst2)
-        # with the index check deferred, as a loader's gathers run ("sync", dsx's figure, makes the host wait for
-        # the check inside the timed span)
+
+        def record_queued(key: str, ut: Any) -> None:
+            # with the index check deferred, as a loader's gathers run ("sync", dsx's figure, makes the host wait
+            # for the check inside the timed span)
+            record(key, lambda: ut.gather(didx, out=dst2, check="deferred"), lambda: dst2, queued=True)
+            ut.check()
+
         with dsx.defaults.set("unified", UnifiedConfig(backend="cuda")):
-            record(
-                "dsx_queued",
-                lambda: ut_view.gather(didx, out=dst2, check="deferred"),
-                lambda: dst2,
-                queued=True,
-            )
-            ut_view.check()
+            record_queued("dsx_queued", ut_view)
         ut_view.close()
+        if rb % 32:
+            # rows in whole 32-byte sectors: the same rows, read from a padded copy of the table
+            pad_cfg = UnifiedConfig(backend="cuda", row_alignment=32)
+            with unified(table, shared="off", config=pad_cfg) as ut_pad:
+                rec["padded_row_stride"] = ut_pad.row_stride
+                record("dsx_padded", lambda: ut_pad.gather(didx, out=dst2), lambda: dst2)
+                record_queued("dsx_padded_queued", ut_pad)
     else:
         ut_view = unified(table, shared="off", config=UnifiedConfig(backend="torch"))
         record("dsx", lambda: ut_view.gather(gidx), lambda: ut_view.gather(gidx))
     rec["gb_per_s"] = {k: round(v, 2) for k, v in gbs.items()}
     rec["fraction_of_ceiling"] = {  # queued figures against the copy timed the same way
-        k: round(v / gbs["copy_ceiling_queued" if k == "dsx_queued" else "copy_ceiling"], 3)
+        k: round(v / gbs["copy_ceiling_queued" if k.endswith("_queued") else "copy_ceiling"], 3)
         for k, v in gbs.items()
         if not k.startswith("copy_ceiling")
     }
@@ -208,6 +217,19 @@ def _measure(
     rec["correct"] = check
     print(f"{rb:6d} B rows: " + "  ".join(f"{k} {v:6.1f}" for k, v in gbs.items()) + "  GB/s", flush=True)
     return rec
+
+
+def _combine(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row size's rounds: medians of the GB/s and of each round's fraction of its own ceiling; every round's
+    figures kept (``*_rounds``); correct only if every round was."""
+    out = dict(recs[0])
+    for key in ("gb_per_s", "fraction_of_ceiling"):
+        out[f"{key}_rounds"] = {k: [r[key][k] for r in recs] for k in recs[0][key]}
+        out[key] = {k: round(statistics.median(v), 3) for k, v in out[f"{key}_rounds"].items()}
+    if "dsx_read_gb_per_s" in out:
+        out["dsx_read_gb_per_s"] = round(statistics.median(r["dsx_read_gb_per_s"] for r in recs), 2)
+    out["correct"] = {k: all(r["correct"][k] for r in recs) for k in recs[0]["correct"]}
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -224,7 +246,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from dsx.ops import load_unified_gather
 
         ext = load_unified_gather(verbose=False)
-    results = [_measure(args, base, rb, cuda, dev, ext) for rb in args.row_bytes]
+    # rounds over every row size in turn: a row size's figures are medians over rounds taken minutes apart, so a
+    # slow spell of the host or the link moves one round of each row size, not every figure of one
+    rounds = [[_measure(args, base, rb, cuda, dev, ext) for rb in args.row_bytes] for _ in range(args.rounds)]
+    results = [_combine(list(recs)) for recs in zip(*rounds)]
     base_ut.close()
     by = {r["row_bytes"]: r for r in results}
     targets = {}
@@ -238,6 +263,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "dsx_queued_ge_0.85_ceiling_rows_ge_256B": all(
                 r["fraction_of_ceiling"]["dsx_queued"] >= 0.85 for r in results if r["row_bytes"] >= 256
             ),
+            # rows that are not a multiple of 32 bytes read from the padded table (row_alignment=32)
+            "dsx_queued_ge_0.85_ceiling_rows_ge_256B_padded": all(
+                r["fraction_of_ceiling"].get("dsx_padded_queued", r["fraction_of_ceiling"]["dsx_queued"])
+                >= 0.85
+                for r in results
+                if r["row_bytes"] >= 256
+            ),
         }
     return {
         "name": NAME,
@@ -246,7 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "register_seconds": round(reg_s, 3),
         "results": results,
         "targets": targets,
-        "notes": "GB/s = gathered bytes / median time; dsx includes the GPU sort of the ids; dsx_queued is dsx "
+        "notes": "GB/s = gathered bytes / median time in a round, median over the rounds; fractions: median of "
+        "each round's fraction of that round's ceiling; dsx includes the GPU sort of the ids; dsx_queued is dsx "
         "timed from when the GPU reaches it (its fraction is of copy_ceiling_queued); CPU baselines receive "
         "host ids. Output of every method checked against index_select (first 4096 rows).",
     }
@@ -260,7 +293,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     res = report["results"]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for key in res[0]["gb_per_s"]:
+    for key in dict.fromkeys(k for r in res for k in r["gb_per_s"]):  # (padded: only some row sizes)
         style = {"copy_ceiling": "k--", "copy_ceiling_queued": "k:"}.get(key, "-o")
         pts = [(r["row_bytes"], r["gb_per_s"][key]) for r in res if key in r["gb_per_s"]]
         ax.plot(*zip(*pts), style, label=key, lw=2.5 if key in ("dsx", "dsx_queued") else 1.3)
@@ -286,7 +319,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--row-bytes", type=int, nargs="+", default=[64, 128, 256, 300, 512, 1000, 1024, 2048, 4096]
     )
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per method (median) in a round")
+    p.add_argument("--rounds", type=int, default=3, help="passes over every row size (median over them)")
     p.add_argument("--bounded-sms", type=int, default=8)
     p.add_argument(
         "--sweep-sms",
@@ -297,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     args = p.parse_args(argv)
     if args.quick:
-        args.table_mb, args.num_indices, args.row_bytes, args.repeats = 8, 4096, [64, 516], 2
+        args.table_mb, args.num_indices, args.row_bytes, args.repeats, args.rounds = 8, 4096, [64, 516], 2, 2
     report = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime as dt
 import gc
 import json
 import math
@@ -400,9 +401,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "models": {},
     }  # fmt: skip
     earlier = Path(args.out) / f"{NAME}.json"
+    res["model_runs_utc"] = {}  # when each model in the file ran (a merged file holds models of several runs)
     if args.merge and earlier.exists():
-        kept = json.loads(earlier.read_text()).get("models", {})
+        before = json.loads(earlier.read_text())
+        kept = before.get("models", {})
         res["models"] = {m: r for m, r in kept.items() if m not in args.models.split(",")}
+        res["model_runs_utc"] = {
+            m: t for m, t in before.get("model_runs_utc", {}).items() if m in res["models"]
+        }
         same = ("scale", "hidden", "heads", "batch_size", "fanouts")
         for m, r in res["models"].items():
             differ = {k: (r.get("config", {}).get(k), vars(args)[k]) for k in same
@@ -425,6 +431,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         model0 = model_for(0)
         out = res["models"][model_name] = {"config": vars(args), "runs": {}}
+        res["model_runs_utc"][model_name] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         pipes: list[_Pipeline] = []
         # PyG first: its workers fork before dsx registers host memory with CUDA
         for w in workers:

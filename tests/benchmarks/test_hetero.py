@@ -34,6 +34,10 @@ def test_bench_hetero_quick(tmp_path) -> None:
     merged = json.loads((tmp_path / "bench_hetero.json").read_text())
     assert list(merged["models"]) == ["rgcn", "rgat", "hgt"]
     assert merged["models"]["hgt"] == saved["models"]["hgt"]
+    # each model keeps the time of the run that measured it
+    assert merged["model_runs_utc"]["hgt"] == saved["model_runs_utc"]["hgt"]
+    assert sorted(merged["model_runs_utc"]) == ["hgt", "rgat", "rgcn"]
+    assert merged["model_runs_utc"]["rgat"] >= saved["model_runs_utc"]["hgt"]
 
 
 class _SlowRows(torch.utils.data.Dataset):
