@@ -94,13 +94,20 @@ def _ds_config(
     offload_optimizer: bool = False,
     trace_path: str | None = None,
     event_wait: str | None = None,
+    adam: str = "foreach",
 ) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": 1}
     if offload_optimizer:  # ZeRO-2 with the optimizer (fp32 master, Adam moments, step) on the CPU
         zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    params: dict[str, Any] = {"lr": 1e-4, "torch_adam": not offload_optimizer}
+    if adam == "fused" and not offload_optimizer:
+        # torch's fused AdamW updates in one kernel; foreach's temporaries are as large as the fp32 master
+        # weights (ZeRO-1 keeps them as one flat buffer), and on a large model they, not activations, set the
+        # step's peak
+        params["fused"] = True
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": not offload_optimizer}},
+        "optimizer": {"type": "AdamW", "params": params},
         "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
@@ -214,7 +221,13 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         model=model,
         model_parameters=model.parameters(),
         config=_ds_config(
-            args.micro_batch, bf16, section, args.offload_optimizer, _trace_path(args, name), args.event_wait
+            args.micro_batch,
+            bf16,
+            section,
+            args.offload_optimizer,
+            _trace_path(args, name),
+            args.event_wait,
+            args.adam,
         ),
     )
     copies = None
@@ -627,6 +640,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--budget-scales", type=float, nargs="+", default=[1.0],
                    help="budgets for the dsx_auto_budget configs, as multiples of full recompute's peak")  # fmt: skip
     p.add_argument("--in-process", action="store_true", help="run every config in this process")
+    p.add_argument("--adam", choices=["foreach", "fused"], default="foreach",
+                   help="torch AdamW's implementation on the GPU (fused: no update temporaries)")  # fmt: skip
     p.add_argument("--offload-optimizer", action="store_true",
                    help="ZeRO-2 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam)")  # fmt: skip
     p.add_argument("--child-timeout", type=float, default=120.0, help="seconds per config (own process)")

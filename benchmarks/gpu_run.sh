@@ -79,7 +79,7 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
                 # interleaved runs; then the lower bound and the planner's frontier on that run's profiles
     run bench-offload-8b 500 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 --heads 32 \
       --kv-heads 8 --ffn-hidden 14336 --seq-len 8192 --micro-batch 1 --warmup 2 --steps 4 --repeats 3 --pool-gb 40 \
-      --child-timeout 100 --configs none recompute dsx_auto_budget --name bench_offload_8b --out "$RES"
+      --adam fused --child-timeout 100 --configs none recompute dsx_auto_budget --name bench_offload_8b --out "$RES"
     run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" --config dsx_auto_budget \
       --name plan_frontier_8b --out "$RES"
     keep bench_offload_8b plan_frontier_8b ;;

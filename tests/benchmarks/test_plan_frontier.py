@@ -125,3 +125,20 @@ def test_against_names_the_peers_that_beat_dsx_at_or_below_its_memory() -> None:
     assert plan_frontier.against(points, bound, front)["dominates_every_peer"] is True
     no_dsx = plan_frontier.against({k: v for k, v in points.items() if not k.startswith("dsx")}, bound, front)
     assert no_dsx["dominates_every_peer"] is None and no_dsx["worst_over_bound"] is None
+
+
+def test_repeated_configs_are_read_at_their_median_run() -> None:
+    steps = [0.31, 0.29, 0.35]
+    runs = [{"config": "none", "step_s": 0.2, "activation_peak_gb": 3.0}]
+    runs += [
+        {"config": "dsx_auto_budget", "step_s": t, "activation_peak_gb": 2.0, "round": i}
+        for i, t in enumerate(steps)
+    ]
+    runs += [
+        {"config": "recompute", "error": "out of memory"},
+        {"config": "recompute", "step_s": 0.4, "activation_peak_gb": 0},
+    ]
+    got = plan_frontier.median_runs(runs)
+    assert set(got) == {"none", "dsx_auto_budget"} and got["dsx_auto_budget"]["round"] == 0
+    runs.append({"config": "dsx_auto_budget", "step_s": 0.30, "activation_peak_gb": 2.0, "round": 3})
+    assert plan_frontier.median_runs(runs)["dsx_auto_budget"]["round"] == 3  # the lower middle of four
