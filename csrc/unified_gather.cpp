@@ -23,6 +23,26 @@ const uint8_t* device_view(const at::Tensor& table) {
   return static_cast<const uint8_t*>(dptr);
 }
 
+// Bytes from one row of the table to the next, after checking that each row is contiguous and row_bytes long
+// (a contiguous table, or the leading bytes of each row of a wider one).
+int64_t table_row_stride(const at::Tensor& table, int64_t row_bytes) {
+  TORCH_CHECK(table.dim() >= 1, "unified gather: the table needs at least one dimension");
+  int64_t inner = 1;
+  for (int64_t d = table.dim() - 1; d >= 1; --d) {
+    TORCH_CHECK(table.size(d) <= 1 || table.stride(d) == inner,
+                "unified gather: each row of the table must be contiguous (dimension ", d, " has stride ",
+                table.stride(d), ", expected ", inner, ")");
+    inner *= table.size(d);
+  }
+  TORCH_CHECK(inner * table.element_size() == row_bytes, "unified gather: the table's rows hold ",
+              inner * table.element_size(), " bytes, not row_bytes=", row_bytes);
+  if (table.size(0) <= 1) return row_bytes;
+  const int64_t stride = table.stride(0) * table.element_size();
+  TORCH_CHECK(stride >= row_bytes, "unified gather: the table's rows overlap (", stride, " bytes apart, ",
+              row_bytes, " bytes each)");
+  return stride;
+}
+
 dsx::GatherArgs make_args(const at::Tensor& table, const at::Tensor& index, const std::optional<at::Tensor>& perm,
                           const at::Tensor& out, const at::Tensor& flag, int64_t row_bytes, int64_t row_stride,
                           int64_t num_rows, bool dedup) {
@@ -37,8 +57,8 @@ dsx::GatherArgs make_args(const at::Tensor& table, const at::Tensor& index, cons
               index.numel() * row_bytes);
   TORCH_CHECK(flag.is_cuda() && flag.scalar_type() == at::kLong && flag.numel() == 2 && flag.is_contiguous(),
               "unified gather: flag must be a contiguous int64 CUDA tensor of 2 elements");
-  TORCH_CHECK(row_stride >= row_bytes, "unified gather: row_stride ", row_stride, " is less than row_bytes ",
-              row_bytes);
+  TORCH_CHECK(table_row_stride(table, row_bytes) == row_stride, "unified gather: row_stride=", row_stride,
+              " but the table's rows lie ", table_row_stride(table, row_bytes), " bytes apart");
   // Rows are row_stride bytes apart (a padded table is a view of its wider storage): every byte of the last
   // row must lie in the table's storage.
   const int64_t held =
@@ -79,7 +99,8 @@ void naive_gather(const at::Tensor& table, const at::Tensor& index, at::Tensor& 
                   int64_t row_bytes, int64_t num_rows) {
   const c10::cuda::CUDAGuard guard(index.device());
   if (index.numel() == 0 || row_bytes == 0) return;
-  const dsx::GatherArgs a = make_args(table, index, std::nullopt, out, flag, row_bytes, row_bytes, num_rows, false);
+  const dsx::GatherArgs a =
+      make_args(table, index, std::nullopt, out, flag, row_bytes, table_row_stride(table, row_bytes), num_rows, false);
   C10_CUDA_CHECK(dsx::launch_naive_gather(a, c10::cuda::getCurrentCUDAStream().stream()));
 }
 

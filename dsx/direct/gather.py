@@ -26,6 +26,7 @@ __all__ = [
     "cuda_gather",
     "padded_row_stride",
     "row_bytes_of",
+    "row_stride_of",
     "rows_contiguous",
     "strided_rows",
     "torch_gather",
@@ -88,7 +89,14 @@ def padded_row_stride(row_bytes: int, align: int) -> int:
 
 def row_bytes_of(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:
     """Bytes in one row of a table of ``shape`` and ``dtype``."""
-    return math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape[1:]) * dtype.itemsize
+
+
+def row_stride_of(table: torch.Tensor) -> int:
+    """Bytes from one row of ``table`` to the next (a table of one row: its row's size)."""
+    if table.dim() > 0 and table.shape[0] > 1:
+        return table.stride(0) * table.element_size()
+    return row_bytes_of(table.shape, table.dtype)
 
 
 def strided_rows(
@@ -96,7 +104,7 @@ def strided_rows(
 ) -> torch.Tensor:
     """The table of ``shape`` and ``dtype`` whose rows lie ``row_stride`` bytes apart in the byte buffer
     ``buf`` (a view: each row contiguous, the padding between rows not part of it)."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if row_stride % size:
         raise ValueError(f"a row stride of {row_stride} bytes is not a whole number of {dtype} elements")
     if math.prod(shape) == 0:
@@ -213,10 +221,7 @@ def cuda_gather(
     idx = index.reshape(-1)
     if not idx.is_contiguous():
         idx = idx.contiguous()
-    row_bytes = math.prod(table.shape[1:]) * table.element_size()
-    row_stride = (
-        table.stride(0) * table.element_size() if table.dim() > 1 and table.shape[0] > 1 else row_bytes
-    )
+    row_bytes, row_stride = row_bytes_of(table.shape, table.dtype), row_stride_of(table)
     flag = torch.zeros(2, dtype=torch.int64, device=dev)
     keep = [table]
     if idx.numel() and row_bytes:

@@ -243,7 +243,7 @@ def share_tensor(
         try:
             if tensor is None:
                 raise SharedMemoryError("the node leader must pass the tensor to share")
-            if not rows_contiguous(tensor):
+            if tensor.dim() and not rows_contiguous(tensor):
                 raise SharedMemoryError(
                     "the tensor to share must have contiguous rows (call .contiguous() first)"
                 )

@@ -109,12 +109,7 @@ class UnifiedTensor:
     @property
     def row_stride(self) -> int:
         """Bytes from one row to the next: the row's size, or more where rows are padded (``row_alignment``)."""
-        t = self.tensor
-        return (
-            t.stride(0) * t.element_size()
-            if t.dim() > 1 and t.shape[0] > 1
-            else _g.row_bytes_of(t.shape, t.dtype)
-        )
+        return _g.row_stride_of(self.tensor)
 
     @property
     def is_pinned(self) -> bool:
@@ -235,24 +230,24 @@ def _span(t: torch.Tensor) -> int:
     """Bytes from a table's first byte to its last (rows and the padding between them)."""
     if t.numel() == 0:
         return 0
-    row = _g.row_bytes_of(t.shape, t.dtype) if t.dim() > 1 else t.element_size()
-    return (t.shape[0] - 1) * t.stride(0) * t.element_size() + row
+    return (t.shape[0] - 1) * _g.row_stride_of(t) + _g.row_bytes_of(t.shape, t.dtype)
 
 
-def _alignment(align: int, tensor: torch.Tensor, copied: bool) -> int:
-    """The row alignment to lay ``tensor`` out at (0: as it is, its rows already that far apart included)."""
+def _needs_copy(align: int, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s rows must be copied to start at multiples of ``align`` bytes (a table whose rows
+    already do is taken as it is; a table of one element a row is never padded)."""
     if tensor.dim() < 2 or not align:
-        return 0  # none asked for, or one element a row
-    row = _g.row_bytes_of(tensor.shape, tensor.dtype)
-    stride = tensor.stride(0) * tensor.element_size() if tensor.shape[0] > 1 else row
-    return align if stride % align or (copied and row % align) else 0
+        return False
+    return bool(_g.row_stride_of(tensor) % align or tensor.data_ptr() % align)
 
 
 def _padded_copy(tensor: torch.Tensor, align: int) -> torch.Tensor:
-    """A copy of ``tensor`` whose rows start ``align`` bytes apart (the allocation is 64-byte aligned)."""
+    """A copy of ``tensor`` whose rows start at multiples of ``align`` bytes."""
     stride = _g.padded_row_stride(_g.row_bytes_of(tensor.shape, tensor.dtype), align)
-    buf = torch.empty(tensor.shape[0] * stride, dtype=torch.uint8)
-    table = _g.strided_rows(buf, tensor.dtype, tuple(tensor.shape), stride)
+    nbytes = tensor.shape[0] * stride
+    buf = torch.empty(nbytes + align, dtype=torch.uint8)  # room to start on an aligned address
+    start = -buf.data_ptr() % align
+    table = _g.strided_rows(buf[start : start + nbytes], tensor.dtype, tuple(tensor.shape), stride)
     table.copy_(tensor)
     return table
 
@@ -284,8 +279,8 @@ def unified(
     Registration walks every page, so it is slow for a large table: do it once. Sharing copies the data
     once into ``shared_memory_dir`` (at host memory bandwidth), after which each rank adds only page tables.
 
-    ``row_alignment`` (from ``config``): rows whose size is not a multiple of it are laid out in a copy with
-    rows that many bytes apart, and :attr:`UnifiedTensor.tensor` is a view of its leading bytes (same shape,
+    ``row_alignment`` (from ``config``): a table whose rows do not start at multiples of it is laid out in a
+    copy whose rows do, and :attr:`UnifiedTensor.tensor` is a view of its leading bytes (same shape,
     dtype and values; not contiguous). A GPU gather of such rows then reads whole 32-byte PCIe sectors (a
     300-byte row spans 10 instead of 10.25 on average), at the cost of a copy and the padding's host memory
     (docs/unified.md, "Padded rows"). The default (0) keeps the rows as given.
@@ -297,24 +292,25 @@ def unified(
             raise TypeError(f"dsx.unified: expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.device.type != "cpu":
             raise ValueError(f"dsx.unified: the tensor must live in host memory, got device {tensor.device}")
+        if tensor.dim() == 0:
+            raise ValueError("dsx.unified: a 0-d tensor has no rows; give at least one dimension")
         if not _g.rows_contiguous(tensor):
             raise ValueError(
                 "dsx.unified: the tensor's rows must be contiguous (rows are read as bytes): a contiguous tensor "
                 "or a row-padded one; call .contiguous() first (that copies it once)"
             )
-        if tensor.dim() == 0:
-            raise ValueError("dsx.unified: a 0-d tensor has no rows; give at least one dimension")
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"dsx.unified: shared={mode!r}; allowed: 'auto', 'on', 'off'")
     use_shared = mode == "on" or (mode == "auto" and _local_world_size_gt1())
     if use_shared:
-        align = _alignment(cfg.row_alignment, tensor, copied=True) if tensor is not None else 0
+        # the node's copy is made anyway: laid out with its rows at multiples of the alignment (page-aligned)
+        align = cfg.row_alignment if tensor is not None and tensor.dim() > 1 else 0
         data, group = shm.share_tensor(tensor, cfg.shared_memory_dir, name=name, row_alignment=align)
         return UnifiedTensor(data, shared=True, group=group, config=config, name=name)
     if tensor is None:
         raise ValueError("dsx.unified: tensor is None but sharing is off; every rank must pass its tensor")
-    align = _alignment(cfg.row_alignment, tensor, copied=False)
-    if align:
+    align = cfg.row_alignment
+    if _needs_copy(align, tensor):
         logger.info(
             "dsx.unified%s: rows of %d bytes copied %d bytes apart (row_alignment=%d)",
             f" {name}" if name else "",

@@ -106,7 +106,7 @@ def test_host_indexing_passes_through(tmp_path) -> None:
      ((1000,), torch.uint8, 1024), ((64,), torch.float32, 256)],
 )  # fmt: skip
 def test_row_alignment_lays_rows_out_in_whole_sectors(tmp_path, row_shape, dtype, stride) -> None:
-    t = _table(211, row_shape, dtype, stride)
+    t = _table(211, row_shape, dtype, seed=stride)
     row = t[0].numel() * t.element_size()
     ut = unified(t, shared="off", config=_cfg(tmp_path, row_alignment=32))
     assert ut.shape == t.shape and ut.dtype == t.dtype and torch.equal(ut.tensor, t)
@@ -124,6 +124,31 @@ def test_row_alignment_lays_rows_out_in_whole_sectors(tmp_path, row_shape, dtype
     assert torch.equal(ut.gather(idx), t.index_select(0, idx)) and torch.equal(ut[idx], t[idx])
     # the default pins a table in place, whatever its rows
     assert unified(t, shared="off", config=_cfg(tmp_path)).tensor.data_ptr() == t.data_ptr()
+
+
+@pytest.mark.parametrize("align", [32, 128])
+def test_row_alignment_also_aligns_where_rows_start(tmp_path, align) -> None:
+    # rows 64 bytes apart, but the first starts 4 bytes past an aligned address: copied, to aligned rows
+    wide = torch.randn(40, 16)
+    t = wide[:, 1:]
+    ut = unified(t, shared="off", config=_cfg(tmp_path, row_alignment=align))
+    assert ut.tensor.data_ptr() != t.data_ptr() and ut.tensor.data_ptr() % align == 0
+    assert ut.row_stride == align * -(-60 // align) and torch.equal(ut.tensor, t)
+
+
+def test_a_column_is_a_table_of_rows_a_row_apart(tmp_path) -> None:
+    # a 1-d view whose elements lie a whole row of its parent apart: rows of 4 bytes, 256 bytes apart
+    x = torch.randn(100, 64)
+    col = x[:, 3]
+    ut = unified(col, shared="off", config=_cfg(tmp_path))
+    assert ut.row_stride == 256 and ut.nbytes == 99 * 256 + 4 and ut.tensor.data_ptr() == col.data_ptr()
+    idx = torch.randint(0, 100, (50,))
+    assert torch.equal(ut.gather(idx), col[idx])
+
+
+def test_a_0d_tensor_is_refused_as_having_no_rows() -> None:
+    with pytest.raises(ValueError, match="0-d tensor has no rows"):
+        unified(torch.tensor(1.0), shared="off")
 
 
 @pytest.mark.parametrize("bad", [8, 24, 8192, -32, "32B", 1.5])
@@ -218,7 +243,7 @@ def test_a_shared_copy_lays_rows_out_at_the_alignment(shm_dir) -> None:
     # the node's one copy is laid out padded where asked: no second copy
     for row_shape, cfg, stride in (((75,), {"row_alignment": 32}, 320), ((75,), {}, 300), ((17,), {}, 68),
                                    ((17,), {"row_alignment": 16}, 80), ((64,), {"row_alignment": 32}, 256)):  # fmt: skip
-        t = _table(300, row_shape, torch.float32, stride)
+        t = _table(300, row_shape, torch.float32, seed=stride)
         with unified(t, shared="on", config=_cfg(shm_dir, **cfg)) as ut:
             assert ut.row_stride == stride and torch.equal(ut.tensor, t)
             idx = torch.randint(0, 300, (64,))

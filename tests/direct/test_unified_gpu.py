@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dsx
 from dsx.config import UnifiedConfig
 from dsx.direct import IndexOutOfRangeError, unified
 from tests.direct.test_unified import _table
@@ -58,6 +59,20 @@ def test_gpu_padded_rows_equal_index_select(row_bytes, align, sort) -> None:
         assert torch.equal(ut.gather(idx.cuda()), t.index_select(0, idx).cuda())
         with pytest.raises(IndexOutOfRangeError, match="index 4099"):
             ut.gather(torch.tensor([3, 4099], device="cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_tables_whose_rows_lie_apart_are_read_in_place() -> None:
+    # a caller's own padded table (rows of 300 bytes, 301 apart) and a column (rows of 4 bytes, 256 apart)
+    wide = _gpu_table(3001, 301, 7)
+    x = torch.randn(3001, 64)
+    for t in (wide[:, :300], x[:, 5]):
+        with unified(t, shared="off") as ut:  # (follows the defaults set below)
+            assert ut.tensor.data_ptr() == t.data_ptr() and ut.is_pinned
+            idx = torch.randint(0, 3001, (7000,), generator=torch.Generator().manual_seed(3))
+            for sort in (True, False):
+                with dsx.defaults.set("unified", UnifiedConfig(backend="cuda", sort_indices=sort)):
+                    assert torch.equal(ut.gather(idx.cuda()), t.index_select(0, idx).cuda())
 
 
 @pytest.mark.gpu
