@@ -678,6 +678,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="dsx configs: the scheduler's timeline of the last steps (transfers, stalls) to "
                         "DIR/trace_<config>_mb<N>.json; `dsx trace` draws it")  # fmt: skip
     args = p.parse_args(argv)
+    if args.adam == "fused" and args.offload_optimizer:
+        p.error("--adam fused builds torch's AdamW on the GPU; --offload-optimizer uses DeepSpeed's CPU Adam")
     if args.quick:
         args.hidden, args.layers, args.heads, args.seq_len, args.micro_batch = 64, 2, 2, 32, 2
         args.warmup, args.steps, args.pool_gb = 2, 2, 0.25  # auto: a warm-up step, then the profiled one

@@ -65,7 +65,8 @@ def load_run(path: str, config: str | None) -> tuple[dict[str, Any], list[LayerP
     """The run, the profiles and bandwidths of its first dsx config with a profiled plan (or ``config``)."""
     run = json.loads(Path(path).read_text())
     fields = {f.name for f in dataclasses.fields(LayerProfile)}
-    for r in run["results"]:
+    # a repeated config: the run its measured figures come from
+    for r in median_runs(run["results"]).values():
         plan = r.get("plan") or {}
         if plan.get("profiles") and (config is None or r["config"] == config):
             profiles = [LayerProfile(**{k: v for k, v in p.items() if k in fields}) for p in plan["profiles"]]
