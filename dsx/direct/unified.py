@@ -233,12 +233,18 @@ def _span(t: torch.Tensor) -> int:
     return (t.shape[0] - 1) * _g.row_stride_of(t) + _g.row_bytes_of(t.shape, t.dtype)
 
 
+# torch's host allocations start on 64-byte boundaries: a table that does, with rows a multiple of the alignment
+# apart, is taken as it is (requiring a 128-byte start would copy every table torch allocated)
+_ALLOC_ALIGN = 64
+
+
 def _needs_copy(align: int, tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s rows must be copied to start at multiples of ``align`` bytes (a table whose rows
-    already do is taken as it is; a table of one element a row is never padded)."""
+    """Whether ``tensor`` must be copied for its rows to lie a multiple of ``align`` bytes apart from an aligned
+    start (a 1-d table, one element a row, is never padded)."""
     if tensor.dim() < 2 or not align:
         return False
-    return bool(_g.row_stride_of(tensor) % align or tensor.data_ptr() % align)
+    stride = _g.row_stride_of(tensor) if tensor.shape[0] > 1 else 0
+    return bool(stride % align or tensor.data_ptr() % min(align, _ALLOC_ALIGN))
 
 
 def _padded_copy(tensor: torch.Tensor, align: int) -> torch.Tensor:
@@ -264,7 +270,7 @@ def unified(
     Parameters
     ----------
     tensor
-        A contiguous CPU tensor. With sharing on, ranks other than the node's first may pass ``None`` (the
+        A CPU tensor whose rows are contiguous (a contiguous tensor, or a row-padded one). With sharing on, ranks other than the node's first may pass ``None`` (the
         leader's data, shape and dtype are used).
     shared
         ``"auto"`` (default): share when torch.distributed is initialised and more than one rank runs on

@@ -134,6 +134,11 @@ def test_row_alignment_also_aligns_where_rows_start(tmp_path, align) -> None:
     ut = unified(t, shared="off", config=_cfg(tmp_path, row_alignment=align))
     assert ut.tensor.data_ptr() != t.data_ptr() and ut.tensor.data_ptr() % align == 0
     assert ut.row_stride == align * -(-60 // align) and torch.equal(ut.tensor, t)
+    # 128-byte rows of a table torch allocated (64-byte aligned): pinned in place at either alignment
+    packed = torch.randn(50, 32)
+    assert unified(packed, shared="off", config=_cfg(tmp_path, row_alignment=align)).tensor.data_ptr() == (
+        packed.data_ptr()
+    )
 
 
 def test_a_column_is_a_table_of_rows_a_row_apart(tmp_path) -> None:
