@@ -20,8 +20,8 @@ One process, one pinned table (default ~4 GB), 1M random row ids (with repeats, 
                      sizes that are not a multiple of 32; ``dsx_padded_queued`` timed as ``dsx_queued``
 
 Each method is timed 5 times a round (median), in 3 rounds over every row size (median of the rounds, each
-round's figures kept in the JSON). CPU baselines get their ids already on the host; GPU methods get them on the GPU. Every output is checked
-against ``index_select``. ``--quick`` runs tiny sizes on the CPU (the CPU paths only) as a smoke test.
+round's figures kept in the JSON). CPU baselines get their ids already on the host; GPU methods get them on
+the GPU. Every output is checked against ``index_select``. ``--quick`` runs tiny sizes on the CPU (the CPU paths only) as a smoke test.
 
     python benchmarks/bench_gather.py --out benchmarks/results
 """

@@ -199,8 +199,9 @@ def cuda_gather(
     """Launch the zero-copy kernel on the current stream of ``index.device``; return ``(out, check)``.
 
     ``table`` must be a CPU tensor registered with ``cudaHostRegister`` (see :func:`dsx.direct.unified`)
-    whose rows are contiguous and equally spaced: contiguous, or a row-padded table (:func:`strided_rows`). The indices are sorted on the GPU (``torch.sort``, part of the op); the
-    kernel reads each distinct row once and writes it to every output position that asked for it. An
+    whose rows are contiguous and equally spaced: contiguous, or a row-padded table (:func:`strided_rows`).
+    The indices are sorted on the GPU (``torch.sort``, part of the op); the kernel reads each distinct row
+    once and writes it to every output position that asked for it. An
     out-of-range index makes the kernel zero that output row and set a device flag; ``check`` holds the flag
     (copied to pinned host memory behind an event) — call ``check.raise_if_bad()`` at a sync point.
     """
@@ -231,10 +232,14 @@ def cuda_gather(
                 # in-range id exact and every out-of-range id out of range (reported at the int32 bound).
                 idx = idx.clamp(-_I32_MAX - 1, _I32_MAX).int()
             sidx, perm = torch.sort(idx)
-            ext.gather(table, sidx, perm, out, flag, row_bytes, row_stride, table.shape[0], max_sms, True)  # type: ignore[attr-defined]
+            ext.gather(  # type: ignore[attr-defined]
+                table, sidx, perm, out, flag, row_bytes, row_stride, table.shape[0], max_sms, True
+            )
             keep += [sidx, perm]
         else:
-            ext.gather(table, idx, None, out, flag, row_bytes, row_stride, table.shape[0], max_sms, False)  # type: ignore[attr-defined]
+            ext.gather(  # type: ignore[attr-defined]
+                table, idx, None, out, flag, row_bytes, row_stride, table.shape[0], max_sms, False
+            )
     host_flag = torch.empty(2, dtype=torch.int64, pin_memory=True)
     host_flag.copy_(flag, non_blocking=True)
     event = torch.cuda.Event()

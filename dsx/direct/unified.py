@@ -270,8 +270,8 @@ def unified(
     Parameters
     ----------
     tensor
-        A CPU tensor whose rows are contiguous (a contiguous tensor, or a row-padded one). With sharing on, ranks other than the node's first may pass ``None`` (the
-        leader's data, shape and dtype are used).
+        A CPU tensor whose rows are contiguous (a contiguous tensor, or a row-padded one). With sharing on,
+        ranks other than the node's first may pass ``None`` (the leader's data, shape and dtype are used).
     shared
         ``"auto"`` (default): share when torch.distributed is initialised and more than one rank runs on
         this node; ``"on"``: always (collective over the default process group); ``"off"``: this process
