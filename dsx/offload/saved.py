@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from dsx.offload.entry import Entry
+from dsx.offload.plan.types import cap_floor
 from dsx.offload.transfer import Mover
 
 __all__ = ["SavedTensorHooks", "tensors_of"]
@@ -269,7 +270,7 @@ class SavedTensorHooks:
                 cap = self.move_caps.get(i)
                 done = self._moved_bytes.get(i, 0)
                 # a partial layer: its first storages (of at least the cap's floor) move, to the cap
-                if cap is not None and (done + key[1] > cap or key[1] < getattr(cap, "floor", 0)):
+                if cap is not None and (done + key[1] > cap or key[1] < cap_floor(cap)):
                     return t
                 entry = self.mover.offload(st, i, self.actions[i], name=f"{tuple(t.shape)}:{t.dtype}")
                 if entry is None:  # no room in any tier: stays on the device (the mover warned once)

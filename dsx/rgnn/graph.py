@@ -8,8 +8,8 @@ in-place refill of one could not be told from the graph it held before: they are
 
 Performance: one sort of ``E`` keys on the graph's device; the unique (node, relation) maps and the RGCN
 degrees scatter into a table with a slot per key on a GPU where that table is small next to the edges (a
-sampled mini-batch), else they sort the keys (``torch.unique``). A host synchronisation only per unique-pair map (its
-size depends on the data). On a GPU the cost is a few dozen launches, cheap enough to redo per sampled
+sampled mini-batch), else they sort the keys (``torch.unique``). A host synchronisation only per unique-pair
+map (its size depends on the data). On a GPU the cost is a few dozen launches, cheap enough to redo per sampled
 mini-batch (``benchmarks/bench_hetero.py`` reports it, ``prep_ms``).
 """
 

@@ -39,7 +39,7 @@ import itertools
 
 from dsx.config import ActivationOffloadConfig
 from dsx.offload.align import align_up
-from dsx.offload.plan.types import GB, Action, LayerProfile
+from dsx.offload.plan.types import GB, Action, LayerProfile, cap_floor
 from dsx.runtime.bandwidth import TierBandwidth
 
 __all__ = ["movable", "simulate", "tier_capacity", "tier_usage"]
@@ -72,7 +72,7 @@ def movable(p: LayerProfile, a: Action, cap: int) -> int:
     sizes moves less than the cap (much less for a layer of a few large storages, as a megatron-core layer's
     softmax block). Where the order is unknown (profiles without those sizes, recomputed layers' inputs), the
     cap itself."""
-    s, floor = p.stored(a), getattr(cap, "floor", 0)
+    s, floor = p.stored(a), cap_floor(cap)
     if cap >= s and not floor:
         return s
     sizes = _sizes(p, a)
@@ -85,7 +85,7 @@ def _moved_tensors(p: LayerProfile, a: Action, cap: int | None) -> int:
     sizes = _sizes(p, a)
     if not sizes:
         return 1
-    return len(sizes) if cap is None else len(_greedy(sizes, cap, getattr(cap, "floor", 0)))
+    return len(sizes) if cap is None else len(_greedy(sizes, cap, cap_floor(cap)))
 
 
 def _held(p: LayerProfile, a: Action, cap: int | None) -> int:
@@ -95,8 +95,8 @@ def _held(p: LayerProfile, a: Action, cap: int | None) -> int:
     sizes = _sizes(p, a)
     if not sizes:
         return p.stored(a) if cap is None else movable(p, a, cap)
-    if cap is not None and (cap < p.stored(a) or getattr(cap, "floor", 0)):
-        sizes = _greedy(sizes, cap, getattr(cap, "floor", 0))
+    if cap is not None and (cap < p.stored(a) or cap_floor(cap)):
+        sizes = _greedy(sizes, cap, cap_floor(cap))
     return sum(align_up(max(n, 1)) for n in sizes)
 
 

@@ -379,9 +379,8 @@ def _part(
     found, below = None, 0
     for prev, c in zip([0, *caps_tried], caps_tried):
         ok, t, peak = fits(c)
-        if ok and (
-            found is None or (peak, t) < (found[2], found[1])
-        ):  # ascending: the fewest bytes win a tie
+        # ascending: the fewest bytes win a tie
+        if ok and (found is None or (peak, t) < (found[2], found[1])):
             found, below = (c, t, peak), prev
     if found is None or found[0] < 1 << 20:  # only storages under a MiB (norm statistics)
         return None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["GB", "Action", "LayerProfile", "MoveCap", "Plan", "PlanError", "check_profiles"]
+__all__ = ["GB", "Action", "LayerProfile", "MoveCap", "Plan", "PlanError", "cap_floor", "check_profiles"]
 
 GB = 1 << 30
 
@@ -42,6 +42,11 @@ class MoveCap(int):
 
     # printed as the byte count it is (equality, hashing and arithmetic are the int's too: the floor rides along)
     __str__ = int.__repr__
+
+
+def cap_floor(cap: int | None) -> int:
+    """The smallest storage a partial layer's cap moves: a :class:`MoveCap`'s floor, 0 for a plain byte count."""
+    return getattr(cap, "floor", 0)
 
 
 class Action(str, Enum):
