@@ -35,9 +35,10 @@ class ActivationOffloadConfig(_Section):
     # "DotProductAttention") that policy auto may recompute in backward instead of storing; offload_all
     # always does. They must not draw random numbers from anything but torch's default generators.
     recompute_modules: list[str] = Field(default_factory=list)
-    # policy auto: steps run with everything kept before the profiled one (the first step pays for lazy
-    # initialisation and allocator growth, which would make forward look slower and writes easier to hide)
-    profile_warmup_steps: int = Field(default=1, ge=0, le=1000)
+    # policy auto: steps run as the profiled one before it (the first step pays for lazy initialisation and
+    # allocator growth, which would make forward look slower and writes easier to hide); the last one, from
+    # two on, also times the step outside the layers without the profiled step's synchronizations
+    profile_warmup_steps: int = Field(default=2, ge=0, le=1000)
     # policy auto: how the warm-up and profiling steps run. "keep" keeps everything (exact, but the
     # micro-batch must fit without dsx); "recompute" recomputes every layer and profiles the recomputation
     # (a micro-batch that fits only with dsx); "auto": "recompute" when memory_budget_gb is set

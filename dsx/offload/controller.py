@@ -242,6 +242,8 @@ class ActivationOffload:
         planned step under a budget (or a hide-only one that moves bytes), calibrate. The caller ends the
         scheduler's step (the engine does)."""
         warmup = self.cfg.profile_warmup_steps
+        if self.profiler is not None and self.step < warmup:
+            self.profiler.end_warm_step()
         if self.profiler is not None and self.step + 1 == warmup:
             self._profile_next(True)
         elif self.profiler is not None and self.step == warmup:

@@ -21,14 +21,16 @@ the allocated memory when the model's forward starts (``root``; without one, whe
 what the embedding allocates counts, and gradients freed between steps do not. The step resets CUDA's
 peak-memory statistics.
 
-The step's time outside the layers (``Profiler.outside_s``: embedding, head, loss, optimizer) is its wall time
-from the model's forward start to ``finish()`` less the layers' intervals; the printed prediction adds it.
-With gradient accumulation the profiled step runs several micro-batches; the times (and the outside time)
-are divided by their number, as the saved bytes are counted for the first one: the plan is per micro-batch. The
-synchronizations expose host-bound work there (many small optimizer kernels) that an unsynchronized step
-overlaps, so it can overstate it several times over (it is close where a CPU optimizer dominates;
-docs/offload.md). Each layer's saved storages are also recorded in save order (``saved_sizes``): a partial
-move takes them in that order.
+The step's time outside the layers (``Profiler.outside_s``: embedding, head, loss, optimizer) is a step's wall
+time from the model's forward start to the optimizer step's end less the layers' intervals; the printed
+prediction adds it. The wall time is the last warm-up step's, which runs as the profiled step does but is
+synchronized only at its ends (``end_warm_step``): the profiled step's own synchronizations expose host-bound
+work (many small optimizer kernels) that a normal step overlaps with the layers' GPU work, and overstate that
+time several times over. With one warm-up step (the first step pays for lazy initialisation) the profiled
+step's own wall time is used. With gradient accumulation the profiled step runs several micro-batches; the
+times (and the outside time) are divided by their number, as the saved bytes are counted for the first one:
+the plan is per micro-batch. Each layer's saved storages are also recorded in save order (``saved_sizes``): a
+partial move takes them in that order.
 
 Under recomputation (``profile_mode`` ``"recompute"``: the micro-batch may fit only with dsx) every layer runs
 through the reentrant checkpoint and :meth:`Profiler.wrap` sees its recomputation in backward: the saved
@@ -96,6 +98,11 @@ class Profiler:
         # what the layers' times leave is what runs outside them (embedding, head, loss, optimizer)
         self._step_start: float | None = None
         self.outside_s = 0.0
+        # the last warm-up step's wall time (end_warm_step), when it is not the first step: outside_s is taken
+        # from it, as the profiled step's per-layer synchronizations expose host work a normal step overlaps
+        self.warm_step_s: float | None = None
+        self._warm_start: float | None = None
+        self._warm_steps = 0
         self.micro_batches = 1  # forwards in the profiled step (gradient accumulation); times are per one
         self._fwd_start = 0
         self._gap: int | None = None  # the layer whose after-forward gap is being measured
@@ -124,6 +131,8 @@ class Profiler:
         """The model's forward starts: the memory base and the step's start, taken on the profiled step's
         first micro-batch."""
         if not self.enabled:
+            if self._warm_start is None:  # a warm-up step's first forward
+                self._warm_start = self._now()
             return
         if self._step_start is None:
             self._step_start = self._now()
@@ -278,10 +287,19 @@ class Profiler:
 
         return hook
 
+    def end_warm_step(self) -> None:
+        """Call at a warm-up step's end (after the optimizer): its wall time from its first forward, synchronized
+        at both ends only, as a training step runs. The first step's is not kept (lazy initialisation)."""
+        self._warm_steps += 1
+        if self._warm_start is not None and self._warm_steps > 1:
+            self.warm_step_s = self._now() - self._warm_start
+        self._warm_start = None
+
     def finish(self) -> list[LayerProfile]:
         """Call at the profiled step's end (after the optimizer): the layers' profiles; ``outside_s`` is set
         to the step's time outside the layers (their forward and backward intervals, recomputation
-        included, subtracted from the step's)."""
+        included, subtracted from the last warm-up step's wall time, or without one from the profiled
+        step's)."""
         for h in self._handles:
             h.remove()
         # with gradient accumulation the step ran k micro-batches: the times are their mean, as the saved
@@ -290,6 +308,8 @@ class Profiler:
         self.micro_batches = k
         if self._step_start is not None:
             wall = self._now() - self._step_start
+            if self.warm_step_s is not None:  # (it ran as this step does, without the synchronizations)
+                wall = self.warm_step_s
             self.outside_s = max(0.0, wall - sum(self.fwd) - sum(self.bwd)) / k
         for times in (self.fwd, self.bwd, self.rc, self.sub):
             times[:] = [t / k for t in times]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import pytest
 import torch
@@ -65,6 +66,34 @@ def test_auto_profiles_selective_bytes_and_moves_what_it_predicts(tmp_path):
     assert hist[1].bytes_by_tier["host"] == sum(p.sel_saved_bytes for p in profiles)
     assert hist[2].bytes_by_tier["host"] == sum(p.saved_bytes for p in profiles)
     assert hist[3].bytes_by_tier["host"] == profiles[1].sel_saved_bytes
+
+
+@pytest.mark.parametrize("warmup", [1, 2])
+def test_outside_time_comes_from_the_last_warm_up_step(tmp_path, warmup):
+    """The step's time outside the layers is the last warm-up step's wall time less the profiled layers'
+    (the profiled step's synchronizations stretch its own); with one warm-up step, the first step, which pays
+    for lazy initialisation, it is the profiled step's. Here the head sleeps 0.3 s in the profiled step only."""
+    model, batches, _ = _reference(5, warmup + 2)
+    delay = [0.0]
+    model.head.register_forward_hook(lambda *a: time.sleep(delay[0]))
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    off = ActivationOffload(
+        model, _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=warmup), sched
+    )
+
+    def slow_profiled_step(step: int) -> None:  # (after step i) the profiled step is step ``warmup``
+        delay[0] = 0.3 if step + 1 == warmup else 0.0
+
+    try:
+        _steps(model, batches, off, after=slow_profiled_step)
+        outside = off.plan.outside_s
+    finally:
+        off.close()
+        sched.close()
+    if warmup == 1:
+        assert outside >= 0.3
+    else:
+        assert 0 < outside < 0.15
 
 
 @pytest.mark.parametrize("floored", [False, True])
