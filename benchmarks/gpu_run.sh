@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # dsx's checks on a GPU machine, as named suites; each fits one 10-minute command on one H100.
 #   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | hetero | hetero-scale | hetero-large |
-#                                         offload | offload-hide | offload-8b | offload-ssd | main | wheel
+#                                         offload | offload-hide | offload-8b | offload-8b-peers | offload-ssd | main | wheel
 # Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
 # docs/performance.md cites) and a copy to $OUT/results/. docs/performance.md, "GPU suites", says what each runs.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -75,14 +75,23 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
       --kv-heads 4 --ffn-hidden 5632 --seq-len 4096 --micro-batch 4 --warmup 2 --steps 8 --repeats 3 --pool-gb 8 \
       --child-timeout 100 --configs none dsx_auto_hide --name bench_offload_hide --out "$RES"
     keep bench_offload_hide ;;
-  offload-8b)  # the Llama-3-8B layer at sequence 8192: no offload, full recompute and dsx at recompute's peak, 3
-                # interleaved runs; then the lower bound and the planner's frontier on that run's profiles
+  offload-8b)  # the Llama-3-8B layer at sequence 8192, micro-batch 2 (activations, not gradients, set the peak): no
+                # offload, full recompute and dsx at recompute's peak, 3 interleaved runs; then the lower bound and
+                # the planner's frontier on that run's profiles
     run bench-offload-8b 500 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 --heads 32 \
-      --kv-heads 8 --ffn-hidden 14336 --seq-len 8192 --micro-batch 1 --warmup 2 --steps 4 --repeats 3 --pool-gb 40 \
-      --adam fused --child-timeout 100 --configs none recompute dsx_auto_budget --name bench_offload_8b --out "$RES"
+      --kv-heads 8 --ffn-hidden 14336 --seq-len 8192 --micro-batch 2 --warmup 2 --steps 4 --repeats 3 --pool-gb 40 \
+      --adam fused --child-timeout 120 --configs none recompute dsx_auto_budget --name bench_offload_8b --out "$RES"
     run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" --config dsx_auto_budget \
       --name plan_frontier_8b --out "$RES"
     keep bench_offload_8b plan_frontier_8b ;;
+  offload-8b-peers)  # the same shape: the peers that peak at full recompute's memory or below (DeepSpeed's
+                     # cpu_checkpointing, a saved-tensor-hook offload) beside full recompute and dsx at recompute's
+                     # peak, 3 interleaved runs
+    run bench-offload-8b-peers 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
+      --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 8192 --micro-batch 2 --warmup 2 --steps 4 --repeats 3 \
+      --pool-gb 40 --adam fused --child-timeout 120 --configs recompute ds_cpu_ckpt hooks_offload dsx_auto_budget \
+      --name bench_offload_8b_peers --out "$RES"
+    keep bench_offload_8b_peers ;;
   offload-ssd)  # the SSD tier at the same shape with its default integrity check and without, 3 interleaved runs each,
                # the drive measured after each
     run bench-offload-ssd 560 python benchmarks/bench_offload_ssd.py --out "$RES"
