@@ -682,7 +682,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error("--adam fused builds torch's AdamW on the GPU; --offload-optimizer uses DeepSpeed's CPU Adam")
     if args.quick:
         args.hidden, args.layers, args.heads, args.seq_len, args.micro_batch = 64, 2, 2, 32, 2
-        args.warmup, args.steps, args.pool_gb = 2, 2, 0.25  # auto: a warm-up step, then the profiled one
+        args.warmup, args.steps, args.pool_gb = 2, 2, 0.25  # auto: its warm-up steps, then the profiled one
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=args.ssd_dir) as ssd:
         if args.one:

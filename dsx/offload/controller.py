@@ -157,7 +157,7 @@ class ActivationOffload:
         self.calibration = Calibration(cfg, model, self.device)
         self.step = 0
         self.profiler: Profiler | None = None
-        self._outside_s = 0.0  # the profiled step's time outside the layers (Profiler.outside_s)
+        self._outside_s = 0.0  # the step's time outside the layers (Profiler.outside_s)
         self._profile_rc = False  # policy auto profiles under recomputation (set below)
         if cfg.policy != "auto":
             _warn_unused_auto_settings(cfg)

@@ -131,7 +131,9 @@ class Profiler:
         """The model's forward starts: the memory base and the step's start, taken on the profiled step's
         first micro-batch."""
         if not self.enabled:
-            if self._warm_start is None:  # a warm-up step's first forward
+            # a warm-up step's first forward (an evaluation forward without grad does not start one); without a
+            # root module no warm-up step is timed, and the profiled step's own time is used
+            if self._warm_start is None and torch.is_grad_enabled():
                 self._warm_start = self._now()
             return
         if self._step_start is None:

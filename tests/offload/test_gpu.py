@@ -381,10 +381,11 @@ def _gpt_step(batch: int, seed: int):
 
 
 def _auto_peaks(model, step, budget: float, **kw):
-    """Peaks of six steps under policy auto at ``budget`` GiB (warm-up, profile, planned, up to two re-plans,
-    settled) and the plan in force at the end."""
+    """Peaks of six steps under policy auto at ``budget`` GiB (one warm-up step, profile, planned, up to two
+    re-plans, settled) and the plan in force at the end."""
     cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="auto", host_pool_gb=2,
-                                  memory_budget_gb=budget, min_tensor_bytes=1 << 16, **kw)  # fmt: skip
+                                  memory_budget_gb=budget, min_tensor_bytes=1 << 16, profile_warmup_steps=1,
+                                  **kw)  # fmt: skip
     sched = Scheduler(device=torch.device("cuda"))
     off = ActivationOffload(model, cfg, sched)
     try:
@@ -405,8 +406,9 @@ def test_gpu_budget_makes_new_segments_expandable(tmp_path):
     before = allocator.expandable_segments()
     step()
     old = {s["address"] for s in torch.cuda.memory_snapshot()}
+    # one warm-up step: the third step is a planned one
     cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="auto", host_pool_gb=2,
-                                  memory_budget_gb=64, min_tensor_bytes=1 << 16)  # fmt: skip
+                                  memory_budget_gb=64, min_tensor_bytes=1 << 16, profile_warmup_steps=1)  # fmt: skip
     sched = Scheduler(device=torch.device("cuda"))
     off = ActivationOffload(model, cfg, sched)
     try:

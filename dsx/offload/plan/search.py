@@ -113,7 +113,7 @@ def make_plan(
     every layer to the last tier of ``cfg.tiers``, at ``cfg.prefetch_depth`` or 1), with ``over_budget`` set
     where a budget is given and their predicted peak exceeds it.
 
-    ``outside_s`` (the profiling step's time outside the layers: ``Profiler.outside_s``) does not enter the
+    ``outside_s`` (the step's time outside the layers: ``Profiler.outside_s``) does not enter the
     search; it is carried into ``Plan.predicted_total_step_s`` and the printed plan.
 
     Notes

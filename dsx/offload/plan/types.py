@@ -194,8 +194,8 @@ class Plan:
     # each layer's backward start (write_barrier())
     write_barrier: list[int] = field(default_factory=list)
     write_barrier_bwd: list[int] = field(default_factory=list)
-    # the step's time outside the layers (embedding, head, loss, optimizer), as the profiling step measured
-    # it; the same for every plan, so the search leaves it out and the printed prediction adds it
+    # the step's time outside the layers (embedding, head, loss, optimizer), as the profiler measured it
+    # (Profiler.outside_s); the same for every plan, so the search leaves it out and the printed prediction adds it
     outside_s: float = 0.0
 
     @property
@@ -251,7 +251,7 @@ class Plan:
         if self.outside_s:
             step += (
                 f" ({self.predicted_step_s * 1e3:.1f} in the layers + {self.outside_s * 1e3:.1f} outside them,"
-                " as profiled)"
+                " as measured)"
             )
         lines.append(
             f"{step} vs {(b['baseline_step_s'] + self.outside_s) * 1e3:.1f} ms keeping "
