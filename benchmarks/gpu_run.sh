@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # dsx's checks on a GPU machine, as named suites; each fits one 10-minute command on one H100.
 #   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | hetero | hetero-scale | hetero-large |
-#                                         offload | offload-hide | offload-8b | offload-8b-peers | offload-ssd | main | wheel
+#                                         offload | offload-hide | offload-8b | offload-8b-peers | offload-long |
+#                                         offload-ssd | main | wheel
 # Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
 # docs/performance.md cites) and a copy to $OUT/results/. docs/performance.md, "GPU suites", says what each runs.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-long|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -92,6 +93,14 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
       --pool-gb 40 --adam fused --child-timeout 120 --configs recompute ds_cpu_ckpt hooks_offload dsx_auto_budget \
       --name bench_offload_8b_peers --out "$RES"
     keep bench_offload_8b_peers ;;
+  offload-long)  # long context: six Llama-3-8B layers at sequence 32768 (as many as fit without offload, which the
+                 # bound needs): no offload, full recompute and dsx at recompute's peak, 3 interleaved runs; the bound
+    run bench-offload-long 500 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 6 --heads 32 \
+      --kv-heads 8 --ffn-hidden 14336 --seq-len 32768 --micro-batch 1 --warmup 2 --steps 3 --repeats 3 --pool-gb 48 \
+      --adam fused --child-timeout 150 --configs none recompute dsx_auto_budget --name bench_offload_long --out "$RES"
+    run plan-frontier-long 60 python benchmarks/plan_frontier.py "$RES/bench_offload_long.json" \
+      --config dsx_auto_budget --name plan_frontier_long --out "$RES"
+    keep bench_offload_long plan_frontier_long ;;
   offload-ssd)  # the SSD tier at the same shape with its default integrity check and without, 3 interleaved runs each,
                # the drive measured after each
     run bench-offload-ssd 560 python benchmarks/bench_offload_ssd.py --out "$RES"
