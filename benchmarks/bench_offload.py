@@ -347,6 +347,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             plan = {"actions": [a.value for a in off.plan.actions], "bound": off.plan.bound,
                     "predicted_step_s": off.plan.predicted_step_s,
                     "predicted_total_step_s": off.plan.predicted_total_step_s, "predicted_peak_gb": off.plan.peak_bytes / 1e9,
+                    "predicted_step_peak_gb": off.plan.predicted_step_peak_bytes / 1e9,
                     "write_barrier_waits": [len(off.plan.write_barrier), len(off.plan.write_barrier_bwd)],
                     "profiles": [dataclasses.asdict(p) for p in off.plan.profiles]}  # fmt: skip
     read_pool = None  # the pool dsx's reads used ("auto" resolved)

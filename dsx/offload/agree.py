@@ -40,12 +40,15 @@ def _merge(rows: list[Any]) -> Any:
     return type(first)(**kw)
 
 
-def agree_profiles(profiles: list[Any], outside_s: float) -> tuple[list[Any], float]:
-    """The profiles (``LayerProfile``) and outside time every rank with as many layers plans from: per layer
-    and field the largest any of them measured. A collective: every rank calls it at the same step."""
-    peers = [p for p in all_gather((profiles, outside_s)) if len(p[0]) == len(profiles)]
+def agree_profiles(
+    profiles: list[Any], outside_s: float, outside_peak: int = 0
+) -> tuple[list[Any], float, int]:
+    """The profiles (``LayerProfile``), outside time and outside peak every rank with as many layers plans
+    from: per layer and field the largest any of them measured, and the largest of the others. A collective:
+    every rank calls it at the same step."""
+    peers = [p for p in all_gather((profiles, outside_s, outside_peak)) if len(p[0]) == len(profiles)]
     merged = [_merge([p[0][i] for p in peers]) for i in range(len(profiles))]
-    return merged, max(p[1] for p in peers)
+    return merged, max(p[1] for p in peers), max(p[2] for p in peers)
 
 
 def agree_peak(peak: int | None, layers: int) -> int | None:

@@ -127,6 +127,18 @@ class Calibration:
         if measured <= budget:
             self.left = 0
             return
+        if plan.outside_peak_bytes > budget:
+            # the step's tail (the gradients' reduction, the optimizer) is over the budget by itself: planning the
+            # layers again cannot lower it (the controller said so when it installed the plan)
+            self.left = 0
+            logger.info(
+                "dsx activation offload: the planned step peaked at %.2f GiB; after the layers' backward it "
+                "peaks at %.2f GiB, over memory_budget_gb=%s: keeping the plan",
+                measured / GB,
+                plan.outside_peak_bytes / GB,
+                self.cfg.memory_budget_gb,
+            )
+            return
         self.model_budget -= measured - budget
         cfg = self.cfg.model_copy(update={"memory_budget_gb": max(self.model_budget, 0.0) / GB})
         try:

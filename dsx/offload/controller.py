@@ -158,6 +158,7 @@ class ActivationOffload:
         self.step = 0
         self.profiler: Profiler | None = None
         self._outside_s = 0.0  # the step's time outside the layers (Profiler.outside_s)
+        self._outside_peak = 0  # its peak after the layers' backward (Profiler.outside_peak)
         self._profile_rc = False  # policy auto profiles under recomputation (set below)
         if cfg.policy != "auto":
             _warn_unused_auto_settings(cfg)
@@ -248,16 +249,26 @@ class ActivationOffload:
             self._profile_next(True)
         elif self.profiler is not None and self.step == warmup:
             # every rank plans from the same numbers, so that all recompute the same layers (a collective)
-            profiles, self._outside_s = agree_profiles(self.profiler.finish(), self.profiler.outside_s)
-            self.profiler = None
+            profiler, self.profiler = self.profiler, None
+            profiles, self._outside_s, self._outside_peak = agree_profiles(
+                profiler.finish(), profiler.outside_s, profiler.outside_peak
+            )
             if (
                 rank_and_world()[0] == 0 and len(profiles) > 16
             ):  # the search grows about as n^3 (make_plan's notes)
                 logger.warning("dsx activation offload: planning %d layers ...", len(profiles))
             self._uncheckpoint_layers()  # the profiler's wrappers go; the plan checkpoints what it recomputes
             self._install(
-                make_plan(profiles, self._bws, self.cfg, best_effort=True, outside_s=self._outside_s)
+                make_plan(
+                    profiles,
+                    self._bws,
+                    self.cfg,
+                    best_effort=True,
+                    outside_s=self._outside_s,
+                    outside_peak_bytes=self._outside_peak,
+                )
             )
+            self._warn_outside_peak()
             self.calibration.start(self.plan)
         elif self.calibration.pending:
             peak = agree_peak(self.calibration.meter.since_mark(), len(self.layers))  # (a collective)
@@ -277,7 +288,25 @@ class ActivationOffload:
     def _replan(self, cfg: ActivationOffloadConfig) -> Plan:
         """A plan from the installed plan's profiles under ``cfg`` (budget calibration)."""
         assert self.plan is not None
-        return make_plan(self.plan.profiles, self._bws, cfg, outside_s=self._outside_s)
+        return make_plan(self.plan.profiles, self._bws, cfg, outside_s=self._outside_s,
+                         outside_peak_bytes=self._outside_peak)  # fmt: skip
+
+    def _warn_outside_peak(self) -> None:
+        """Say so where the step's tail, not its layers, puts it over the budget: no plan can help there."""
+        budget = self.cfg.memory_budget_gb
+        if budget is None or self._outside_peak <= budget * GB or rank_and_world()[0] != 0:
+            return
+        logger.warning(
+            "dsx activation offload: after the layers' backward the step peaks at %.2f GiB above its start "
+            "(the gradients' reduction and the optimizer step), over memory_budget_gb=%s: no activation plan "
+            "lowers that part, so the layers are planned against the budget and the step will still peak at "
+            "about %.2f GiB. Raise memory_budget_gb to at least %.2f, or lower what the optimizer holds (ZeRO "
+            "stage 2 or 3, optimizer offload)",
+            self._outside_peak / GB,
+            budget,
+            self._outside_peak / GB,
+            self._outside_peak / GB,
+        )
 
     def _install(self, plan: Plan) -> None:
         if any(

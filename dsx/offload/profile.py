@@ -29,7 +29,9 @@ work (many small optimizer kernels) that a normal step overlaps with the layers'
 time several times over. With one warm-up step (the first step pays for lazy initialisation) the profiled
 step's own wall time is used. With gradient accumulation the profiled step runs several micro-batches; the
 times (and the outside time) are divided by their number, as the saved bytes are counted for the first one:
-the plan is per micro-batch. Each layer's saved storages are also recorded in save order (``saved_sizes``): a
+the plan is per micro-batch. On CUDA the profiled step also measures its peak after the layers' backward
+(``Profiler.outside_peak``: the gradients' reduction, the optimizer step), above the same base: where that, and
+not the layers, sets the step's peak, no activation plan can lower it. Each layer's saved storages are also recorded in save order (``saved_sizes``): a
 partial move takes them in that order.
 
 Under recomputation (``profile_mode`` ``"recompute"``: the micro-batch may fit only with dsx) every layer runs
@@ -103,6 +105,10 @@ class Profiler:
         self.warm_step_s: float | None = None
         self._warm_start: float | None = None
         self._warm_steps = 0
+        # (CUDA) the peak from the end of the layers' backward to finish(), above the same base: the gradients'
+        # reduction and the optimizer step, which no activation plan changes (Plan.outside_peak_bytes)
+        self.outside_peak = 0
+        self._tail_open = False
         self.micro_batches = 1  # forwards in the profiled step (gradient accumulation); times are per one
         self._fwd_start = 0
         self._gap: int | None = None  # the layer whose after-forward gap is being measured
@@ -166,6 +172,7 @@ class Profiler:
         if self.device.type != "cuda":
             return
         if kind == "f":
+            self._tail_open = False  # (a later micro-batch: its backward's end starts the tail again)
             now = torch.cuda.memory_allocated(self.device)
             if self._base is None:
                 self._base = now
@@ -195,6 +202,9 @@ class Profiler:
         if kind == "b" and i in self._open:
             self._fold_peaks()
             del self._open[i]
+            if i == 0 and not self._open:  # the layers' backward is over: what follows is the step's tail
+                torch.cuda.reset_peak_memory_stats(self.device)
+                self._tail_open = True
 
     def _fold_peaks(self, skip: int | None = None) -> None:
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -308,6 +318,8 @@ class Profiler:
         # bytes are the first micro-batch's (the planner plans one micro-batch)
         k = max(1, self.hooks.forwards_since_profile)
         self.micro_batches = k
+        if self.device.type == "cuda" and self._tail_open and self._base is not None:
+            self.outside_peak = max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
         if self._step_start is not None:
             wall = self._now() - self._step_start
             if self.warm_step_s is not None:  # (it ran as this step does, without the synchronizations)

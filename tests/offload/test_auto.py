@@ -4,6 +4,7 @@ the plan it installs, partial layers and budget calibration; gradients stay bitw
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import time
 
@@ -259,6 +260,37 @@ def test_auto_replans_when_the_planned_step_peaks_over_the_budget(tmp_path):
     assert first.peak_bytes > keep_all // 2  # a 1 GiB budget leaves the tiny model's plan free
     assert second is not first and second.peak_bytes <= keep_all // 2  # planned with the margin
     assert len(measured) == 2 and plans[2] is second and plans[4] is second  # within budget: no more re-plans
+    assert_same_grads(want, got)
+
+
+def test_no_replan_where_the_steps_tail_alone_is_over_the_budget(tmp_path, caplog):
+    """Where the step's peak after the layers' backward (the gradients' reduction, the optimizer) is over the
+    budget by itself, a planned step measured over the budget is not re-planned: no layer plan lowers it; the
+    controller says so once, with what to do. The tail is a CUDA measurement: on CPU the profiler's figure is
+    set, and the step's measured peak stubbed, as in the re-plan test above."""
+    model, batches, want = _reference(7, 5)
+    sched = Scheduler()
+    cfg = _cfg(
+        tmp_path, ["host"], policy="auto", profile_warmup_steps=0, memory_budget_gb=1.0, host_pool_gb=0.2
+    )
+    off = ActivationOffload(model, cfg, sched)
+    budget = 1 << 30
+    off.profiler.outside_peak = 2 * budget
+    measured: list[int] = []
+
+    def fake_peak() -> int:
+        measured.append(2 * budget + (1 << 20))
+        return measured[-1]
+
+    off.calibration.meter.since_mark = fake_peak  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="dsx.offload"):
+        got, plans = _train_with_plans(model, batches, off, sched)
+    assert plans[0].outside_peak_bytes == 2 * budget and plans[0].predicted_step_peak_bytes == 2 * budget
+    assert len(measured) == 1 and all(p is plans[0] for p in plans)  # measured once, never re-planned
+    warned = [
+        r.getMessage() for r in caplog.records if "no activation plan lowers that part" in r.getMessage()
+    ]
+    assert len(warned) == 1 and "Raise memory_budget_gb to at least 2.00" in warned[0]
     assert_same_grads(want, got)
 
 

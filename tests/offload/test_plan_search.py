@@ -551,6 +551,27 @@ def test_over_budget_is_set_for_every_policy(policy: str) -> None:
     assert not make_plan(prof, BW, _cfg(policy=policy)).over_budget  # no budget, nothing to be over
 
 
+def test_the_peak_after_the_layers_backward_is_carried_into_the_prediction() -> None:
+    """The step's peak after the layers' backward (gradients' reduction, optimizer) is the same for every plan:
+    the search plans the layers against the budget as before, and the predicted step peak is the larger of the
+    two; the printed plan says where that tail alone is over the budget."""
+    rng = random.Random(29)
+    prof = _profiles(rng, 5)
+    keep = sum(p.saved_bytes for p in prof)
+    cfg = _cfg(memory_budget_gb=keep * 0.6 / GiB)
+    without = make_plan(prof, BW, cfg)
+    low, high = without.peak_bytes // 2, int(keep * 0.6) + (1 << 30)
+    for tail in (low, high):
+        plan = make_plan(prof, BW, cfg, outside_peak_bytes=tail)
+        assert plan.actions == without.actions and plan.peak_bytes == without.peak_bytes
+        assert plan.outside_peak_bytes == tail
+        assert plan.predicted_step_peak_bytes == max(without.peak_bytes, tail)
+        text = plan.describe()
+        assert f"after the layers' backward the step peaks at {tail / GiB:.2f} GiB" in text
+        assert ("ABOVE THE BUDGET" in text) is (tail == high)
+    assert "after the layers' backward" not in without.describe()
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("fwd_s", float("nan")), ("bwd_s", -0.01), ("saved_bytes", -1), ("sel_saved_bytes", float("nan")),

@@ -90,6 +90,7 @@ def make_plan(
     exhaustive_limit: int = 4**7,
     best_effort: bool = False,
     outside_s: float = 0.0,
+    outside_peak_bytes: int = 0,
 ) -> Plan:
     """Pick an action per layer: least predicted step time under ``cfg.memory_budget_gb``.
 
@@ -114,7 +115,9 @@ def make_plan(
     where a budget is given and their predicted peak exceeds it.
 
     ``outside_s`` (the step's time outside the layers: ``Profiler.outside_s``) does not enter the
-    search; it is carried into ``Plan.predicted_total_step_s`` and the printed plan.
+    search; it is carried into ``Plan.predicted_total_step_s`` and the printed plan. ``outside_peak_bytes`` (the
+    step's peak after the layers' backward: ``Profiler.outside_peak``) is carried the same way into
+    ``Plan.predicted_step_peak_bytes``: the search plans the layers against the budget whatever it is.
 
     Notes
     -----
@@ -219,7 +222,8 @@ def make_plan(
     fwd_barrier, bwd_barrier = write_barrier(profiles, actions, bw, caps) if barrier else ([], [])
     return Plan(actions, depth, t, bound, profiles, peak, stall, over_budget=over, move_caps=caps,
                 search_s=time.perf_counter() - t_start, write_barrier=fwd_barrier,
-                write_barrier_bwd=bwd_barrier, outside_s=outside_s)  # fmt: skip
+                write_barrier_bwd=bwd_barrier, outside_s=outside_s,
+                outside_peak_bytes=outside_peak_bytes)  # fmt: skip
 
 
 def planned_bandwidths(

@@ -197,11 +197,20 @@ class Plan:
     # the step's time outside the layers (embedding, head, loss, optimizer), as the profiler measured it
     # (Profiler.outside_s); the same for every plan, so the search leaves it out and the printed prediction adds it
     outside_s: float = 0.0
+    # the step's peak after the layers' backward (gradients' reduction, optimizer step), as the profiler
+    # measured it (Profiler.outside_peak, CUDA; 0 elsewhere): the same for every plan
+    outside_peak_bytes: int = 0
 
     @property
     def predicted_total_step_s(self) -> float:
         """The whole step's predicted time: the layers' (``predicted_step_s``) plus ``outside_s``."""
         return self.predicted_step_s + self.outside_s
+
+    @property
+    def predicted_step_peak_bytes(self) -> int:
+        """The whole step's predicted peak: the layers' (``peak_bytes``) or, where higher, the peak after
+        their backward (``outside_peak_bytes``), which no plan changes."""
+        return max(self.peak_bytes, self.outside_peak_bytes)
 
     def describe(self) -> str:
         """The plan as a table, one row per layer, then the bound and the prediction (what dsx logs)."""
@@ -260,6 +269,16 @@ class Plan:
             f"({abs(b['keep_all_bytes'] - self.peak_bytes) / GB:.2f} GiB "
             f"{'higher' if self.peak_bytes > b['keep_all_bytes'] else 'lower'}), budget "
             + (f"{b['budget_bytes'] / GB:.2f} GiB" if b["budget_bytes"] is not None else "none (hide only)")
+            + (
+                f"; after the layers' backward the step peaks at {self.outside_peak_bytes / GB:.2f} GiB"
+                + (
+                    " -- ABOVE THE BUDGET: no activation plan lowers it"
+                    if b["budget_bytes"] is not None and self.outside_peak_bytes > b["budget_bytes"]
+                    else ""
+                )
+                if self.outside_peak_bytes
+                else ""
+            )
             + f"; prefetch depth {self.prefetch_depth}; write barrier {'on' if self.write_barrier else 'off'}"
             + f"; searched in {self.search_s:.1f} s"
             + (
