@@ -233,17 +233,22 @@ def test_auto_profiles_after_warmup_steps(tmp_path):
     assert_same_grads(want, got)
 
 
-def test_auto_replans_when_the_planned_step_peaks_over_the_budget(tmp_path):
-    """A planned step measured over memory_budget_gb (the cost model missed bytes) makes the planner plan
-    again against the budget lowered by the overshoot; gradients stay bitwise equal throughout. On CPU there
-    is no peak to read, so the measurement is stubbed: on the first calibration the step is said to have
-    peaked at budget + overshoot, on the second within the budget."""
+def _one_gib_budget_run(tmp_path):
+    """A model, its batches and reference gradients, and policy auto under a 1 GiB budget, profiled at once."""
     model, batches, want = _reference(7, 5)
     sched = Scheduler()
     cfg = _cfg(
         tmp_path, ["host"], policy="auto", profile_warmup_steps=0, memory_budget_gb=1.0, host_pool_gb=0.2
     )
-    off = ActivationOffload(model, cfg, sched)
+    return model, batches, want, ActivationOffload(model, cfg, sched), sched
+
+
+def test_auto_replans_when_the_planned_step_peaks_over_the_budget(tmp_path):
+    """A planned step measured over memory_budget_gb (the cost model missed bytes) makes the planner plan
+    again against the budget lowered by the overshoot; gradients stay bitwise equal throughout. On CPU there
+    is no peak to read, so the measurement is stubbed: on the first calibration the step is said to have
+    peaked at budget + overshoot, on the second within the budget."""
+    model, batches, want, off, sched = _one_gib_budget_run(tmp_path)
     budget = 1 << 30
     measured: list[int] = []
 
@@ -268,12 +273,7 @@ def test_no_replan_where_the_steps_tail_alone_is_over_the_budget(tmp_path, caplo
     budget by itself, a planned step measured over the budget is not re-planned: no layer plan lowers it; the
     controller says so once, with what to do. The tail is a CUDA measurement: on CPU the profiler's figure is
     set, and the step's measured peak stubbed, as in the re-plan test above."""
-    model, batches, want = _reference(7, 5)
-    sched = Scheduler()
-    cfg = _cfg(
-        tmp_path, ["host"], policy="auto", profile_warmup_steps=0, memory_budget_gb=1.0, host_pool_gb=0.2
-    )
-    off = ActivationOffload(model, cfg, sched)
+    model, batches, want, off, sched = _one_gib_budget_run(tmp_path)
     budget = 1 << 30
     off.profiler.outside_peak = 2 * budget
     measured: list[int] = []
