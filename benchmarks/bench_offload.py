@@ -273,9 +273,11 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     if megatron_offload:  # megatron's first step records its groups and offloads every one of them
         warmup = max(warmup, 1)
     if name.startswith("dsx_auto"):
+        from dsx.config import ActivationOffloadConfig
         from dsx.offload import MAX_CALIBRATIONS
 
-        warmup += 1 + MAX_CALIBRATIONS
+        # the planner's own warm-up steps, the profiled one, the re-plans
+        warmup = max(warmup, ActivationOffloadConfig().profile_warmup_steps) + 1 + MAX_CALIBRATIONS
     gc_clock = _GcClock()
     host_probe = [host_probe_s()]  # the host CPU's speed before and after the measured steps
     for step in range(warmup + n_steps):

@@ -26,6 +26,10 @@ __all__ = ["MAX_CALIBRATIONS", "Calibration", "PeakMeter"]
 logger = logging.getLogger("dsx.offload")
 GB = 1 << 30
 MAX_CALIBRATIONS = 2  # re-plans after a planned step measured over the budget (policy auto, CUDA)
+# The step's peak after the layers' backward (the gradients' reduction, the optimizer: Plan.outside_peak_bytes) is
+# the same for every plan, so a step is measured against it where it is higher than the bar, with this much room
+# for the allocator's rounding between the profiled step and a planned one.
+TAIL_SLACK = 1.01
 
 
 class PeakMeter:
@@ -89,7 +93,8 @@ class Calibration:
         """``plan``, the first, is installed: with a budget, or when it moves bytes without one, measure the
         step it runs."""
         if self.cfg.memory_budget_gb is not None:
-            self.model_budget = self.cfg.memory_budget_gb * GB
+            # (the controller plans against the tail where it is above the budget: no plan goes under it)
+            self.model_budget = max(self.cfg.memory_budget_gb * GB, plan.outside_peak_bytes)
             self.left = MAX_CALIBRATIONS
             self.meter.mark()
         elif any(a.moved for a in plan.actions):
@@ -107,10 +112,12 @@ class Calibration:
         """The planned step (``plan``) peaked at ``measured`` bytes above its start: if that is over the
         budget, plan again (``replan``, on ``plan``'s profiles) against a budget lowered by the overshoot and
         ``install`` that plan; measure the next step. Without a budget: if that is over the predicted peak of
-        keeping every layer, keep every layer."""
+        keeping every layer, keep every layer. Where the step's tail after the layers' backward peaks higher than
+        the budget (or than keeping every layer), that tail is the bar: no plan goes under it."""
+        tail = plan.outside_peak_bytes * TAIL_SLACK
         if self.cfg.memory_budget_gb is None:
             self.left = 0
-            if measured > self.keep_all_bytes:
+            if measured > max(self.keep_all_bytes, tail):
                 if rank_and_world()[0] == 0:
                     logger.warning(
                         "dsx activation offload: the hide-only plan's step peaked at %.2f GiB (predicted %.2f), "
@@ -124,22 +131,10 @@ class Calibration:
             return
         budget = self.cfg.memory_budget_gb * GB
         self.left -= 1
-        if measured <= budget:
+        if measured <= max(budget, tail):
             self.left = 0
             return
-        if plan.outside_peak_bytes > budget:
-            # the step's tail (the gradients' reduction, the optimizer) is over the budget by itself: planning the
-            # layers again cannot lower it (the controller said so when it installed the plan)
-            self.left = 0
-            logger.info(
-                "dsx activation offload: the planned step peaked at %.2f GiB; after the layers' backward it "
-                "peaks at %.2f GiB, over memory_budget_gb=%s: keeping the plan",
-                measured / GB,
-                plan.outside_peak_bytes / GB,
-                self.cfg.memory_budget_gb,
-            )
-            return
-        self.model_budget -= measured - budget
+        self.model_budget -= measured - max(budget, plan.outside_peak_bytes)
         cfg = self.cfg.model_copy(update={"memory_budget_gb": max(self.model_budget, 0.0) / GB})
         try:
             new = replan(cfg)

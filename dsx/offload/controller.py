@@ -9,6 +9,7 @@ engine; on a bare module call :meth:`ActivationOffload.end_step` after each opti
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -258,17 +259,21 @@ class ActivationOffload:
             ):  # the search grows about as n^3 (make_plan's notes)
                 logger.warning("dsx activation offload: planning %d layers ...", len(profiles))
             self._uncheckpoint_layers()  # the profiler's wrappers go; the plan checkpoints what it recomputes
+            self._warn_outside_peak()
+            cfg = self.cfg
+            if cfg.memory_budget_gb is not None and self._outside_peak > cfg.memory_budget_gb * GB:
+                # the step reaches its tail anyway: recomputing to stay under the budget would buy nothing
+                cfg = cfg.model_copy(update={"memory_budget_gb": self._outside_peak / GB})
             self._install(
                 make_plan(
                     profiles,
                     self._bws,
-                    self.cfg,
+                    cfg,
                     best_effort=True,
                     outside_s=self._outside_s,
                     outside_peak_bytes=self._outside_peak,
                 )
             )
-            self._warn_outside_peak()
             self.calibration.start(self.plan)
         elif self.calibration.pending:
             peak = agree_peak(self.calibration.meter.since_mark(), len(self.layers))  # (a collective)
@@ -299,13 +304,12 @@ class ActivationOffload:
         logger.warning(
             "dsx activation offload: after the layers' backward the step peaks at %.2f GiB above its start "
             "(the gradients' reduction and the optimizer step), over memory_budget_gb=%s: no activation plan "
-            "lowers that part, so the layers are planned against the budget and the step will still peak at "
-            "about %.2f GiB. Raise memory_budget_gb to at least %.2f, or lower what the optimizer holds (ZeRO "
-            "stage 2 or 3, optimizer offload)",
+            "lowers that part, so the layers are planned against that peak instead (the step reaches it "
+            "anyway). To meet the budget, lower what the optimizer step holds (ZeRO stage 2 or 3 over several "
+            "ranks, optimizer offload); or set memory_budget_gb to at least %.2f",
             self._outside_peak / GB,
             budget,
-            self._outside_peak / GB,
-            self._outside_peak / GB,
+            math.ceil(self._outside_peak / GB * 100) / 100,
         )
 
     def _install(self, plan: Plan) -> None:

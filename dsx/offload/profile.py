@@ -22,17 +22,18 @@ what the embedding allocates counts, and gradients freed between steps do not. T
 peak-memory statistics.
 
 The step's time outside the layers (``Profiler.outside_s``: embedding, head, loss, optimizer) is a step's wall
-time from the model's forward start to the optimizer step's end less the layers' intervals; the printed
-prediction adds it. The wall time is the last warm-up step's, which runs as the profiled step does but is
-synchronized only at its ends (``end_warm_step``): the profiled step's own synchronizations expose host-bound
-work (many small optimizer kernels) that a normal step overlaps with the layers' GPU work, and overstate that
-time several times over. With one warm-up step (the first step pays for lazy initialisation) the profiled
-step's own wall time is used. With gradient accumulation the profiled step runs several micro-batches; the
-times (and the outside time) are divided by their number, as the saved bytes are counted for the first one:
-the plan is per micro-batch. On CUDA the profiled step also measures its peak after the layers' backward
-(``Profiler.outside_peak``: the gradients' reduction, the optimizer step), above the same base: where that, and
-not the layers, sets the step's peak, no activation plan can lower it. Each layer's saved storages are also recorded in save order (``saved_sizes``): a
-partial move takes them in that order.
+time from the model's forward start to the optimizer step's end less the layers' intervals; the printed prediction
+adds it. The wall time is the last warm-up step's, which runs as the profiled step does but is synchronized only
+at its ends (``end_warm_step``): the profiled step's own synchronizations expose host-bound work (many small
+optimizer kernels) that a normal step overlaps with the layers' GPU work, and overstate that time several times
+over. With one warm-up step (the first step pays for lazy initialisation) the profiled step's own wall time is
+used. With gradient accumulation the profiled step runs several micro-batches; the times (and the outside time)
+are divided by their number, as the saved bytes are counted for the first one: the plan is per micro-batch. On
+CUDA the profiled step also measures its peak after the layers' backward (``Profiler.outside_peak``: the
+gradients' reduction, the optimizer step), above the same base: where that, and not the layers, sets the step's
+peak, no activation plan can lower it (not measured without a warm-up step: the first optimizer step allocates its
+state). Each layer's saved storages are also recorded in save order (``saved_sizes``): a partial move takes them
+in that order.
 
 Under recomputation (``profile_mode`` ``"recompute"``: the micro-batch may fit only with dsx) every layer runs
 through the reentrant checkpoint and :meth:`Profiler.wrap` sees its recomputation in backward: the saved
@@ -181,6 +182,7 @@ class Profiler:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._fwd_start = now
         elif kind == "b":
+            self._tail_open = False  # (a layer's backward after layer 0's: not the tail yet)
             self._close_gap()  # the last layer's gap: head, loss and the start of backward
             # another layer's backward may still be open (its end and this start are one gradient): fold the
             # peak so far into it before the reset
@@ -202,7 +204,9 @@ class Profiler:
         if kind == "b" and i in self._open:
             self._fold_peaks()
             del self._open[i]
-            if i == 0 and not self._open:  # the layers' backward is over: what follows is the step's tail
+            # the layers' backward is over: what follows is the step's tail (if another layer's backward is still
+            # open, as where one's end is queued to the end of backward, no tail is measured: outside_peak is 0)
+            if i == 0 and not self._open:
                 torch.cuda.reset_peak_memory_stats(self.device)
                 self._tail_open = True
 
@@ -318,7 +322,8 @@ class Profiler:
         # bytes are the first micro-batch's (the planner plans one micro-batch)
         k = max(1, self.hooks.forwards_since_profile)
         self.micro_batches = k
-        if self.device.type == "cuda" and self._tail_open and self._base is not None:
+        # not without a warm-up step: the first optimizer step allocates its state, which later steps keep
+        if self.device.type == "cuda" and self._tail_open and self._base is not None and self._warm_steps:
             self.outside_peak = max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
         if self._step_start is not None:
             wall = self._now() - self._step_start

@@ -268,29 +268,38 @@ def test_auto_replans_when_the_planned_step_peaks_over_the_budget(tmp_path):
     assert_same_grads(want, got)
 
 
-def test_no_replan_where_the_steps_tail_alone_is_over_the_budget(tmp_path, caplog):
+@pytest.mark.parametrize("layers_over", [False, True])
+def test_the_steps_tail_over_the_budget_is_the_bar(tmp_path, caplog, layers_over):
     """Where the step's peak after the layers' backward (the gradients' reduction, the optimizer) is over the
-    budget by itself, a planned step measured over the budget is not re-planned: no layer plan lowers it; the
-    controller says so once, with what to do. The tail is a CUDA measurement: on CPU the profiler's figure is
-    set, and the step's measured peak stubbed, as in the re-plan test above."""
+    budget by itself, the controller says so once, with what to do, and plans the layers against that peak (the
+    step reaches it anyway); a planned step measured at the tail is not re-planned, one measured over it (the
+    layers over the tail) is, against the tail less the overshoot. The tail is a CUDA measurement: on CPU the
+    profiler's figure is set, and the step's measured peak stubbed, as in the re-plan test above."""
     model, batches, want, off, sched = _one_gib_budget_run(tmp_path)
     budget = 1 << 30
-    off.profiler.outside_peak = 2 * budget
+    tail = 3 * budget
+    off.profiler.outside_peak = tail
     measured: list[int] = []
 
-    def fake_peak() -> int:
-        measured.append(2 * budget + (1 << 20))
+    def fake_peak() -> int:  # the first planned step: at the tail (allocator rounding) or a GiB over it
+        measured.append(tail + (budget if layers_over and not measured else 1 << 20))
         return measured[-1]
 
     off.calibration.meter.since_mark = fake_peak  # type: ignore[method-assign]
     with caplog.at_level(logging.WARNING, logger="dsx.offload"):
         got, plans = _train_with_plans(model, batches, off, sched)
-    assert plans[0].outside_peak_bytes == 2 * budget and plans[0].predicted_step_peak_bytes == 2 * budget
-    assert len(measured) == 1 and all(p is plans[0] for p in plans)  # measured once, never re-planned
+    first = plans[0]
+    assert first.outside_peak_bytes == tail and first.predicted_step_peak_bytes == tail
+    assert first.bound["budget_bytes"] == tail  # planned against the tail
     warned = [
         r.getMessage() for r in caplog.records if "no activation plan lowers that part" in r.getMessage()
     ]
-    assert len(warned) == 1 and "Raise memory_budget_gb to at least 2.00" in warned[0]
+    assert len(warned) == 1 and "set memory_budget_gb to at least 3.00" in warned[0]
+    if layers_over:  # re-planned against the tail less the GiB over it, then measured at the tail
+        assert len(measured) == 2 and plans[1] is not first and plans[4] is plans[1]
+        assert plans[1].bound["budget_bytes"] == tail - budget
+    else:  # measured once, at the tail: never re-planned
+        assert len(measured) == 1 and all(p is first for p in plans)
     assert_same_grads(want, got)
 
 

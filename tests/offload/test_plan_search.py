@@ -553,7 +553,7 @@ def test_over_budget_is_set_for_every_policy(policy: str) -> None:
 
 def test_the_peak_after_the_layers_backward_is_carried_into_the_prediction() -> None:
     """The step's peak after the layers' backward (gradients' reduction, optimizer) is the same for every plan:
-    the search plans the layers against the budget as before, and the predicted step peak is the larger of the
+    make_plan plans the layers against the budget it is given, and the predicted step peak is the larger of the
     two; the printed plan says where that tail alone is over the budget."""
     rng = random.Random(29)
     prof = _profiles(rng, 5)
