@@ -72,6 +72,13 @@ class PeakMeter:
             self._peak_hook = None
 
 
+def _bar(limit: float, plan: Plan) -> float:
+    """What a planned step's measured peak is held to: ``limit``, or the step's tail after the layers' backward
+    where that is higher (with ``TAIL_SLACK``: the same allocations, measured in another step)."""
+    tail = plan.outside_peak_bytes
+    return limit if tail <= limit else tail * TAIL_SLACK
+
+
 class Calibration:
     """At most ``MAX_CALIBRATIONS`` re-plans after planned steps measured over the budget, each on the same
     profiles (no new profiling step); the budget the planner is given is only ever lowered.
@@ -114,10 +121,9 @@ class Calibration:
         ``install`` that plan; measure the next step. Without a budget: if that is over the predicted peak of
         keeping every layer, keep every layer. Where the step's tail after the layers' backward peaks higher than
         the budget (or than keeping every layer), that tail is the bar: no plan goes under it."""
-        tail = plan.outside_peak_bytes * TAIL_SLACK
         if self.cfg.memory_budget_gb is None:
             self.left = 0
-            if measured > max(self.keep_all_bytes, tail):
+            if measured > _bar(self.keep_all_bytes, plan):
                 if rank_and_world()[0] == 0:
                     logger.warning(
                         "dsx activation offload: the hide-only plan's step peaked at %.2f GiB (predicted %.2f), "
@@ -130,12 +136,13 @@ class Calibration:
                 install(replan(self.cfg.model_copy(update={"policy": "none"})))
             return
         budget = self.cfg.memory_budget_gb * GB
+        bar = max(budget, plan.outside_peak_bytes)  # what no plan goes under
         self.left -= 1
-        if measured <= max(budget, tail):
+        if measured <= _bar(budget, plan):
             self.left = 0
             return
-        self.model_budget -= measured - max(budget, plan.outside_peak_bytes)
-        cfg = self.cfg.model_copy(update={"memory_budget_gb": max(self.model_budget, 0.0) / GB})
+        self.model_budget = max(0.0, self.model_budget - (measured - bar))
+        cfg = self.cfg.model_copy(update={"memory_budget_gb": self.model_budget / GB})
         try:
             new = replan(cfg)
         except PlanError as exc:
@@ -144,31 +151,33 @@ class Calibration:
                 # over its prediction while full recompute's is overestimated): fall back to recomputing every
                 # layer and measure that
                 logger.warning(
-                    "dsx activation offload: the planned step peaked at %.2f GiB, over memory_budget_gb=%s, and "
+                    "dsx activation offload: the planned step peaked at %.2f GiB, over its bar of %.2f GiB, and "
                     "the model has no plan with a margin for that (%s); trying recompute for every layer",
                     measured / GB,
-                    self.cfg.memory_budget_gb,
+                    bar / GB,
                     exc,
                 )
-                install(replan(self.cfg.model_copy(update={"policy": "recompute_all"})))
+                every = {"policy": "recompute_all", "memory_budget_gb": bar / GB}
+                install(replan(self.cfg.model_copy(update=every)))
                 self.meter.mark()
                 return
             self.left = 0
             logger.warning(
-                "dsx activation offload: the planned step peaked at %.2f GiB, over memory_budget_gb=%s, and no "
+                "dsx activation offload: the planned step peaked at %.2f GiB, over its bar of %.2f GiB, and no "
                 "plan with a margin for that exists (%s); keeping the current plan",
                 measured / GB,
-                self.cfg.memory_budget_gb,
+                bar / GB,
                 exc,
             )
             return
         if rank_and_world()[0] == 0:
             logger.warning(
-                "dsx activation offload: the planned step peaked at %.2f GiB against a budget of %.2f GiB "
-                "(predicted %.2f GiB); planning again against %.2f GiB",
+                "dsx activation offload: the planned step peaked at %.2f GiB against a bar of %.2f GiB (%s; "
+                "predicted %.2f GiB); planning again against %.2f GiB",
                 measured / GB,
-                budget / GB,
-                plan.peak_bytes / GB,
+                bar / GB,
+                "memory_budget_gb" if bar == budget else "the step's peak after the layers' backward",
+                plan.predicted_step_peak_bytes / GB,
                 self.model_budget / GB,
             )
         install(new)

@@ -303,6 +303,25 @@ def test_the_steps_tail_over_the_budget_is_the_bar(tmp_path, caplog, layers_over
     assert_same_grads(want, got)
 
 
+def test_a_tail_under_the_budget_gives_no_slack(tmp_path):
+    """The 1 % slack for the tail's rounding applies only where the tail is the bar: with the tail under the
+    budget, a step 0.5 % over the budget is re-planned."""
+    model, batches, want, off, sched = _one_gib_budget_run(tmp_path)
+    budget = 1 << 30
+    off.profiler.outside_peak = budget - budget // 1000  # just under the budget
+    measured: list[int] = []
+
+    def fake_peak() -> int:
+        measured.append(budget + budget // 200 if not measured else budget // 2)
+        return measured[-1]
+
+    off.calibration.meter.since_mark = fake_peak  # type: ignore[method-assign]
+    got, plans = _train_with_plans(model, batches, off, sched)
+    assert plans[0].bound["budget_bytes"] == budget  # (the tail is under it: planned against the budget)
+    assert len(measured) == 2 and plans[1] is not plans[0]
+    assert_same_grads(want, got)
+
+
 def test_partial_layer_moves_up_to_its_cap_bitwise(tmp_path):
     """The planner's partial layer: its first saved storages move, up to the cap; the rest stays; same grads."""
 

@@ -457,8 +457,8 @@ def test_gpu_calibration_measures_what_the_step_allocates_for_activations(tmp_pa
 def test_gpu_plan_counts_the_peak_after_the_layers_backward(tmp_path, caplog):
     """Where the step's tail (here a buffer the size of the layers' peak plus 1 GiB, allocated after backward
     as a gradient reduction's would be) peaks above the layers, the plan's predicted step peak is that tail as
-    the profiler measured it, within 5 % of the measured step peak; under a budget the tail alone exceeds, the
-    plan says so and calibration does not re-plan the layers for it."""
+    the profiler measured it, within 5 % of the measured step peak; under a budget the tail alone exceeds, dsx
+    warns, plans the layers against the tail, and calibration does not re-plan them for it."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     model, opt, plain = _gpt_step(16, 6)

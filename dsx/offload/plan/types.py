@@ -271,11 +271,6 @@ class Plan:
             + (f"{b['budget_bytes'] / GB:.2f} GiB" if b["budget_bytes"] is not None else "none (hide only)")
             + (
                 f"; after the layers' backward the step peaks at {self.outside_peak_bytes / GB:.2f} GiB"
-                + (
-                    " -- ABOVE THE BUDGET: no activation plan lowers it"
-                    if b["budget_bytes"] is not None and self.outside_peak_bytes > b["budget_bytes"]
-                    else ""
-                )
                 if self.outside_peak_bytes
                 else ""
             )
