@@ -100,8 +100,8 @@ class Calibration:
         """``plan``, the first, is installed: with a budget, or when it moves bytes without one, measure the
         step it runs."""
         if self.cfg.memory_budget_gb is not None:
-            # (the controller plans against the tail where it is above the budget: no plan goes under it)
-            self.model_budget = max(self.cfg.memory_budget_gb * GB, plan.outside_peak_bytes)
+            # the budget the plan was made against: the controller raises it to the tail where that is higher
+            self.model_budget = float(plan.bound["budget_bytes"])
             self.left = MAX_CALIBRATIONS
             self.meter.mark()
         elif any(a.moved for a in plan.actions):
