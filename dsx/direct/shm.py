@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dsx.direct.gather import padded_row_stride, row_bytes_of, rows_contiguous, strided_rows
-from dsx.runtime.process import ShmFinding, all_gather, judge, owner_tag, parse_owner_tag
+from dsx.runtime.process import ShmFinding, all_gather, collective, judge, owner_tag, parse_owner_tag
 
 __all__ = [
     "NodeGroup",
@@ -87,7 +87,7 @@ def local_group() -> NodeGroup:
     """The ranks on this node (collective over the default process group; one object all-gather)."""
     if not _distributed():
         return NodeGroup(ranks=(0,), rank=0)
-    keys = all_gather(_node_key())
+    keys = all_gather(_node_key(), "finding the ranks on this node")
     mine = _node_key()
     ranks = tuple(r for r, k in enumerate(keys) if k == mine)
     return NodeGroup(ranks=ranks, rank=dist.get_rank())
@@ -163,13 +163,18 @@ def _job_id() -> str:
     """A per-job id agreed through the process group (rank 0 draws it)."""
     obj = [uuid.uuid4().hex[:16]]
     if _distributed():
-        dist.broadcast_object_list(obj, src=0)
+        with collective("agreeing on the job's shared-memory id"):
+            dist.broadcast_object_list(obj, src=0)
     return str(obj[0])
 
 
 def _all_ok(local_error: str | None) -> None:
     """Exchange errors: if any rank failed, every rank raises (nobody waits forever at a later barrier)."""
-    bad = [(r, e) for r, e in enumerate(all_gather(local_error)) if e is not None]
+    bad = [
+        (r, e)
+        for r, e in enumerate(all_gather(local_error, "exchanging shared-memory setup errors"))
+        if e is not None
+    ]
     if bad:
         r, e = bad[0]
         raise SharedMemoryError(f"rank {r}: {e}")
@@ -275,7 +280,7 @@ def share_tensor(
     try:
         # Every rank learns every leader's error or path; a leader whose segment exists unlinks it below
         # whatever failed elsewhere (another node's leader, a peer's mapping, the exchange itself).
-        metas = all_gather((error, meta[0]))
+        metas = all_gather((error, meta[0]), "sharing a tensor's shared-memory segment")
         _, leader_meta = metas[group.leader]  # type: ignore[misc]
         bad = [(r, m[0]) for r, m in enumerate(metas) if m[0] is not None]  # type: ignore[index]
         if bad:

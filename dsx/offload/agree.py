@@ -46,7 +46,11 @@ def agree_profiles(
     """The profiles (``LayerProfile``), outside time and outside peak every rank with as many layers plans
     from: per layer and field the largest any of them measured, and the largest of the others. A collective:
     every rank calls it at the same step."""
-    peers = [p for p in all_gather((profiles, outside_s, outside_peak)) if len(p[0]) == len(profiles)]
+    peers = [
+        p
+        for p in all_gather((profiles, outside_s, outside_peak), "agreeing on layer profiles")
+        if len(p[0]) == len(profiles)
+    ]
     merged = [_merge([p[0][i] for p in peers]) for i in range(len(profiles))]
     return merged, max(p[1] for p in peers), max(p[2] for p in peers)
 
@@ -54,5 +58,9 @@ def agree_profiles(
 def agree_peak(peak: int | None, layers: int) -> int | None:
     """The largest activation peak measured by the ranks with ``layers`` layers (None where none measured).
     A collective."""
-    peaks = [p for p, n in all_gather((peak, layers)) if n == layers and p is not None]
+    peaks = [
+        p
+        for p, n in all_gather((peak, layers), "agreeing on the activation peak")
+        if n == layers and p is not None
+    ]
     return max(peaks) if peaks else None

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsx.runtime.process import all_gather
+from dsx.runtime.process import all_gather, collective
 
 __all__ = ["TierBandwidth", "measure_file_bandwidth", "measure_host_bandwidth", "measure_tier_bandwidth"]
 
@@ -122,7 +122,7 @@ def _node_peers() -> list[int]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [0]
     me = (socket.gethostname(), os.environ.get("CROSS_RANK", os.environ.get("GROUP_RANK", "")))
-    return [r for r, k in enumerate(all_gather(me)) if tuple(k) == me]
+    return [r for r, k in enumerate(all_gather(me, "finding the ranks on this node")) if tuple(k) == me]
 
 
 def measure_tier_bandwidth(
@@ -137,7 +137,8 @@ def measure_tier_bandwidth(
     out: list[TierBandwidth] = []
     for tier in tiers:
         if distributed:
-            dist.barrier()
+            with collective("the barrier before a bandwidth probe"):
+                dist.barrier()
         if tier == "host":
             # two buffers of the probe's size: never more than a small share of the machine's memory
             ram_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
@@ -173,7 +174,7 @@ def _agree(measured: list[TierBandwidth], peers: list[int]) -> list[TierBandwidt
     with the same, slowest one keeps their plans, and so their step times, alike. Each node's first rank
     logs every rank's measurement and the agreed share.
     """
-    allm = all_gather([(b.tier, b.write_Bps, b.read_Bps) for b in measured])
+    allm = all_gather([(b.tier, b.write_Bps, b.read_Bps) for b in measured], "agreeing on tier bandwidths")
     mine = [allm[r] for r in peers]
     agreed = [
         TierBandwidth(b.tier, min(m[k][1] for m in mine), min(m[k][2] for m in mine))

@@ -12,14 +12,17 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "LOCK_GRACE_S",
+    "PeerLostError",
     "ShmFinding",
     "all_gather",
+    "collective",
     "deepspeed_launcher",
     "deepspeed_shm_buffer",
     "exit_distributed",
@@ -45,14 +48,41 @@ __all__ = [
 SHM_DIR = Path("/dev/shm")
 
 
-def all_gather(obj: Any) -> list[Any]:
-    """``obj`` from every rank, in rank order; ``[obj]`` without a process group. A collective call."""
+class PeerLostError(RuntimeError):
+    """An exchange among the ranks failed on this rank: another rank has ended or lost its connection."""
+
+
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """Around one collective call: a backend failure becomes :class:`PeerLostError` naming ``what``.
+
+    gloo reports a peer that died as a socket error ("Connection reset by peer"), which does not say that
+    the rank to read about is another one; the launcher may report this rank's failure before the dead one's.
+    """
+    try:
+        yield
+    except RuntimeError as e:
+        import torch.distributed as dist
+
+        where = f" on rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else ""
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PeerLostError(
+            f"dsx: {what} failed{where}: another rank has ended or lost its connection; its own output says "
+            f"why (the launcher reports a rank killed by a signal as 'exits with return code = -N'). "
+            f"The backend said: {first}"
+        ) from e
+
+
+def all_gather(obj: Any, what: str = "an exchange among the ranks") -> list[Any]:
+    """``obj`` from every rank, in rank order; ``[obj]`` without a process group. A collective call; a
+    backend failure raises :class:`PeerLostError` naming ``what``."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    with collective(what):
+        dist.all_gather_object(out, obj)
     return out
 
 
@@ -201,7 +231,8 @@ def exit_distributed() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        with collective("the barrier before the process group ends"):
+            dist.barrier()
         release_deepspeed_shm()  # every peer is past its setup (the barrier): the name is no longer needed
         dist.destroy_process_group()
 

@@ -61,10 +61,12 @@ OUTCOMES = ("equal", "clear_error", "unclear", "wrong", "leak", "hang")
 # failure naming layer, tier, file and offset, the shared-memory error naming the directory and errno, and the
 # launcher's report of a rank killed by a signal.
 # (When the survivor's own failure reaches the launcher first, the launcher reports that one: gloo's error
-# saying the peer is gone names the cause then.)
+# saying the peer is gone names the cause then, and in dsx's own exchanges dsx's error says so for it; gloo
+# words a peer gone mid-read "Connection reset by peer ... a remote worker hanging", which does not.)
 _KILLED = [
     r"exits with return code = -9",
     r"Connection closed by peer \S+\. This is typically caused by a remote worker crashing",
+    r"dsx: [^\n]+ failed on rank \d+ of \d+: another rank has ended or lost its connection",
 ]
 CLEAR: dict[str, list[str]] = {
     "io_error": [r"dsx posix (?:read|write) failed: Input/output error \(path=\S+, offset=\d+, size=\d+\)"],

@@ -1,12 +1,18 @@
-"""dsx.runtime.process: a launched CPU job leaves no DeepSpeed shared-memory buffer behind."""
+"""dsx.runtime.process: a launched CPU job leaves no DeepSpeed shared-memory buffer behind; an exchange that
+loses a rank says so."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from tests.faults.trials import CLEAR
 from tests.harness import REPO, launch, remove_shm_buffers, shm_buffers
+
+# the fault harness's pattern for a rank lost to a signal, which this message must meet
+CLEAR_KILLED = re.compile(CLEAR["sigkill_setup"][-1])
 
 
 @pytest.mark.slow
@@ -95,3 +101,18 @@ def test_from_a_containers_pid_namespace_an_unmapped_buffer_is_kept() -> None:
         assert old.exists() and f"kept     {old}: " in r.stdout and "container's pid namespace" in r.stdout
     finally:
         old.unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+def test_an_exchange_with_a_killed_rank_names_the_other_rank(tmp_path) -> None:
+    """A rank SIGKILLed during setup: the survivor's gloo error ("Connection reset by peer") can reach the
+    launcher first, and alone it does not say that the cause is another rank. dsx's exchange says so."""
+    res = launch(REPO / "tests/runtime/_peer_lost_worker.py", [str(tmp_path)], 2, timeout=180)
+    assert res.returncode != 0, res.output[-2000:]
+    got = json.loads((tmp_path / "rank0.json").read_text())
+    assert got["type"] == "PeerLostError", got
+    assert got["message"].startswith(
+        "dsx: the test's exchange failed on rank 0 of 2: another rank has ended or lost its connection"
+    ), got
+    assert "The backend said: " in got["message"], got
+    assert CLEAR_KILLED.search(got["message"]), got
