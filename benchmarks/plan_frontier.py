@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def against(
     points: dict[str, dict[str, float]], bound: dict[str, Any], front: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """Each dsx point's step over the lower bound at its measured peak (window ``until_peak``) and over the
+    """Each dsx point's step over the lower bound at its measured peak (``timeline``; ``until_peak`` in runs
+    from before it) and over the
     planner's own best prediction within that peak (``front``: the frontier with the run's tiers), and the
     peers (configs not named ``dsx*``; not ``none_copies``, a diagnostic that moves bytes without freeing any)
     that peak at the same or less memory and step faster: the points that show dsx's curve not dominating.
@@ -205,7 +206,7 @@ def against(
     for cfg, r in points.items():
         if not cfg.startswith("dsx"):
             continue
-        at = bound_step_s(bound, "until_peak", r["activation_peak_gb"])
+        at = bound_step_s(bound, "timeline" if "timeline" in bound else "until_peak", r["activation_peak_gb"])
         faster = sorted(p for p, q in peers.items()
                         if q["activation_peak_gb"] <= r["activation_peak_gb"] and q["step_s"] < r["step_s"])  # fmt: skip
         best = best_within(front, r["activation_peak_gb"])
@@ -232,7 +233,8 @@ def _plot(out: dict[str, Any], where: str, name: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
     styles = {"offload": ("tab:blue", "planner, with the run's tiers (+ rest of step)"),
               "recompute_only": ("tab:orange", "planner, keep / recompute only (+ rest of step)")}  # fmt: skip
-    bound_styles = {"until_peak": ("-.", "lower bound, per-layer / per-module plans (writes until the peak)"),
+    bound_styles = {"timeline": ("-", "lower bound, per-layer / per-module plans (the profiled memory timeline)"),
+                    "until_peak": ("-.", "the same, one peak and every write until it (aggregate)"),
                     "forward": (":", "the same with the design's hideable bytes (bandwidth x forward time)")}  # fmt: skip
     rc, none = out["measured"].get("recompute"), out["measured"].get("none")
     for ax in axes:

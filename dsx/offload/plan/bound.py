@@ -6,6 +6,11 @@ same kernels and links, every assumption not measured taken in the plan's favour
 would mean the bound is wrong; a target under it is out of reach for such plans. ``benchmarks/plan_frontier.py``
 draws it beside the frontier.
 
+Two bounds, both valid, and the larger one reported as ``"timeline"``: the aggregate one (``"until_peak"``:
+one peak, every write until it) and one on the profiled memory timeline, which checks every point the cost
+model checks (each layer's forward, the gap after it, each layer's backward) with each point's own window
+for writes and, in the backward, the reads still owed.
+
 Its inputs are a benchmark run's rows by config name (``"none"``: no offload, required; ``"recompute"``,
 ``"save_on_cpu"``, ``"megatron_selective"`` where measured), each with ``step_s`` and ``activation_peak_gb``
 (GB of 10^9 bytes, as ``benchmarks/bench_offload.py`` reports them), the layers' profiles and the tiers'
@@ -16,10 +21,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsx.offload.plan.cost import footprints
 from dsx.offload.plan.types import LayerProfile
 from dsx.runtime.bandwidth import TierBandwidth
 
-__all__ = ["bound_step_s", "lower_bound"]
+__all__ = ["bound_step_s", "lower_bound", "timeline_bound", "timeline_extra_s"]
 
 GB = 1e9  # the unit the measured rows report memory in
 
@@ -49,6 +55,9 @@ def lower_bound(
     time", a model, not a bound (copies can go on past the forward). ``window_s_for_speedup`` is the ``W0`` at
     which the bound would allow ``speedup`` times full recompute's throughput at its peak: a peak that late in
     no offload's step, or that speed-up is out of reach.
+
+    The ``"timeline"`` bound (:func:`timeline_bound`) is the larger of ``"until_peak"`` and one that checks
+    the profiled footprint at every point of the step; its entry holds the points.
 
     Returns the cost per GB dropped of each way measured (``cost_s_per_gb``) and the ``cheapest``; per window
     its ``movable_gb`` and the bound's ``curve`` over budgets, and the bound at full recompute's and
@@ -87,6 +96,8 @@ def lower_bound(
         "cost_s_per_gb": {k: v * GB for k, v in costs.items()}, "cheapest": cheapest,
         "windows": {k: {"window_s": w, "movable_gb": write_Bps * w / GB} for k, w in windows.items()},
     }  # fmt: skip
+    out["timeline"] = timeline_bound(profiles, bandwidths, t_none, p_none, costs[cheapest])
+    out["windows"]["timeline"] = {"kind": "the larger of until_peak and the bound on the memory timeline"}
     rc, soc = measured.get("recompute"), measured.get("save_on_cpu")
     c, bw = out["cost_s_per_gb"][cheapest], out["write_GBps"]
     if rc is not None:
@@ -95,8 +106,11 @@ def lower_bound(
         out["speedup"] = speedup
         out["window_s_for_speedup"] = max(0.0, removed - added * (1 + c * bw) / c) / bw if bw else None
     for key, w in out["windows"].items():
-        w["curve"] = [{"budget_gb": g, "step_s": bound_step_s(out, key, g)}
-                      for g in (out["no_offload_peak_gb"] * k / 40 for k in range(41))]  # fmt: skip
+        curve = (
+            (g, bound_step_s(out, key, g)) for g in (out["no_offload_peak_gb"] * k / 40 for k in range(41))
+        )
+        # (below the timeline bound's floor no plan fits: no point there)
+        w["curve"] = [{"budget_gb": g, "step_s": t} for g, t in curve if t != float("inf")]
         if rc is not None:
             t = bound_step_s(out, key, rc["activation_peak_gb"])
             w["at_recompute_peak"] = {"step_s": t, "max_x_recompute": rc["step_s"] / t}
@@ -106,8 +120,119 @@ def lower_bound(
     return out
 
 
+def timeline_bound(
+    profiles: list[LayerProfile],
+    bandwidths: list[TierBandwidth],
+    t_none: float,
+    p_none: float,
+    cost_s_per_byte: float,
+) -> dict[str, Any]:
+    """The inputs of the bound on the profiled memory timeline (:func:`timeline_extra_s`), JSON-ready.
+
+    At each point ``P`` the cost model checks (:func:`~dsx.offload.plan.cost.footprints`: each layer's forward,
+    the gap after it, each layer's backward), keeping every layer needs ``F_P``; under budget ``B`` at least
+    ``g = F_P - B`` bytes of the layers that have run their forward (not those past their backward) are off
+    the device there. Of those, the layers from ``m`` on hold at least ``g - S_<m`` (``S_<m``: what the
+    layers before ``m`` save). Each such byte was dropped (``D`` bytes in all, each costing at least ``c``
+    when recomputed in the backward, which gives the writes no time) or written since layer ``m``'s forward
+    began: at most ``w x (tau_P - start_m + sigma)``, ``tau_P`` the time to the end of ``P``'s layer's forward
+    or backward in no offload's step (after all of the step outside the layers, for the head's gap and the
+    backward: in the plan's favour), ``sigma`` the stalls a plan adds before it. So ``D + w sigma >= A - B``,
+    ``A`` the largest ``F_P - S_<m - w (tau_P - start_m)``.
+
+    In the backward, what is off at layer ``j``'s backward and lies in layers ``k..j`` (at least ``g - S_<k``)
+    must be back before layer ``k``'s backward starts: recomputed (within ``D``) or read, at most ``r x
+    (T_kj + X)``, ``T_kj`` no offload's backward time from layer ``j``'s start to ``k``'s. So ``D + r X >=
+    Q - B``, ``Q`` the largest ``F_P - S_<k - r T_kj``. ``w`` and ``r`` are the tiers' rates summed (the SSD's
+    do not share the link); the step adds ``X >= sigma + c D``, ``D`` at most every layer's saved bytes less
+    its inputs. Below ``floor_gb`` no plan fits: some point needs more off the device than exists.
+
+    The footprints are the profiling step's; where the largest of them (``model_peak_gb``) is above no
+    offload's measured peak, every point is lowered by the difference (``shift_gb``), in the plan's favour.
+    """
+    feet = footprints(profiles)
+    n = len(profiles)
+    fwd = [p.fwd_s for p in profiles]
+    start = [sum(fwd[:m]) for m in range(n + 1)]  # start[m]: layer m's forward begins; start[n]: the end
+    saved_before = [sum(p.saved_bytes for p in profiles[:m]) / GB for m in range(n + 1)]
+    outside = max(0.0, t_none - sum(p.fwd_s + p.bwd_s for p in profiles))
+    model_peak = max(feet) / GB
+    shift = max(0.0, model_peak - p_none / GB)
+    # (name, footprint less the shift, write deadline tau, the layers whose bytes may be off: 0..top)
+    points: list[tuple[str, float, float, int]] = []
+    for i in range(n):
+        points.append((f"forward {i}", feet[2 * i] / GB - shift, start[i + 1], i))
+        gap = start[i + 1] + (outside if i == n - 1 else 0.0)
+        points.append((f"gap after {i}", feet[2 * i + 1] / GB - shift, gap, i))
+    for k, j in enumerate(range(n - 1, -1, -1)):
+        tau = start[n] + outside + sum(p.bwd_s for p in profiles[j:])
+        points.append((f"backward {j}", feet[2 * n + k] / GB - shift, tau, j))
+    w = sum(b.write_Bps for b in bandwidths) / GB
+    r = sum(b.read_Bps for b in bandwidths) / GB
+    writes = max(
+        (
+            (f - saved_before[m] - w * (tau - start[m]), name, m)
+            for name, f, tau, top in points
+            for m in range(top + 1)
+        ),
+    )
+    reads = max(
+        (
+            (f - saved_before[k] - r * sum(p.bwd_s for p in profiles[k + 1 : top + 1]), name, k)
+            for name, f, _, top in points
+            if name.startswith("backward")
+            for k in range(top + 1)
+        ),
+    )
+    floor = max((f - saved_before[top + 1], name) for name, f, _, top in points)
+    return {
+        "model_peak_gb": model_peak,
+        "shift_gb": shift,
+        "write_need_gb": writes[0],
+        "write_binding": f"{writes[1]}, layers from {writes[2]}",
+        "read_need_gb": reads[0],
+        "read_binding": f"{reads[1]}, back by layer {reads[2]}'s backward",
+        "floor_gb": floor[0],
+        "floor_binding": floor[1],
+        "droppable_gb": sum(max(0, p.saved_bytes - p.input_bytes) for p in profiles) / GB,
+        "write_GBps": w,
+        "read_GBps": r,
+        "cost_s_per_gb": cost_s_per_byte * GB,
+    }
+
+
+def timeline_extra_s(tl: dict[str, Any], budget_gb: float) -> float:
+    """The least time ``X`` any plan under ``budget_gb`` adds to no offload's step by :func:`timeline_bound`'s
+    constraints (``inf`` below its ``floor_gb``). ``X`` is convex and piecewise linear in the dropped bytes
+    ``D``, so its least value lies at ``D`` = 0, every droppable byte, or where two of its pieces meet."""
+    if budget_gb < tl["floor_gb"]:
+        return float("inf")
+    c, w, r, dmax = tl["cost_s_per_gb"], tl["write_GBps"], tl["read_GBps"], tl["droppable_gb"]
+    a, q = tl["write_need_gb"] - budget_gb, tl["read_need_gb"] - budget_gb
+
+    def extra(d: float) -> float:
+        if (a > d and w <= 0) or (q > d and r <= 0):
+            return float("inf")
+        stall = max(0.0, a - d) / w if a > d else 0.0
+        return max(stall + c * d, (q - d) / r if q > d else 0.0, 0.0)
+
+    candidates = [0.0, dmax, a, q]
+    if r > 0:
+        candidates.append(q / (1 + r * c))
+        if w > 0 and c - 1 / w + 1 / r != 0:
+            candidates.append((q / r - a / w) / (c - 1 / w + 1 / r))
+    return min(extra(min(max(d, 0.0), dmax)) for d in candidates)
+
+
 def bound_step_s(bound: dict[str, Any], window: str, budget_gb: float) -> float:
-    """:func:`lower_bound`'s step time at ``budget_gb`` of activation peak, with its ``window``."""
+    """:func:`lower_bound`'s step time at ``budget_gb`` of activation peak, with its ``window``
+    (``"timeline"``: the larger of ``"until_peak"`` and the bound on the profiled memory timeline)."""
+    if window == "timeline":
+        tl = bound["timeline"]
+        return max(
+            bound_step_s(bound, "until_peak", budget_gb),
+            bound["no_offload_step_s"] + timeline_extra_s(tl, budget_gb),
+        )
     c, bw = bound["cost_s_per_gb"][bound["cheapest"]], bound["write_GBps"]
     left_gb = bound["no_offload_peak_gb"] - budget_gb - bound["windows"][window]["movable_gb"]
     return bound["no_offload_step_s"] + c * max(0.0, left_gb) / (1 + c * bw)

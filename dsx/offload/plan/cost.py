@@ -42,7 +42,7 @@ from dsx.offload.align import align_up
 from dsx.offload.plan.types import GB, Action, LayerProfile, cap_floor
 from dsx.runtime.bandwidth import TierBandwidth
 
-__all__ = ["movable", "simulate", "tier_capacity", "tier_usage"]
+__all__ = ["footprints", "movable", "simulate", "tier_capacity", "tier_usage"]
 
 
 def _sizes(p: LayerProfile, a: Action) -> list[int]:
@@ -198,6 +198,16 @@ def simulate(
     docstring); ``caps[i]`` bounds the bytes an offloaded layer ``i`` moves (the rest of its saved bytes stays)."""
     t, stall, footprints = _timeline(profiles, actions, bw, depth, caps)
     return t, stall, max(footprints)
+
+
+def footprints(profiles: list[LayerProfile], actions: list[Action] | None = None) -> list[int]:
+    """The activation footprint at every point the module docstring lists, in step order: each layer's
+    forward and the gap after it (layers 0..n-1), then each layer's backward (n-1..0). ``actions`` default to
+    keeping every layer (no tier is then needed)."""
+    actions = actions or [Action.KEEP] * len(profiles)
+    if any(a.moved for a in actions):
+        raise ValueError("footprints() takes keep / recompute actions only: moves need the tiers' bandwidths")
+    return _timeline(profiles, actions, {}, 0)[2]
 
 
 def _timeline(
