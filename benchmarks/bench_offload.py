@@ -25,6 +25,13 @@ of megatron-core layers was seen to keep ~3.8 GB per layer allocated between ste
     python benchmarks/bench_offload.py --hidden 2048 --layers 8 --seq-len 2048 --micro-batch 8
     python benchmarks/bench_offload.py --quick        # CPU smoke test with the small torch GPT
 
+Capacity: ``--micro-batches`` and ``--seq-lens`` run configs at several sizes (rows ``config@mbN``,
+``config@seqN``; a run out of memory is an error row) and the JSON gives the largest each trained and each dsx
+config's tokens/s at the largest the best of the others trained:
+
+    python benchmarks/bench_offload.py --model llama --offload-optimizer --configs recompute dsx_auto_budget \
+        --seq-lens 32768,65536 --auto-budget-gb 60
+
 ``--memory-history DIR`` (CUDA) records the allocator over the measured steps and writes what is allocated at
 their peak, grouped by the line that allocated it (``_memory_trace.py``): where a plan's measured peak and its
 prediction part, this says which tensors make the difference.
@@ -633,6 +640,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="micro-batches to run (rows named config@mbN), for every config or for one "
                         "(e.g. none=14,15,16 recompute=32,48): the largest that trains without dsx against the "
                         "largest dsx makes room for")  # fmt: skip
+    p.add_argument("--seq-lens", nargs="+", default=None, metavar="[CONFIG=]N[,N...]",
+                   help="sequence lengths to run (rows named config@seqN), for every config or for one: the "
+                        "longest each trains, and each dsx config's tokens/s at the longest the best of the "
+                        "others trains (with --auto-budget-gb, a fixed budget at every length)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of every config, interleaved (the JSON gives each config's median and spread)")  # fmt: skip
@@ -694,47 +705,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return {}
         if args.in_process:
             _init_distributed()
-        sizes = _micro_batches(args)
+        sizes = _per_config(args.micro_batches, args.micro_batch, "--micro-batches")
+        seqs = _per_config(args.seq_lens, args.seq_len, "--seq-lens")
         # --repeats interleaves: every config once, then every config again, so that a drift of the machine
         # over the run falls on all of them alike
         runs = [
-            (name, scale, mb)
+            (name, scale, mb, seq)
             for _ in range(args.repeats)
             for name in args.configs
+            for seq in seqs[name]
             for mb in sizes[name]
             for scale in (args.budget_scales if name in NEEDS_BUDGET else [1.0])
         ]
-        for name, scale, mb in runs:
+        for name, scale, mb, seq in runs:
             budget: float | None = None
+            res: dict[str, Any] | None = None
             if name in NEEDS_BUDGET and args.auto_budget_gb is not None:
                 budget = scale * args.auto_budget_gb * 1e9 / 2**30
             elif name in NEEDS_BUDGET:
                 rec = next((r for r in results if r["config"].split("@")[0] == "recompute"
-                            and r.get("micro_batch") == mb and "error" not in r), None)  # fmt: skip
+                            and r.get("micro_batch") == mb and r.get("seq_len") == seq and "error" not in r), None)  # fmt: skip
                 if rec is None or rec["activation_peak_gb"] <= 0:
-                    results.append({"config": name, "micro_batch": mb,
-                                    "error": f"needs a measured 'recompute' peak at micro-batch {mb} (GPU run)"})  # fmt: skip
-                    continue
-                budget = scale * rec["activation_peak_gb"] * 1e9 / 2**30
-            run_args = _with_mb(args, mb)
-            if name == "none_copies" and args.copy_gb is None:
-                run_args.copy_gb = _hide_written_gb(results, mb)
-            if args.in_process:
-                res = _guarded(name, run_args, ssd, budget)
-            else:
-                child_argv = [*(argv if argv is not None else sys.argv[1:]), "--micro-batch", str(mb)]
-                if run_args.copy_gb is not None and args.copy_gb is None:
-                    child_argv += ["--copy-gb", str(run_args.copy_gb)]
-                # bandwidth-bound configs (SSD on a slow disk, synchronous copies) get twice the time
-                res = _child(name, child_argv, budget, args.child_timeout * (2 if name in SLOW else 1))
-            if name in SSD_ONLY and "error" not in res:
-                # the drive's own rate, measured beside the run, as `dsx report --io` measures it
-                res["drive_GBps"] = _drive_rates(ssd, 64 if args.quick else 2048)
+                    res = {"config": name, "error": f"needs a measured 'recompute' peak at micro-batch {mb}, "
+                                                    f"sequence {seq} (GPU run)"}  # fmt: skip
+                else:
+                    budget = scale * rec["activation_peak_gb"] * 1e9 / 2**30
+            if res is None:
+                res = _run_one(name, args, argv, mb, seq, budget, results, ssd)
             if scale != 1.0:
                 res["config"] = f"{name}@{scale:g}x"
-            res["micro_batch"] = mb
+            res["micro_batch"], res["seq_len"] = mb, seq
             if args.micro_batches:
                 res["config"] = f"{res['config']}@mb{mb}"
+            if args.seq_lens:
+                res["config"] = f"{res['config']}@seq{seq}"
             if budget is not None:
                 res["budget_gb"] = budget * 2**30 / 1e9
             results.append(res)
@@ -748,16 +752,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return out
 
 
-def _micro_batches(args: argparse.Namespace) -> dict[str, list[int]]:
-    """``--micro-batches`` per config (ascending), ``--micro-batch`` where it names none."""
+def _run_one(
+    name: str,
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    mb: int,
+    seq: int,
+    budget: float | None,
+    results: list[dict[str, Any]],
+    ssd: str,
+) -> dict[str, Any]:
+    """One config at one micro-batch and sequence length: in this process (``--in-process``) or its own."""
+    run_args = argparse.Namespace(**{**vars(args), "micro_batch": mb, "seq_len": seq})
+    if name == "none_copies" and args.copy_gb is None:
+        run_args.copy_gb = _hide_written_gb(results, mb)
+    if args.in_process:
+        res = _guarded(name, run_args, ssd, budget)
+    else:
+        child_argv = [
+            *(argv if argv is not None else sys.argv[1:]),
+            "--micro-batch",
+            str(mb),
+            "--seq-len",
+            str(seq),
+        ]
+        if run_args.copy_gb is not None and args.copy_gb is None:
+            child_argv += ["--copy-gb", str(run_args.copy_gb)]
+        # bandwidth-bound configs (SSD on a slow disk, synchronous copies) get twice the time
+        res = _child(name, child_argv, budget, args.child_timeout * (2 if name in SLOW else 1))
+    if name in SSD_ONLY and "error" not in res:
+        # the drive's own rate, measured beside the run, as `dsx report --io` measures it
+        res["drive_GBps"] = _drive_rates(ssd, 64 if args.quick else 2048)
+    return res
+
+
+def _per_config(items: list[str] | None, default: int, flag: str) -> dict[str, list[int]]:
+    """``--micro-batches`` / ``--seq-lens`` per config (ascending), ``default`` where they name none."""
     every: list[int] = []
     per: dict[str, list[int]] = {}
-    for item in args.micro_batches or []:
+    for item in items or []:
         name, _, sizes = item.rpartition("=")
         if name and name not in ALL_CONFIGS:
-            raise SystemExit(f"--micro-batches: unknown config {name!r}; choose from {ALL_CONFIGS}")
+            raise SystemExit(f"{flag}: unknown config {name!r}; choose from {ALL_CONFIGS}")
         (per.setdefault(name, []) if name else every).extend(int(v) for v in sizes.split(","))
-    return {c: sorted(per.get(c) or every or [args.micro_batch]) for c in ALL_CONFIGS}
+    return {c: sorted(per.get(c) or every or [default]) for c in ALL_CONFIGS}
 
 
 def _hide_written_gb(results: list[dict[str, Any]], mb: int) -> float | None:
@@ -769,25 +807,34 @@ def _hide_written_gb(results: list[dict[str, Any]], mb: int) -> float | None:
     return None
 
 
-def _with_mb(args: argparse.Namespace, mb: int) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), "micro_batch": mb})
-
-
-def _largest_micro_batch(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per config (the part of the name before ``@mb``): the largest micro-batch that trained, its
-    tokens/s, and the ratio of each dsx config's to no offload's."""
+def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any]:
+    """Per config (the part of the name before ``@<tag>``): the largest ``key`` (``micro_batch``, ``seq_len``)
+    that trained in the rows tagged ``@<tag>``, and its tokens/s; each dsx config's tokens/s against no
+    offload's at their largest; and ``at_best_peer``: the peer (a config not named ``dsx*``) that trained the
+    largest (the faster one on a tie), and each dsx config's tokens/s at that size against the peer's."""
     best: dict[str, dict[str, Any]] = {}
+    tps: dict[tuple[str, int], float] = {}
     for r in results:
-        if "error" in r or "@mb" not in r["config"]:
+        if "error" in r or f"@{tag}" not in r["config"]:
             continue
-        name = r["config"].split("@mb")[0]
-        if name not in best or r["micro_batch"] > best[name]["micro_batch"]:
-            best[name] = {"micro_batch": r["micro_batch"], "tokens_per_s": r["tokens_per_s"]}
+        name = r["config"].split(f"@{tag}")[0]  # (a later tag, @seq after @mb, goes with it)
+        tps[(name, r[key])] = max(tps.get((name, r[key]), 0.0), r["tokens_per_s"])
+        if name not in best or r[key] > best[name][key]:
+            best[name] = {key: r[key], "tokens_per_s": r["tokens_per_s"]}
     out: dict[str, Any] = {"largest": best}
     if "none" in best:
         for name, b in best.items():
             if name != "none":
                 out[f"{name}_vs_none_tokens_per_s"] = b["tokens_per_s"] / best["none"]["tokens_per_s"]
+    peers = [n for n in best if not n.startswith("dsx")]
+    if peers:
+        peer = max(peers, key=lambda n: (best[n][key], best[n]["tokens_per_s"]))
+        size = best[peer][key]
+        at = {"peer": peer, key: size, "peer_tokens_per_s": best[peer]["tokens_per_s"]}
+        for name in best:
+            if name.startswith("dsx") and (name, size) in tps:
+                at[f"{name}_vs_peer_tokens_per_s"] = tps[(name, size)] / best[peer]["tokens_per_s"]
+        out["at_best_peer"] = at
     return out
 
 
@@ -859,7 +906,9 @@ def _write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
             )
             ratios[f"best_dsx_within_{base}_peak_config"] = best["config"]  # type: ignore[assignment]
     if args.micro_batches:
-        ratios["largest_micro_batch"] = _largest_micro_batch(results)  # type: ignore[assignment]
+        ratios["largest_micro_batch"] = _largest(results, "micro_batch", "mb")  # type: ignore[assignment]
+    if args.seq_lens:
+        ratios["longest_sequence"] = _largest(results, "seq_len", "seq")  # type: ignore[assignment]
     for r in ok.values():
         if r["config"].startswith("dsx_auto_hide") and r.get("plan"):
             bound = r["plan"]["bound"]

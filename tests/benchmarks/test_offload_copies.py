@@ -110,3 +110,47 @@ def test_a_drive_that_cannot_be_measured_is_recorded_and_left_out(tmp_path) -> N
         and entry["drive_read_GBps"] == [1.0]
         and entry["read_fraction"] == 1.5
     )
+
+
+def test_the_longest_sequence_and_the_speed_at_the_best_peers() -> None:
+    """Capacity over sequence lengths: per config the longest that trained (an error row, out of memory,
+    does not count), and each dsx config's tokens/s at the longest the best peer trained, against the peer's."""
+    rows = [
+        {"config": "none@seq8", "seq_len": 8, "tokens_per_s": 100.0},
+        {"config": "none@seq16", "seq_len": 16, "error": "CUDA out of memory"},
+        {"config": "recompute@seq16", "seq_len": 16, "tokens_per_s": 80.0},
+        {"config": "recompute@seq32", "seq_len": 32, "tokens_per_s": 70.0},
+        {"config": "ds_cpu_ckpt@seq32", "seq_len": 32, "tokens_per_s": 60.0},
+        {"config": "dsx_auto_budget@seq32", "seq_len": 32, "tokens_per_s": 91.0},
+        {"config": "dsx_auto_budget@seq64", "seq_len": 64, "tokens_per_s": 84.0},
+        {"config": "recompute@mb2", "micro_batch": 2, "tokens_per_s": 1e9},  # another sweep's row
+    ]
+    out = bench_offload._largest(rows, "seq_len", "seq")
+    assert out["largest"] == {"none": {"seq_len": 8, "tokens_per_s": 100.0},
+                              "recompute": {"seq_len": 32, "tokens_per_s": 70.0},
+                              "ds_cpu_ckpt": {"seq_len": 32, "tokens_per_s": 60.0},
+                              "dsx_auto_budget": {"seq_len": 64, "tokens_per_s": 84.0}}  # fmt: skip
+    # recompute and cpu_checkpointing both reach 32: the faster of the two is the peer
+    at = out["at_best_peer"]
+    assert at["peer"] == "recompute" and at["seq_len"] == 32 and at["peer_tokens_per_s"] == 70.0
+    assert at["dsx_auto_budget_vs_peer_tokens_per_s"] == 91.0 / 70.0
+    assert out["dsx_auto_budget_vs_none_tokens_per_s"] == 84.0 / 100.0
+
+
+def test_a_sequence_sweep_runs_every_length_and_names_its_rows(tmp_path) -> None:
+    """Real engines on the CPU: rows per length, named config@seqN, with the length they ran at; a dsx
+    budget config without a measured recompute peak at that length says so."""
+    import json
+
+    bench_offload.main(["--quick", "--in-process", "--configs", "none", "recompute", "dsx_auto_budget",
+                        "--seq-lens", "16,32", "recompute=32", "--out", str(tmp_path), "--name", "cap"])  # fmt: skip
+    saved = json.loads((tmp_path / "cap.json").read_text())
+    rows = {r["config"]: r for r in saved["results"]}
+    assert set(rows) == {"none@seq16", "none@seq32", "recompute@seq32", "dsx_auto_budget@seq16",
+                         "dsx_auto_budget@seq32"}, sorted(rows)  # fmt: skip
+    for name in ("none@seq16", "none@seq32", "recompute@seq32"):
+        r = rows[name]
+        assert "error" not in r and r["seq_len"] == int(name.rsplit("seq", 1)[1]), r
+        assert r["tokens_per_s"] == r["micro_batch"] * r["seq_len"] / r["step_s"]
+    assert "sequence 16" in rows["dsx_auto_budget@seq16"]["error"]  # recompute ran at 32 only
+    assert saved["ratios"]["longest_sequence"]["largest"]["none"]["seq_len"] == 32
