@@ -57,7 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _kernel_trace
 import _memory_trace
-from _common import add_common_args, environment, host_probe_s, save_png, write_json
+from _common import add_common_args, environment, host_probe_s, save_png, utc_now, write_json
 from _hook_offload import SavedTensorOffload
 from _megatron_offload import (
     OFFLOAD_SETS,
@@ -649,6 +649,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="runs of every config, interleaved (the JSON gives each config's median and spread)")  # fmt: skip
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--name", default="bench_offload", help="JSON/PNG file name (several runs side by side)")
+    p.add_argument("--merge", action="store_true",
+                   help="add this run's rows to <out>/<name>.json (same model and step settings), replacing "
+                        "rows of the same name: a sweep too long for one job runs in parts, and a budget "
+                        "relative to recompute's peak may use the earlier part's measurement")  # fmt: skip
     p.add_argument("--pool-gb", type=float, default=40.0, help="host pool and SSD file size per config")
     p.add_argument("--ssd-dir", default=None, help="directory on the SSD (default: a temporary directory)")
     p.add_argument("--budget-scales", type=float, nargs="+", default=[1.0],
@@ -697,7 +701,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:
         args.hidden, args.layers, args.heads, args.seq_len, args.micro_batch = 64, 2, 2, 32, 2
         args.warmup, args.steps, args.pool_gb = 2, 2, 0.25  # auto: its warm-up steps, then the profiled one
-    results: list[dict[str, Any]] = []
+    earlier, parts = _earlier(args) if args.merge and not args.one else ([], [])
+    parts.append({"utc": utc_now(), "configs": args.configs, "budget_scales": args.budget_scales})
+    new: list[dict[str, Any]] = []  # this run's rows
+    results = [*earlier, *new]
     with tempfile.TemporaryDirectory(dir=args.ssd_dir) as ssd:
         if args.one:
             _init_distributed()
@@ -741,13 +748,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 res["config"] = f"{res['config']}@seq{seq}"
             if budget is not None:
                 res["budget_gb"] = budget * 2**30 / 1e9
-            results.append(res)
-            _write(results, args)  # after every config: a run cut short still leaves its JSON
+            new.append(res)
+            # (a merged file's row of the same name is replaced by this run's)
+            earlier = [r for r in earlier if r["config"] != res["config"]]
+            results = [*earlier, *new]
+            _write(results, args, parts)  # after every config: a run cut short still leaves its JSON
             print(
                 json.dumps({k: v for k, v in res.items() if k not in ("losses", "telemetry", "plan")}),
                 flush=True,
             )
-    out = _write(results, args)
+    out = _write(results, args, parts)
     _plot(results, args.out, args.name)
     return out
 
@@ -882,8 +892,37 @@ def _medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    """The JSON of the results so far, with the throughput ratios the targets are stated in."""
+# what rows merged into one file must share (the model, its step, the optimizer); configs, sizes and budgets may
+# differ from part to part
+MERGE_SAME = ("model", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "seq_len", "micro_batch", "warmup",
+              "steps", "adam", "offload_optimizer", "pool_gb", "quick")  # fmt: skip
+
+
+def _earlier(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``--merge``: the rows and parts of ``<out>/<name>.json`` (none if it does not exist); a file made with
+    other model or step settings is refused, naming them."""
+    path = Path(args.out) / f"{args.name}.json"
+    if not path.exists():
+        return [], []
+    before = json.loads(path.read_text())
+    theirs = before.get("config", {})
+    differ = {k: (theirs.get(k), vars(args)[k]) for k in MERGE_SAME if theirs.get(k) != vars(args)[k]}
+    if differ:
+        raise SystemExit(
+            f"--merge: {path} was run with other settings {differ} (theirs, this run's); run with the same "
+            "settings, or write to another --name"
+        )
+    parts = before.get("parts") or [
+        {"utc": (before.get("env") or {}).get("date_utc"), "configs": theirs.get("configs")}
+    ]
+    return list(before.get("results", [])), list(parts)
+
+
+def _write(
+    results: list[dict[str, Any]], args: argparse.Namespace, parts: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The JSON of the results so far, with the throughput ratios the targets are stated in; ``parts``: when
+    each run merged into the file ran, and what it ran."""
     ok = _medians([r for r in results if "error" not in r])
     ratios: dict[str, Any] = {}
     for a, b in [("dsx_auto_budget", "recompute"), ("dsx_host_sel", "ds_cpu_ckpt"), ("dsx_auto_budget_sel", "recompute"),
@@ -938,7 +977,7 @@ def _write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
     drive = _tier_vs_drive([r for r in results if "error" not in r])
     if drive:
         ratios["ssd_tier_vs_drive"] = drive
-    out = {"name": "bench_offload", "env": environment(), "config": vars(args),
+    out = {"name": "bench_offload", "env": environment(), "config": vars(args), "parts": parts or [],
            "model": "megatron-core GPTModel" if _megatron(args) else "dsx torch GPT",
            "results": results, "ratios": ratios}  # fmt: skip
     write_json(out, args.out, args.name)

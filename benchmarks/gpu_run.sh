@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # dsx's checks on a GPU machine, as named suites; each fits one 10-minute command on one H100.
 #   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | hetero | hetero-scale | hetero-large |
-#                                         offload | offload-hide | offload-8b | offload-8b-peers | offload-long |
+#                                         offload | offload-hide | offload-8b | offload-8b-peers |
+#                                         offload-8b-sweep [1|2] | offload-8b-megatron | offload-long |
 #                                         offload-ssd | main | wheel
 # Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
 # docs/performance.md cites) and a copy to $OUT/results/. docs/performance.md, "GPU suites", says what each runs.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-long|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2]|offload-8b-megatron|offload-long|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -92,6 +93,24 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 8192 --micro-batch 2 --warmup 2 --steps 4 --repeats 3 \
       --pool-gb 40 --adam fused --child-timeout 120 --configs recompute ds_cpu_ckpt hooks_offload dsx_auto_budget \
       --name bench_offload_8b_peers --out "$RES"
+    keep bench_offload_8b_peers ;;
+  offload-8b-sweep)  # dsx over budgets at the 8B shape, merged into bench_offload_8b.json beside its none, recompute
+                    # and dsx at recompute's peak (budgets as multiples of that run's recompute peak): part 1 (the
+                    # default) 1.15x 1.3x 1.5x, part 2 1.75x 2x, 3 interleaved runs each; then the frontier again
+    scales="1.15 1.3 1.5"; [ "${2:-1}" = 2 ] && scales="1.75 2"
+    run bench-offload-8b-sweep 480 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
+      --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 8192 --micro-batch 2 --warmup 2 --steps 4 --repeats 3 \
+      --pool-gb 40 --adam fused --child-timeout 120 --configs dsx_auto_budget --budget-scales $scales --merge \
+      --name bench_offload_8b --out "$RES"
+    run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" --config dsx_auto_budget \
+      --name plan_frontier_8b --out "$RES"
+    keep bench_offload_8b plan_frontier_8b ;;
+  offload-8b-megatron)  # megatron-core's own ways at the 8B shape, merged into bench_offload_8b_peers.json: selective
+                        # recompute and fine-grained offload of the attention core, of all of attention, of every set
+    run bench-offload-8b-megatron 540 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
+      --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 8192 --micro-batch 2 --warmup 2 --steps 4 --repeats 3 \
+      --pool-gb 40 --adam fused --child-timeout 120 --configs megatron_selective megatron_offload_core_attn \
+      megatron_offload_attn megatron_offload_all --merge --name bench_offload_8b_peers --out "$RES"
     keep bench_offload_8b_peers ;;
   offload-long)  # long context: six Llama-3-8B layers at sequence 32768 (as many as fit without offload, which the
                  # bound needs): no offload, full recompute and dsx at recompute's peak, 3 interleaved runs; the bound

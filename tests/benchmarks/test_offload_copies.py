@@ -154,3 +154,25 @@ def test_a_sequence_sweep_runs_every_length_and_names_its_rows(tmp_path) -> None
         assert r["tokens_per_s"] == r["micro_batch"] * r["seq_len"] / r["step_s"]
     assert "sequence 16" in rows["dsx_auto_budget@seq16"]["error"]  # recompute ran at 32 only
     assert saved["ratios"]["longest_sequence"]["largest"]["none"]["seq_len"] == 32
+
+
+def test_a_run_merged_into_an_earlier_file_keeps_its_rows_and_replaces_same_named_ones(tmp_path) -> None:
+    """--merge: a sweep in parts. The second part's rows join the first's; a row it runs again replaces the
+    earlier one; the file records both parts; a part with other model or step settings is refused."""
+    import json
+
+    import pytest
+
+    common = ["--quick", "--in-process", "--out", str(tmp_path), "--name", "m"]
+    bench_offload.main([*common, "--configs", "none", "recompute"])
+    first = json.loads((tmp_path / "m.json").read_text())
+    bench_offload.main([*common, "--configs", "none", "--merge"])
+    saved = json.loads((tmp_path / "m.json").read_text())
+    assert sorted(r["config"] for r in saved["results"]) == ["none", "recompute"]
+    by = {r["config"]: r for r in saved["results"]}
+    assert by["recompute"] == next(r for r in first["results"] if r["config"] == "recompute")
+    assert by["none"]["measured_window_unix"] != first["results"][0]["measured_window_unix"]
+    assert [p["configs"] for p in saved["parts"]] == [["none", "recompute"], ["none"]]
+    with pytest.raises(SystemExit, match=r"--merge: .* other settings \{'adam': \('foreach', 'fused'\)\}"):
+        bench_offload.main([*common, "--configs", "none", "--merge", "--adam", "fused"])
+    assert json.loads((tmp_path / "m.json").read_text()) == saved  # the refused part changed nothing
