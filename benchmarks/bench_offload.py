@@ -45,6 +45,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -131,7 +132,7 @@ def _ds_config(
 
 
 def _trace_path(args: argparse.Namespace, name: str) -> str | None:
-    return None if args.trace is None else str(Path(args.trace) / f"trace_{name}_mb{args.micro_batch}.json")
+    return None if args.trace is None else str(Path(args.trace) / f"trace_{name}{_size_tag(args)}.json")
 
 
 def _megatron(args: argparse.Namespace) -> bool:
@@ -328,7 +329,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     if args.memory_history and dev.type == "cuda":
         # one file per budget: a config runs at several (--budget-scales)
         tag = f"_budget{budget_gb:.2f}gib" if budget_gb is not None else ""
-        path = Path(args.memory_history) / f"memory_{name}{tag}_mb{args.micro_batch}.json"
+        path = Path(args.memory_history) / f"memory_{name}{tag}{_size_tag(args)}.json"
         memory = _memory_trace.stop_and_write(str(path), f"{name} micro-batch {args.micro_batch}")
         memory = {"path": str(path), "peak_bytes_since_recording": memory["peak_bytes_since_recording"]}
     alloc_counts = _allocator_counts() if dev.type == "cuda" else {}
@@ -376,7 +377,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     if args.kernel_trace and dev.type == "cuda":  # one more step, after the measured ones, under the profiler
         from torch.profiler import ProfilerActivity, profile
 
-        path = Path(args.kernel_trace) / f"ktrace_{name}_mb{args.micro_batch}.json"
+        path = Path(args.kernel_trace) / f"ktrace_{name}{_size_tag(args)}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -775,7 +776,7 @@ def _run_one(
     """One config at one micro-batch and sequence length: in this process (``--in-process``) or its own."""
     run_args = argparse.Namespace(**{**vars(args), "micro_batch": mb, "seq_len": seq})
     if name == "none_copies" and args.copy_gb is None:
-        run_args.copy_gb = _hide_written_gb(results, mb)
+        run_args.copy_gb = _hide_written_gb(results, mb, seq)
     if args.in_process:
         res = _guarded(name, run_args, ssd, budget)
     else:
@@ -796,6 +797,11 @@ def _run_one(
     return res
 
 
+def _size_tag(args: argparse.Namespace) -> str:
+    """The sizes in a run's file names: its micro-batch, and its sequence length in a sequence sweep."""
+    return f"_mb{args.micro_batch}" + (f"_seq{args.seq_len}" if args.seq_lens else "")
+
+
 def _per_config(items: list[str] | None, default: int, flag: str) -> dict[str, list[int]]:
     """``--micro-batches`` / ``--seq-lens`` per config (ascending), ``default`` where they name none."""
     every: list[int] = []
@@ -808,35 +814,39 @@ def _per_config(items: list[str] | None, default: int, flag: str) -> dict[str, l
     return {c: sorted(per.get(c) or every or [default]) for c in ALL_CONFIGS}
 
 
-def _hide_written_gb(results: list[dict[str, Any]], mb: int) -> float | None:
-    """The median GB a step that this invocation's ``dsx_auto_hide`` run at micro-batch ``mb`` wrote, if any."""
+def _hide_written_gb(results: list[dict[str, Any]], mb: int, seq: int | None = None) -> float | None:
+    """The median GB a step that this invocation's ``dsx_auto_hide`` run at micro-batch ``mb`` (and sequence
+    length ``seq``, where given) wrote, if any."""
     for r in results:
         written = (r.get("telemetry") or {}).get("written_gb_per_measured_step")
-        if r["config"].split("@")[0] == "dsx_auto_hide" and r.get("micro_batch") == mb and written:
+        same = r.get("micro_batch") == mb and (seq is None or r.get("seq_len") == seq)
+        if r["config"].split("@")[0] == "dsx_auto_hide" and same and written:
             return statistics.median(written)
     return None
 
 
 def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any]:
-    """Per config (the part of the name before ``@<tag>``): the largest ``key`` (``micro_batch``, ``seq_len``)
-    that trained in the rows tagged ``@<tag>``, and its tokens/s; each dsx config's tokens/s against no
-    offload's at their largest; and ``at_best_peer``: the peer (a config not named ``dsx*``) that trained the
-    largest (the faster one on a tie), and each dsx config's tokens/s at that size against the peer's."""
-    best: dict[str, dict[str, Any]] = {}
-    tps: dict[tuple[str, int], float] = {}
+    """Per config (its name without the ``@<tag>N`` part): the largest ``key`` (``micro_batch``, ``seq_len``)
+    that trained in the rows tagged ``@<tag>``, and its median tokens/s there over the repeats; each dsx
+    config's tokens/s against no offload's (the same other tags) at their largest; and ``at_best_peer``: the
+    peer (a config not named ``dsx*``; not ``none_copies``, a diagnostic) that trained the largest (the faster
+    one on a tie), and each dsx config's median tokens/s at that size against the peer's."""
+    runs: dict[tuple[str, int], list[float]] = {}
     for r in results:
         if "error" in r or f"@{tag}" not in r["config"]:
             continue
-        name = r["config"].split(f"@{tag}")[0]  # (a later tag, @seq after @mb, goes with it)
-        tps[(name, r[key])] = max(tps.get((name, r[key]), 0.0), r["tokens_per_s"])
-        if name not in best or r[key] > best[name][key]:
-            best[name] = {key: r[key], "tokens_per_s": r["tokens_per_s"]}
+        name = re.sub(rf"@{tag}\d+", "", r["config"])
+        runs.setdefault((name, r[key]), []).append(r["tokens_per_s"])
+    tps = {k: statistics.median(v) for k, v in runs.items()}
+    best: dict[str, dict[str, Any]] = {}
+    for (name, size), t in sorted(tps.items()):
+        best[name] = {key: size, "tokens_per_s": t}  # (ascending sizes: the last is the largest)
     out: dict[str, Any] = {"largest": best}
-    if "none" in best:
-        for name, b in best.items():
-            if name != "none":
-                out[f"{name}_vs_none_tokens_per_s"] = b["tokens_per_s"] / best["none"]["tokens_per_s"]
-    peers = [n for n in best if not n.startswith("dsx")]
+    for name, b in best.items():
+        base = "none" + name[len(name.split("@")[0]) :]
+        if name != base and base in best:
+            out[f"{name}_vs_none_tokens_per_s"] = b["tokens_per_s"] / best[base]["tokens_per_s"]
+    peers = [n for n in best if not n.startswith(("dsx", "none_copies"))]
     if peers:
         peer = max(peers, key=lambda n: (best[n][key], best[n]["tokens_per_s"]))
         size = best[peer][key]
@@ -915,7 +925,12 @@ def _earlier(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
     parts = before.get("parts") or [
         {"utc": (before.get("env") or {}).get("date_utc"), "configs": theirs.get("configs")}
     ]
-    return list(before.get("results", [])), list(parts)
+    # (rows from before sizes were recorded per row ran at the file's own sizes)
+    rows = [
+        {"micro_batch": theirs.get("micro_batch"), "seq_len": theirs.get("seq_len"), **r}
+        for r in before.get("results", [])
+    ]
+    return rows, list(parts)
 
 
 def _write(

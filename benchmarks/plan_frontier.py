@@ -195,8 +195,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def against(
     points: dict[str, dict[str, float]], bound: dict[str, Any], front: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """Each dsx point's step over the lower bound at its measured peak (``timeline``; ``until_peak`` in runs
-    from before it) and over the
+    """Each dsx point's step over the lower bound at its measured peak (``timeline``; None, and
+    ``below_bound_floor``, where no plan could reach that peak by the bound: the bound would be wrong) and over the
     planner's own best prediction within that peak (``front``: the frontier with the run's tiers), and the
     peers (configs not named ``dsx*``; not ``none_copies``, a diagnostic that moves bytes without freeing any)
     that peak at the same or less memory and step faster: the points that show dsx's curve not dominating.
@@ -206,18 +206,21 @@ def against(
     for cfg, r in points.items():
         if not cfg.startswith("dsx"):
             continue
-        at = bound_step_s(bound, "timeline" if "timeline" in bound else "until_peak", r["activation_peak_gb"])
+        at = bound_step_s(bound, "timeline", r["activation_peak_gb"])
         faster = sorted(p for p, q in peers.items()
                         if q["activation_peak_gb"] <= r["activation_peak_gb"] and q["step_s"] < r["step_s"])  # fmt: skip
         best = best_within(front, r["activation_peak_gb"])
         planned = best["predicted_step_with_rest_s"] if best else None
-        per[cfg] = {"bound_step_s": at, "over_bound": r["step_s"] / at, "planner_best_step_s": planned,
+        finite = at != float("inf")
+        per[cfg] = {"bound_step_s": at if finite else None, "over_bound": r["step_s"] / at if finite else None,
+                    "below_bound_floor": not finite, "planner_best_step_s": planned,
                     "over_planner_best": r["step_s"] / planned if planned else None,
-                    "planner_best_over_bound": planned / at if planned else None,
+                    "planner_best_over_bound": planned / at if planned and finite else None,
                     "faster_peers_at_or_below": faster}  # fmt: skip
     return {
         "per_config": per,
-        "worst_over_bound": max((v["over_bound"] for v in per.values()), default=None),
+        "worst_over_bound": max((v["over_bound"] for v in per.values() if v["over_bound"]), default=None),
+        "below_bound_floor": sorted(c for c, v in per.items() if v["below_bound_floor"]),
         "dominates_every_peer": all(not v["faster_peers_at_or_below"] for v in per.values()) if per else None,
     }
 

@@ -52,6 +52,10 @@ class PeerLostError(RuntimeError):
     """An exchange among the ranks failed on this rank: another rank has ended or lost its connection."""
 
 
+# what the backends' errors about a peer carry (gloo names its source path; NCCL itself)
+_BACKEND_MARKS = ("gloo", "NCCL", "nccl", "Connection closed", "Connection reset", "Socket", "socket")
+
+
 @contextlib.contextmanager
 def collective(what: str) -> Iterator[None]:
     """Around one collective call: a backend failure becomes :class:`PeerLostError` naming ``what``.
@@ -59,11 +63,18 @@ def collective(what: str) -> Iterator[None]:
     gloo reports a peer that died as a socket error ("Connection reset by peer"), which does not say that
     the rank to read about is another one; the launcher may report this rank's failure before the dead one's.
     """
+    import torch
+    import torch.distributed as dist
+
     try:
         yield
     except RuntimeError as e:
-        import torch.distributed as dist
-
+        # only the backend's own failures (gloo raises plain RuntimeErrors naming itself); an out-of-memory or
+        # any other local error is this rank's and goes up unchanged
+        if isinstance(e, torch.OutOfMemoryError) or not (
+            isinstance(e, dist.DistError) or any(m in str(e) for m in _BACKEND_MARKS)
+        ):
+            raise
         where = f" on rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else ""
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PeerLostError(

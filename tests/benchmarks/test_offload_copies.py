@@ -3,6 +3,7 @@ every training step and only then; its byte count comes from the same invocation
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks import bench_offload
@@ -68,8 +69,6 @@ def test_ssd_runs_report_the_tier_rates_beside_the_drive_rates(tmp_path) -> None
     and the JSON sets the tier's rates while it had work (real files) against them, both ways."""
     import json
     import statistics
-
-    import pytest
 
     # (posix: the auto backend would build DeepSpeed's async_io op where libaio-dev is installed, minutes on CI)
     bench_offload.main(["--quick", "--in-process", "--configs", "dsx_ssd", "--repeats", "2", "--ssd-dir",
@@ -161,8 +160,6 @@ def test_a_run_merged_into_an_earlier_file_keeps_its_rows_and_replaces_same_name
     earlier one; the file records both parts; a part with other model or step settings is refused."""
     import json
 
-    import pytest
-
     common = ["--quick", "--in-process", "--out", str(tmp_path), "--name", "m"]
     bench_offload.main([*common, "--configs", "none", "recompute"])
     first = json.loads((tmp_path / "m.json").read_text())
@@ -176,3 +173,40 @@ def test_a_run_merged_into_an_earlier_file_keeps_its_rows_and_replaces_same_name
     with pytest.raises(SystemExit, match=r"--merge: .* other settings \{'adam': \('foreach', 'fused'\)\}"):
         bench_offload.main([*common, "--configs", "none", "--merge", "--adam", "fused"])
     assert json.loads((tmp_path / "m.json").read_text()) == saved  # the refused part changed nothing
+
+
+def test_capacity_takes_the_median_over_repeats_and_keeps_other_tags_apart() -> None:
+    rows = [
+        {"config": "recompute@mb2@seq32", "micro_batch": 2, "seq_len": 32, "tokens_per_s": t} for t in (60, 70, 90)
+    ] + [
+        {"config": "dsx_auto_budget@mb2@seq32", "micro_batch": 2, "seq_len": 32, "tokens_per_s": t}
+        for t in (75, 80, 200)
+    ] + [
+        {"config": "none@mb2@seq16", "micro_batch": 2, "seq_len": 16, "tokens_per_s": 100.0},
+        {"config": "none_copies@mb2@seq64", "micro_batch": 2, "seq_len": 64, "tokens_per_s": 1.0},
+        {"config": "recompute@mb4@seq16", "micro_batch": 4, "seq_len": 16, "tokens_per_s": 50.0},
+    ]  # fmt: skip
+    out = bench_offload._largest(rows, "seq_len", "seq")
+    assert out["largest"]["recompute@mb2"] == {"seq_len": 32, "tokens_per_s": 70}  # the median, not the best
+    assert out["largest"]["recompute@mb4"] == {"seq_len": 16, "tokens_per_s": 50.0}  # another micro-batch
+    at = out["at_best_peer"]  # none_copies (a diagnostic) trained longer but is no peer
+    assert at["peer"] == "recompute@mb2" and at["dsx_auto_budget@mb2_vs_peer_tokens_per_s"] == 80 / 70
+    assert out["dsx_auto_budget@mb2_vs_none_tokens_per_s"] == 80 / 100.0
+
+
+def test_merging_into_a_file_from_before_sizes_were_kept_per_row(tmp_path) -> None:
+    """Rows written before each row carried its sequence length ran at the file's own: a budget relative to
+    their recompute peak is found, not reported missing."""
+    import json
+
+    common = ["--quick", "--in-process", "--out", str(tmp_path), "--name", "old"]
+    bench_offload.main([*common, "--configs", "recompute"])
+    saved = json.loads((tmp_path / "old.json").read_text())
+    for r in saved["results"]:
+        del r["seq_len"]
+        r["activation_peak_gb"] = 0.5  # (a GPU run's measured peak; the CPU measures none)
+    del saved["parts"]
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    bench_offload.main([*common, "--configs", "dsx_auto_budget", "--budget-scales", "1.5", "--merge"])
+    rows = {r["config"]: r for r in json.loads((tmp_path / "old.json").read_text())["results"]}
+    assert rows["dsx_auto_budget@1.5x"].get("budget_gb") == pytest.approx(0.75), rows["dsx_auto_budget@1.5x"]

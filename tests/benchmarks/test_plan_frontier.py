@@ -95,7 +95,10 @@ def test_against_names_the_peers_that_beat_dsx_at_or_below_its_memory() -> None:
     rng = random.Random(11)
     bound = {"no_offload_peak_gb": 13.0, "no_offload_step_s": 0.12, "write_GBps": 50.0,
              "cost_s_per_gb": {"recompute": rng.uniform(2e-3, 4e-3)}, "cheapest": "recompute",
-             "windows": {"until_peak": {"movable_gb": rng.uniform(1.0, 3.0)}}}  # fmt: skip
+             "windows": {"until_peak": {"movable_gb": rng.uniform(1.0, 3.0)}},
+             "timeline": {"floor_gb": 3.5, "cost_s_per_gb": 3e-3, "write_GBps": 50.0, "read_GBps": 50.0,
+                          "droppable_gb": 10.0, "write_need_gb": 15.0, "backward_write_need_gb": 14.0,
+                          "read_need_gb": 12.0}}  # fmt: skip
     points = {
         "none": {"activation_peak_gb": 13.0, "step_s": 0.120},
         "peer_low": {"activation_peak_gb": 9.0, "step_s": 0.130},  # less memory and faster than dsx_mid
@@ -114,12 +117,23 @@ def test_against_names_the_peers_that_beat_dsx_at_or_below_its_memory() -> None:
     assert per["dsx_low"]["faster_peers_at_or_below"] == ["peer_equal"]
     assert not out["dominates_every_peer"]
     for cfg, v in per.items():
-        at = bound_step_s(bound, "until_peak", points[cfg]["activation_peak_gb"])
-        assert v["over_bound"] == points[cfg]["step_s"] / at
+        at = bound_step_s(bound, "timeline", points[cfg]["activation_peak_gb"])
+        assert at > bound_step_s(
+            bound, "until_peak", points[cfg]["activation_peak_gb"]
+        )  # (the timeline binds)
+        assert v["over_bound"] == points[cfg]["step_s"] / at and not v["below_bound_floor"]
     assert per["dsx_mid"]["planner_best_step_s"] == 0.135 and per["dsx_low"]["planner_best_step_s"] == 0.160
     assert per["dsx_mid"]["over_planner_best"] == 0.140 / 0.135
     assert per["dsx_low"]["planner_best_over_bound"] == 0.160 / per["dsx_low"]["bound_step_s"]
     assert out["worst_over_bound"] == max(v["over_bound"] for v in per.values())
+    # a dsx point below the bound's floor (no plan reaches that peak, by the bound): flagged, not a ratio of 0
+    floor = plan_frontier.against(
+        {**points, "dsx_floor": {"activation_peak_gb": 3.0, "step_s": 0.2}}, bound, front
+    )
+    assert (
+        floor["below_bound_floor"] == ["dsx_floor"] and floor["per_config"]["dsx_floor"]["over_bound"] is None
+    )
+    assert floor["worst_over_bound"] == out["worst_over_bound"]
     points["peer_low"]["step_s"] = 0.145  # now slower than dsx_mid, and peer_equal than dsx_low
     points["peer_equal"]["step_s"] = 0.150
     assert plan_frontier.against(points, bound, front)["dominates_every_peer"] is True

@@ -116,3 +116,28 @@ def test_an_exchange_with_a_killed_rank_names_the_other_rank(tmp_path) -> None:
     ), got
     assert "The backend said: " in got["message"], got
     assert CLEAR_KILLED.search(got["message"]), got
+
+
+def test_only_the_backends_failures_become_a_lost_peer() -> None:
+    """A rank's own error inside an exchange (out of memory, a bad object) is not blamed on another rank."""
+    import torch
+
+    from dsx.runtime.process import PeerLostError, collective
+
+    for own in (
+        torch.OutOfMemoryError("CUDA out of memory"),
+        RuntimeError("shape mismatch"),
+        ValueError("x"),
+    ):
+        with pytest.raises(type(own)) as got, collective("an exchange"):
+            raise own
+        assert got.value is own
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
+    )
+    with pytest.raises(
+        PeerLostError, match=r"^dsx: an exchange failed( on rank \d+ of \d+)?: another rank has ended"
+    ) as got:
+        with collective("an exchange"):
+            raise gloo
+    assert got.value.__cause__ is gloo and "Connection reset by peer" in str(got.value)

@@ -111,12 +111,13 @@ def lower_bound(
         )
         # (below the timeline bound's floor no plan fits: no point there)
         w["curve"] = [{"budget_gb": g, "step_s": t} for g, t in curve if t != float("inf")]
-        if rc is not None:
-            t = bound_step_s(out, key, rc["activation_peak_gb"])
-            w["at_recompute_peak"] = {"step_s": t, "max_x_recompute": rc["step_s"] / t}
-        if soc is not None:
-            t = bound_step_s(out, key, soc["activation_peak_gb"])
-            w["at_save_on_cpu_peak"] = {"step_s": t, "max_x_save_on_cpu": soc["step_s"] / t}
+        # (a measured peak below the timeline bound's floor would mean the bound is wrong: None, not a ratio 0)
+        for name, row in (("recompute", rc), ("save_on_cpu", soc)):
+            if row is not None:
+                t = bound_step_s(out, key, row["activation_peak_gb"])
+                finite = t != float("inf")
+                w[f"at_{name}_peak"] = {"step_s": t if finite else None,
+                                        f"max_x_{name}": row["step_s"] / t if finite else None}  # fmt: skip
     return out
 
 
@@ -134,11 +135,12 @@ def timeline_bound(
     ``g = F_P - B`` bytes of the layers that have run their forward (not those past their backward) are off
     the device there. Of those, the layers from ``m`` on hold at least ``g - S_<m`` (``S_<m``: what the
     layers before ``m`` save). Each such byte was dropped (``D`` bytes in all, each costing at least ``c``
-    when recomputed in the backward, which gives the writes no time) or written since layer ``m``'s forward
-    began: at most ``w x (tau_P - start_m + sigma)``, ``tau_P`` the time to the end of ``P``'s layer's forward
-    or backward in no offload's step (after all of the step outside the layers, for the head's gap and the
-    backward: in the plan's favour), ``sigma`` the stalls a plan adds before it. So ``D + w sigma >= A - B``,
-    ``A`` the largest ``F_P - S_<m - w (tau_P - start_m)``.
+    when recomputed in the backward) or written since layer ``m``'s forward began: at most ``w x (tau_P -
+    start_m + Y)``, ``tau_P`` the time to the end of ``P``'s layer's forward or backward in no offload's step
+    (after all of the step outside the layers, for the head's gap and the backward: in the plan's favour) and
+    ``Y`` what the plan adds before ``P``. At the forwards and the gaps that is the forward's stalls ``sigma``
+    (recomputation runs in the backward): ``D + w sigma >= A_f - B``; in the backward it may be all the plan
+    adds: ``D + w X >= A_b - B``; ``A`` the largest ``F_P - S_<m - w (tau_P - start_m)`` of each kind.
 
     In the backward, what is off at layer ``j``'s backward and lies in layers ``k..j`` (at least ``g - S_<k``)
     must be back before layer ``k``'s backward starts: recomputed (within ``D``) or read, at most ``r x
@@ -169,13 +171,16 @@ def timeline_bound(
         points.append((f"backward {j}", feet[2 * n + k] / GB - shift, tau, j))
     w = sum(b.write_Bps for b in bandwidths) / GB
     r = sum(b.read_Bps for b in bandwidths) / GB
-    writes = max(
-        (
+
+    def writes(backward: bool) -> tuple[float, str, int]:
+        return max(
             (f - saved_before[m] - w * (tau - start[m]), name, m)
             for name, f, tau, top in points
+            if name.startswith("backward") == backward
             for m in range(top + 1)
-        ),
-    )
+        )
+
+    fwd_writes, bwd_writes = writes(False), writes(True)
     reads = max(
         (
             (f - saved_before[k] - r * sum(p.bwd_s for p in profiles[k + 1 : top + 1]), name, k)
@@ -188,8 +193,10 @@ def timeline_bound(
     return {
         "model_peak_gb": model_peak,
         "shift_gb": shift,
-        "write_need_gb": writes[0],
-        "write_binding": f"{writes[1]}, layers from {writes[2]}",
+        "write_need_gb": fwd_writes[0],
+        "write_binding": f"{fwd_writes[1]}, layers from {fwd_writes[2]}",
+        "backward_write_need_gb": bwd_writes[0],
+        "backward_write_binding": f"{bwd_writes[1]}, layers from {bwd_writes[2]}",
         "read_need_gb": reads[0],
         "read_binding": f"{reads[1]}, back by layer {reads[2]}'s backward",
         "floor_gb": floor[0],
@@ -203,25 +210,26 @@ def timeline_bound(
 
 def timeline_extra_s(tl: dict[str, Any], budget_gb: float) -> float:
     """The least time ``X`` any plan under ``budget_gb`` adds to no offload's step by :func:`timeline_bound`'s
-    constraints (``inf`` below its ``floor_gb``). ``X`` is convex and piecewise linear in the dropped bytes
-    ``D``, so its least value lies at ``D`` = 0, every droppable byte, or where two of its pieces meet."""
+    constraints (``inf`` below its ``floor_gb``). With ``D`` bytes dropped, ``X`` is the largest of ``c D``
+    plus the forward's stall ``(A_f - B - D) / w``, ``(A_b - B - D) / w``, ``(Q - B - D) / r`` and 0: a maximum
+    of lines in ``D``, whose least value over ``0 <= D <= droppable`` lies at an end or where two lines meet."""
     if budget_gb < tl["floor_gb"]:
         return float("inf")
     c, w, r, dmax = tl["cost_s_per_gb"], tl["write_GBps"], tl["read_GBps"], tl["droppable_gb"]
-    a, q = tl["write_need_gb"] - budget_gb, tl["read_need_gb"] - budget_gb
-
-    def extra(d: float) -> float:
-        if (a > d and w <= 0) or (q > d and r <= 0):
-            return float("inf")
-        stall = max(0.0, a - d) / w if a > d else 0.0
-        return max(stall + c * d, (q - d) / r if q > d else 0.0, 0.0)
-
-    candidates = [0.0, dmax, a, q]
+    af, ab, q = (tl[k] - budget_gb for k in ("write_need_gb", "backward_write_need_gb", "read_need_gb"))
+    lo = max([0.0] + [need for need, rate in ((af, w), (ab, w), (q, r)) if rate <= 0])  # no rate: drop it all
+    if lo > dmax:
+        return float("inf")
+    # (slope, intercept) of each line; a rate of zero leaves its need to the dropped bytes (lo above)
+    lines = [(c, 0.0), (0.0, 0.0)]
+    if w > 0:
+        lines += [(c - 1 / w, af / w), (-1 / w, ab / w)]
     if r > 0:
-        candidates.append(q / (1 + r * c))
-        if w > 0 and c - 1 / w + 1 / r != 0:
-            candidates.append((q / r - a / w) / (c - 1 / w + 1 / r))
-    return min(extra(min(max(d, 0.0), dmax)) for d in candidates)
+        lines.append((-1 / r, q / r))
+    ds = [lo, dmax] + [
+        (b2 - b1) / (s1 - s2) for i, (s1, b1) in enumerate(lines) for s2, b2 in lines[i + 1 :] if s1 != s2
+    ]
+    return min(max(s * d + b for s, b in lines) for d in ds if lo <= d <= dmax)
 
 
 def bound_step_s(bound: dict[str, Any], window: str, budget_gb: float) -> float:
