@@ -151,6 +151,9 @@ def timeline_bound(
 
     The footprints are the profiling step's; where the largest of them (``model_peak_gb``) is above no
     offload's measured peak, every point is lowered by the difference (``shift_gb``), in the plan's favour.
+    The bound trusts the other points as profiled: one measured higher than a plan's step would reach there
+    raises the bound at budgets where that point binds (tests/offload/test_bound.py checks it against every
+    measured run).
     """
     feet = footprints(profiles)
     n = len(profiles)
