@@ -142,7 +142,7 @@ def _megatron(args: argparse.Namespace) -> bool:
 def _llama_config(args: argparse.Namespace) -> LlamaConfig:
     # FFN width as Llama-3's 14336 for hidden 4096 (3.5x), a multiple of 256, unless given
     ffn = args.ffn_hidden or -(-int(3.5 * args.hidden) // 256) * 256
-    return LlamaConfig(vocab_size=256, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden,
+    return LlamaConfig(vocab_size=args.vocab, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden,
                        heads=args.heads, kv_heads=args.kv_heads or max(1, args.heads // 4), ffn_hidden=ffn)  # fmt: skip
 
 
@@ -158,10 +158,10 @@ def _model(args: argparse.Namespace, name: str) -> torch.nn.Module:
             return build_megatron_llama(cfg, seed=0, bf16=True, recompute_granularity=granularity)
         return Llama(cfg, seed=0)
     if _megatron(args):
-        return build_megatron_gpt(args.layers, args.hidden, args.heads, args.seq_len, 256, seed=0, bf16=True,
+        return build_megatron_gpt(args.layers, args.hidden, args.heads, args.seq_len, args.vocab, seed=0, bf16=True,
                                   recompute_granularity=granularity)  # fmt: skip
     cfg = GPTConfig(
-        vocab_size=256, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden, heads=args.heads
+        vocab_size=args.vocab, seq_len=args.seq_len, layers=args.layers, hidden=args.hidden, heads=args.heads
     )
     return GPT(cfg, seed=0)
 
@@ -248,7 +248,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         # timer), which would otherwise wait for this step's copies before the forward's first kernel
         copies = _BackgroundCopies(model, dev, int(args.copy_gb * 1e9))
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=gen).to(engine.device)
+    x = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len + 1), generator=gen).to(engine.device)
     inp, tgt = x[:, :-1], x[:, 1:]
     ctx = {
         "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda"),
@@ -636,6 +636,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--ffn-hidden", type=int, default=None,
                    help="llama: FFN width (default 3.5 x hidden rounded up to 256, Llama-3's ratio)")  # fmt: skip
     p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=256,
+                   help="vocabulary size: the default keeps the head negligible beside the layers; Llama-3's "
+                        "128256 gives the head (its logits and loss) its real share of time and memory")  # fmt: skip
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--micro-batches", nargs="+", default=None, metavar="[CONFIG=]N[,N...]",
                    help="micro-batches to run (rows named config@mbN), for every config or for one "
@@ -904,8 +907,8 @@ def _medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 # what rows merged into one file must share (the model, its step, the optimizer); configs, sizes and budgets may
 # differ from part to part
-MERGE_SAME = ("model", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "seq_len", "micro_batch", "warmup",
-              "steps", "adam", "offload_optimizer", "pool_gb", "quick")  # fmt: skip
+MERGE_SAME = ("model", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "seq_len", "micro_batch", "vocab",
+              "warmup", "steps", "adam", "offload_optimizer", "pool_gb", "quick")  # fmt: skip
 
 
 def _earlier(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -915,7 +918,7 @@ def _earlier(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
     if not path.exists():
         return [], []
     before = json.loads(path.read_text())
-    theirs = before.get("config", {})
+    theirs = {"vocab": 256, **before.get("config", {})}  # (files from before --vocab ran at 256)
     differ = {k: (theirs.get(k), vars(args)[k]) for k in MERGE_SAME if theirs.get(k) != vars(args)[k]}
     if differ:
         raise SystemExit(

@@ -195,8 +195,8 @@ def test_capacity_takes_the_median_over_repeats_and_keeps_other_tags_apart() -> 
 
 
 def test_merging_into_a_file_from_before_sizes_were_kept_per_row(tmp_path) -> None:
-    """Rows written before each row carried its sequence length ran at the file's own: a budget relative to
-    their recompute peak is found, not reported missing."""
+    """Rows written before each row carried its sequence length ran at the file's own (and files from before
+    --vocab at 256): a budget relative to their recompute peak is found, not reported missing."""
     import json
 
     common = ["--quick", "--in-process", "--out", str(tmp_path), "--name", "old"]
@@ -205,8 +205,19 @@ def test_merging_into_a_file_from_before_sizes_were_kept_per_row(tmp_path) -> No
     for r in saved["results"]:
         del r["seq_len"]
         r["activation_peak_gb"] = 0.5  # (a GPU run's measured peak; the CPU measures none)
-    del saved["parts"]
+    del saved["parts"], saved["config"]["vocab"]  # (files from before either was recorded)
     (tmp_path / "old.json").write_text(json.dumps(saved))
     bench_offload.main([*common, "--configs", "dsx_auto_budget", "--budget-scales", "1.5", "--merge"])
     rows = {r["config"]: r for r in json.loads((tmp_path / "old.json").read_text())["results"]}
     assert rows["dsx_auto_budget@1.5x"].get("budget_gb") == pytest.approx(0.75), rows["dsx_auto_budget@1.5x"]
+
+
+def test_a_real_vocabulary_trains(tmp_path) -> None:
+    """--vocab gives the head its real size: the tokens are drawn from it and the loss starts near log(vocab)."""
+    import json
+    import math
+
+    bench_offload.main(["--quick", "--in-process", "--configs", "none", "--vocab", "5000", "--out", str(tmp_path),
+                        "--name", "v"])  # fmt: skip
+    row = json.loads((tmp_path / "v.json").read_text())["results"][0]
+    assert "error" not in row and abs(row["losses"][0] - math.log(5000)) < 1.0, row.get("losses")
