@@ -98,7 +98,7 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
                     # and dsx at recompute's peak (budgets as multiples of that run's recompute peak): part 1 (the
                     # default) 1.15x 1.3x 1.5x, part 2 1.75x 2x, 3 interleaved runs each; then the frontier again
     scales="1.15 1.3 1.5"; [ "${2:-1}" = 2 ] && scales="1.75 2"
-    run bench-offload-8b-sweep 480 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
+    run bench-offload-8b-sweep 500 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 8192 --micro-batch 2 --warmup 2 --steps 4 --repeats 3 \
       --pool-gb 40 --adam fused --child-timeout 120 --configs dsx_auto_budget --budget-scales $scales --merge \
       --name bench_offload_8b --out "$RES"
