@@ -19,6 +19,7 @@ bandwidths.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from dsx.offload.plan.cost import footprints
@@ -157,9 +158,11 @@ def timeline_bound(
     """
     feet = footprints(profiles)
     n = len(profiles)
-    fwd = [p.fwd_s for p in profiles]
-    start = [sum(fwd[:m]) for m in range(n + 1)]  # start[m]: layer m's forward begins; start[n]: the end
-    saved_before = [sum(p.saved_bytes for p in profiles[:m]) / GB for m in range(n + 1)]
+    # prefix sums: start[m], layer m's forward begins (start[n]: the forward ends); saved_before[m], what layers
+    # 0..m-1 save (GB); bwd_upto[m], the backward time of layers 0..m-1
+    start = list(itertools.accumulate((p.fwd_s for p in profiles), initial=0.0))
+    saved_before = [b / GB for b in itertools.accumulate((p.saved_bytes for p in profiles), initial=0)]
+    bwd_upto = list(itertools.accumulate((p.bwd_s for p in profiles), initial=0.0))
     outside = max(0.0, t_none - sum(p.fwd_s + p.bwd_s for p in profiles))
     model_peak = max(feet) / GB
     shift = max(0.0, model_peak - p_none / GB)
@@ -170,7 +173,7 @@ def timeline_bound(
         gap = start[i + 1] + (outside if i == n - 1 else 0.0)
         points.append((f"gap after {i}", feet[2 * i + 1] / GB - shift, gap, i))
     for k, j in enumerate(range(n - 1, -1, -1)):
-        tau = start[n] + outside + sum(p.bwd_s for p in profiles[j:])
+        tau = start[n] + outside + bwd_upto[n] - bwd_upto[j]
         points.append((f"backward {j}", feet[2 * n + k] / GB - shift, tau, j))
     w = sum(b.write_Bps for b in bandwidths) / GB
     r = sum(b.read_Bps for b in bandwidths) / GB
@@ -186,7 +189,7 @@ def timeline_bound(
     fwd_writes, bwd_writes = writes(False), writes(True)
     reads = max(
         (
-            (f - saved_before[k] - r * sum(p.bwd_s for p in profiles[k + 1 : top + 1]), name, k)
+            (f - saved_before[k] - r * (bwd_upto[top + 1] - bwd_upto[k + 1]), name, k)
             for name, f, _, top in points
             if name.startswith("backward")
             for k in range(top + 1)
