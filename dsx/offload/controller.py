@@ -259,16 +259,11 @@ class ActivationOffload:
             ):  # the search grows about as n^3 (make_plan's notes)
                 logger.warning("dsx activation offload: planning %d layers ...", len(profiles))
             self._uncheckpoint_layers()  # the profiler's wrappers go; the plan checkpoints what it recomputes
-            self._warn_outside_peak()
-            cfg = self.cfg
-            if cfg.memory_budget_gb is not None and self._outside_peak > cfg.memory_budget_gb * GB:
-                # the step reaches its tail anyway: recomputing to stay under the budget would buy nothing
-                cfg = cfg.model_copy(update={"memory_budget_gb": self._outside_peak / GB})
             self._install(
                 make_plan(
                     profiles,
                     self._bws,
-                    cfg,
+                    self._budget_for_tail(),
                     best_effort=True,
                     outside_s=self._outside_s,
                     outside_peak_bytes=self._outside_peak,
@@ -296,11 +291,18 @@ class ActivationOffload:
         return make_plan(self.plan.profiles, self._bws, cfg, outside_s=self._outside_s,
                          outside_peak_bytes=self._outside_peak)  # fmt: skip
 
-    def _warn_outside_peak(self) -> None:
-        """Say so where the step's tail, not its layers, puts it over the budget: no plan can help there."""
+    def _budget_for_tail(self) -> ActivationOffloadConfig:
+        """The config the first plan is made under: where the step's tail, not its layers, puts it over the
+        budget, say so (rank 0) and plan against that tail, which the step reaches anyway (recomputing to stay
+        under the budget would buy nothing there)."""
         budget = self.cfg.memory_budget_gb
-        if budget is None or self._outside_peak <= budget * GB or rank_and_world()[0] != 0:
-            return
+        if budget is None or self._outside_peak <= budget * GB:
+            return self.cfg
+        if rank_and_world()[0] == 0:
+            self._warn_outside_peak(budget)
+        return self.cfg.model_copy(update={"memory_budget_gb": self._outside_peak / GB})
+
+    def _warn_outside_peak(self, budget: float) -> None:
         logger.warning(
             "dsx activation offload: after the layers' backward the step peaks at %.2f GiB above its start "
             "(the gradients' reduction and the optimizer step), over memory_budget_gb=%s: no activation plan "
