@@ -58,7 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _kernel_trace
 import _memory_trace
-from _common import add_common_args, environment, host_probe_s, save_png, utc_now, write_json
+from _common import add_common_args, device_name, environment, host_probe_s, save_png, utc_now, write_json
 from _hook_offload import SavedTensorOffload
 from _megatron_offload import (
     OFFLOAD_SETS,
@@ -706,7 +706,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.hidden, args.layers, args.heads, args.seq_len, args.micro_batch = 64, 2, 2, 32, 2
         args.warmup, args.steps, args.pool_gb = 2, 2, 0.25  # auto: its warm-up steps, then the profiled one
     earlier, parts = _earlier(args) if args.merge and not args.one else ([], [])
-    parts.append({"utc": utc_now(), "configs": args.configs, "budget_scales": args.budget_scales})
+    # (the device per part: rows merged from another machine are not comparable with this run's)
+    parts.append({"utc": utc_now(), "device": device_name(), "configs": args.configs,
+                  "budget_scales": args.budget_scales})  # fmt: skip
     new: list[dict[str, Any]] = []  # this run's rows
     results = [*earlier, *new]
     with tempfile.TemporaryDirectory(dir=args.ssd_dir) as ssd:
@@ -925,8 +927,9 @@ def _earlier(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
             f"--merge: {path} was run with other settings {differ} (theirs, this run's); run with the same "
             "settings, or write to another --name"
         )
+    env = before.get("env") or {}
     parts = before.get("parts") or [
-        {"utc": (before.get("env") or {}).get("date_utc"), "configs": theirs.get("configs")}
+        {"utc": env.get("date_utc"), "device": env.get("device"), "configs": theirs.get("configs")}
     ]
     # (rows from before sizes were recorded per row ran at the file's own sizes)
     rows = [

@@ -94,15 +94,17 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
       --pool-gb 40 --adam fused --child-timeout 120 --configs recompute ds_cpu_ckpt hooks_offload dsx_auto_budget \
       --name bench_offload_8b_peers --out "$RES"
     keep bench_offload_8b_peers ;;
-  offload-8b-sweep)  # dsx over budgets at the 8B shape, merged into bench_offload_8b.json beside its none, recompute
-                    # and dsx at recompute's peak (budgets as multiples of that run's recompute peak): part 1 (the
-                    # default) 1.15x 1.3x 1.5x, part 2 1.75x 2x, 3 interleaved runs each; then the frontier again
-    scales="1.15 1.3 1.5"; [ "${2:-1}" = 2 ] && scales="1.75 2"
-    run bench-offload-8b-sweep 500 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
+  offload-8b-sweep)  # dsx over budgets at the 8B shape, merged into bench_offload_8b.json (budgets as multiples of
+                    # recompute's peak), 3 interleaved runs each; each part re-measures a baseline on its own
+                    # machine: part 1 (the default) full recompute and dsx at 1x 1.15x 1.3x, part 2 no offload and
+                    # dsx at 1.5x 1.75x 2x; then the frontier again
+    configs="recompute dsx_auto_budget" scales="1 1.15 1.3"
+    [ "${2:-1}" = 2 ] && configs="none dsx_auto_budget" scales="1.5 1.75 2"
+    run bench-offload-8b-sweep 510 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 8192 --micro-batch 2 --warmup 2 --steps 4 --repeats 3 \
-      --pool-gb 40 --adam fused --child-timeout 120 --configs dsx_auto_budget --budget-scales $scales --merge \
+      --pool-gb 40 --adam fused --child-timeout 120 --configs $configs --budget-scales $scales --merge \
       --name bench_offload_8b --out "$RES"
-    run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" --config dsx_auto_budget \
+    run plan-frontier-8b 55 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" --config dsx_auto_budget \
       --name plan_frontier_8b --out "$RES"
     keep bench_offload_8b plan_frontier_8b ;;
   offload-8b-megatron)  # megatron-core's own ways at the 8B shape, merged into bench_offload_8b_peers.json: selective
