@@ -170,6 +170,7 @@ def test_a_run_merged_into_an_earlier_file_keeps_its_rows_and_replaces_same_name
     assert by["recompute"] == next(r for r in first["results"] if r["config"] == "recompute")
     assert by["none"]["measured_window_unix"] != first["results"][0]["measured_window_unix"]
     assert [p["configs"] for p in saved["parts"]] == [["none", "recompute"], ["none"]]
+    assert all(p["device"] == first["env"]["device"] for p in saved["parts"])  # which machine ran each part
     with pytest.raises(SystemExit, match=r"--merge: .* other settings \{'adam': \('foreach', 'fused'\)\}"):
         bench_offload.main([*common, "--configs", "none", "--merge", "--adam", "fused"])
     assert json.loads((tmp_path / "m.json").read_text()) == saved  # the refused part changed nothing
