@@ -10,8 +10,9 @@ its ``OffloadActivations`` (``_hook_offload.py``: a baseline written here, not d
 set of each layer's sub-modules (``_megatron_offload.py``: it runs without TransformerEngine through a holder
 for TE's offload flag, megatron's code unchanged); dsx host tier; dsx SSD tier; dsx ``auto`` with a budget
 equal to full recompute's measured peak; dsx ``auto``
-with no budget (hide only); and the dsx configs again with ``recompute_modules`` (``_sel``: the core
-attention recomputed, the rest kept or moved per layer). ``none_copies`` is no offload with as many bytes
+with no budget (hide only); and the dsx configs again with ``recompute_modules`` (``_sel``: the GPT's core
+attention or the Llama decoder's SwiGLU activation recomputed where the plan says, the rest kept or moved per
+layer). ``none_copies`` is no offload with as many bytes
 copied to the host in forward and back in backward as the hide-only plan moved, on side streams and without
 dsx (``_BackgroundCopies``): what moving those bytes alone costs the step. Each config runs in its own process (a fresh
 ``dsx.initialize`` engine; in one process, memory the earlier engines held made later configs run out);
@@ -166,10 +167,13 @@ def _model(args: argparse.Namespace, name: str) -> torch.nn.Module:
     return GPT(cfg, seed=0)
 
 
-def _attention_module(args: argparse.Namespace) -> str:
-    """The sub-module megatron's selective recompute recomputes (dsx's ``recompute_modules`` names it too)."""
+def _sel_module(args: argparse.Namespace) -> str:
+    """What the ``_sel`` configs name in ``recompute_modules``. The GPT: its core attention, which megatron's
+    selective recompute recomputes too (unfused, it saves the ``[b, heads, s, s]`` scores). The Llama decoder:
+    its SwiGLU activation, which drops two FFN-wide tensors a layer for an elementwise pass; recomputing its
+    flash core attention would drop one hidden-wide tensor for a second attention forward."""
     if args.model == "llama":
-        return "SDPACoreAttention" if _megatron(args) else "Attention"
+        return "SwiGLUActivation"
     return "DotProductAttention" if _megatron(args) else "Attention"
 
 
@@ -178,7 +182,7 @@ def _section(
     ssd_dir: str,
     budget_gb: float | None,
     pool_gb: float,
-    attention: str,
+    sel_module: str,
     read_pool: str = "auto",
     write_barrier: str = "auto",
     io_backend: str = "auto",
@@ -186,7 +190,7 @@ def _section(
     base = {"enabled": True, "min_tensor_bytes": 1 << 16, "host_pool_gb": pool_gb, "ssd_capacity_gb": pool_gb,
             "read_pool": read_pool, "io_backend": io_backend}  # fmt: skip
     if name.endswith("_sel"):
-        base["recompute_modules"] = [attention]
+        base["recompute_modules"] = [sel_module]
         name = name.removesuffix("_sel")
     barrier = {"write_barrier": write_barrier}  # (read by the policies that move bytes)
     auto = {"policy": "auto", **barrier}
@@ -220,8 +224,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         raise RuntimeError("ds_cpu_ckpt needs a GPU: DeepSpeed's cpu_checkpointing loses its inputs on a CPU")
     model = _model(args, name)
     bf16 = dev.type == "cuda"
-    attention = _attention_module(args)
-    section = _section(name, ssd_dir, budget_gb, args.pool_gb, attention, args.read_pool, args.write_barrier,
+    section = _section(name, ssd_dir, budget_gb, args.pool_gb, _sel_module(args), args.read_pool, args.write_barrier,
                        args.io_backend)  # fmt: skip
     if name == "ds_cpu_ckpt":
         _deepspeed_checkpointing(model)

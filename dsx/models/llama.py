@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Llama", "LlamaBlock", "LlamaConfig", "apply_rope", "rope_tables"]
+__all__ = ["Llama", "LlamaBlock", "LlamaConfig", "SwiGLUActivation", "apply_rope", "rope_tables"]
 
 
 @dataclass
@@ -103,17 +103,37 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 
+class SwiGLUActivation(nn.Module):
+    """``silu(gate) * (up + offset)`` on the two halves ``gate, up`` of its input's last dimension (``offset``
+    ``None``: ``silu(gate) * up``).
+
+    A module, not an expression inside the MLP, so that activation offload's ``recompute_modules`` can name
+    it: recomputed in backward, it drops the FFN-wide tensors it saves besides its input (``silu(gate)``, and
+    with an offset ``up + offset``) for one elementwise pass over its input. megatron-core's layers take it in
+    the slot their MLP has for an activation module (:func:`dsx.models.megatron_gpt.build_megatron_llama`),
+    with ``offset`` megatron's ``glu_linear_offset``, so that they compute and save what megatron's own gated
+    unit does."""
+
+    def __init__(self, offset: float | None = None) -> None:
+        super().__init__()
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * (up if self.offset is None else up + self.offset)
+
+
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``; gate and up are one matrix multiply."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.ffn_hidden, bias=False)
+        self.act = SwiGLUActivation()
         self.down = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.act(self.gate_up(x)))
 
 
 class LlamaBlock(nn.Module):

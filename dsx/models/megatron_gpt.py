@@ -9,11 +9,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from dsx.models.llama import LlamaConfig
+from dsx.models.llama import LlamaConfig, SwiGLUActivation
 
 __all__ = [
     "MegatronGPT",
@@ -140,6 +141,16 @@ def sdpa_core_attention() -> type[nn.Module]:
     return SDPACoreAttention
 
 
+def _swiglu_activation(config: Any) -> nn.Module:
+    """megatron's gated SiLU unit (``silu(x_glu) * (x_linear + glu_linear_offset)``) as a module: what its MLP
+    computes inline when no activation module is given."""
+    if config.activation_func_clamp_value is not None:
+        raise ValueError(
+            "the SwiGLU activation module does not clamp: activation_func_clamp_value must be None"
+        )
+    return SwiGLUActivation(offset=config.glu_linear_offset)
+
+
 def build_megatron_llama(
     cfg: LlamaConfig,
     seed: int = 0,
@@ -177,6 +188,10 @@ def build_megatron_llama(
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         bias_activation_fusion=False,
+        # megatron's slot for an activation module (named for TransformerEngine's, which fills it by default),
+        # filled with dsx's SwiGLUActivation below: megatron's own gated unit as a module that
+        # recompute_modules can name
+        use_te_activation_func=True,
         apply_rope_fusion=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -188,6 +203,7 @@ def build_megatron_llama(
     )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
+    spec.submodules.mlp.submodules.activation_func = _swiglu_activation
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -11,7 +11,7 @@ import torch
 
 from dsx.config import SchedulerConfig
 from dsx.models import Llama, LlamaConfig
-from dsx.models.llama import Attention, apply_rope, rope_tables
+from dsx.models.llama import Attention, SwiGLUActivation, apply_rope, rope_tables
 from dsx.offload import ActivationOffload
 from dsx.runtime.scheduler import Scheduler
 from tests.offload._offload_models import assert_same_grads
@@ -123,8 +123,18 @@ def test_llama3_8b_shape() -> None:
     assert (cfg.hidden, cfg.ffn_hidden, cfg.heads, cfg.kv_heads, cfg.head_dim) == (4096, 14336, 32, 8, 128)
 
 
-@pytest.mark.parametrize("tiers", [["host"], ["host", "ssd"]])
-def test_activation_offload_gives_bitwise_equal_gradients(tmp_path, tiers: list[str]) -> None:
+@pytest.mark.parametrize("offset", [None, 0.0, 0.75])
+def test_the_swiglu_activation_is_silu_of_the_first_half_times_the_second(offset: float | None) -> None:
+    x = torch.randn(3, 5, 2 * 24, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    gate, up = x[..., :24], x[..., 24:]
+    want = gate / (1 + torch.exp(-gate)) * (up + (offset or 0.0))
+    torch.testing.assert_close(SwiGLUActivation(offset)(x), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("tiers", "sel"), [(["host"], False), (["host", "ssd"], False), (["host"], True)])
+def test_activation_offload_gives_bitwise_equal_gradients(tmp_path, tiers: list[str], sel: bool) -> None:
+    """Every layer moved, to the host or through it to files; ``sel``: with the SwiGLU activation recomputed in
+    backward, so that each layer moves less."""
     ref = Llama(SMALL, seed=7)
     model = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(8)
@@ -145,15 +155,34 @@ def test_activation_offload_gives_bitwise_equal_gradients(tmp_path, tiers: list[
 
     want = train(ref, None)
     sched = Scheduler(SchedulerConfig(io_workers=2))
-    off = ActivationOffload(model, _cfg(tmp_path, tiers), sched)
+    off = ActivationOffload(
+        model, _cfg(tmp_path, tiers, recompute_modules=["SwiGLUActivation"] if sel else []), sched
+    )
     try:
         got = train(model, off)
-        moved = sum(sched.telemetry.history[0].bytes_by_tier.values()) if sched.telemetry.history else 0
+        moved = [sum(h.bytes_by_tier.values()) for h in sched.telemetry.history]
     finally:
         off.close()
         sched.close()
-    assert moved > 0, "nothing was offloaded: the test would pass vacuously"
+    assert moved and moved[0] > 0, "nothing was offloaded: the test would pass vacuously"
     assert_same_grads(want, got)
+    if (
+        sel
+    ):  # one FFN-wide float32 tensor a layer fewer to write and to read back: silu(gate) (its input is kept)
+        full = Llama(SMALL, seed=7)
+        sched = Scheduler(SchedulerConfig(io_workers=2))
+        off = ActivationOffload(full, _cfg(tmp_path, tiers), sched)
+        try:
+            train(full, off)
+            moved_full = sum(sched.telemetry.history[0].bytes_by_tier.values())
+        finally:
+            off.close()
+            sched.close()
+        tokens = batches[0][0].numel()
+        assert moved_full - moved[0] == SMALL.layers * 2 * tokens * SMALL.ffn_hidden * 4, (
+            moved_full,
+            moved[0],
+        )
 
 
 @pytest.mark.gpu
@@ -208,3 +237,47 @@ def test_megatron_llama_trains_and_its_sdpa_core_attention_equals_megatrons() ->
     torch.testing.assert_close(ours(q, k, v, mask), theirs(q, k, v, mask), rtol=2e-4, atol=2e-4)
     with pytest.raises(ValueError, match="causal"):
         sdpa_core_attention()(cfg, 1, AttnMaskType.no_mask, "self")
+
+
+@pytest.mark.gpu
+def test_megatrons_mlp_with_the_swiglu_module_equals_its_own_gated_unit() -> None:
+    """The build fills megatron's activation-module slot with :class:`SwiGLUActivation` (so that
+    ``recompute_modules`` can name it): on fresh random inputs its MLP gives the output and gradients of
+    megatron's own inline gated unit (float32), and saves the same bytes for backward."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install dsx[llm])")
+    import torch.distributed as dist
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from dsx.models.megatron_gpt import _init_megatron, _swiglu_activation
+    from dsx.runtime.process import single_process_env
+
+    if not dist.is_initialized():
+        single_process_env()
+        dist.init_process_group("nccl")
+    _init_megatron(13)
+    common = dict(num_layers=1, hidden_size=128, num_attention_heads=4, ffn_hidden_size=344, gated_linear_unit=True,
+                  activation_func=torch.nn.functional.silu, add_bias_linear=False, bias_activation_fusion=False)  # fmt: skip
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.mlp
+    theirs = build_module(spec, config=TransformerConfig(**common)).cuda()
+    spec.submodules.activation_func = _swiglu_activation
+    ours = build_module(spec, config=TransformerConfig(**common, use_te_activation_func=True)).cuda()
+    assert isinstance(ours.activation_func, SwiGLUActivation)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(32, 2, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(14))
+    saved: dict[str, list[int]] = {"theirs": [], "ours": []}
+    outs = {}
+    for name, mlp in (("theirs", theirs), ("ours", ours)):
+        inp = x.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, s=saved[name]: s.append(t.nbytes) or t, lambda t: t
+        ):
+            out, _ = mlp(inp)
+        out.square().sum().backward()
+        outs[name] = (out.detach(), inp.grad, [p.grad for p in mlp.parameters()])
+    torch.testing.assert_close(outs["ours"][0], outs["theirs"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["ours"][1], outs["theirs"][1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(outs["ours"][2], outs["theirs"][2], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert sorted(saved["ours"]) == sorted(saved["theirs"]), saved
