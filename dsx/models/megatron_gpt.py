@@ -141,6 +141,12 @@ def sdpa_core_attention() -> type[nn.Module]:
     return SDPACoreAttention
 
 
+def _mlp_submodules(mlp: Any) -> Any:
+    """The ``MLPSubmodules`` of a layer spec's MLP entry: a ``ModuleSpec``'s ``submodules`` before megatron-core
+    0.19, the ``submodules`` keyword of the builder (``functools.partial`` of ``MLP.as_mlp_submodule``) after."""
+    return mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+
+
 def _swiglu_activation(config: Any) -> nn.Module:
     """megatron's gated SiLU unit (``silu(x_glu) * (x_linear + glu_linear_offset)``) as a module: what its MLP
     computes inline when no activation module is given."""
@@ -203,7 +209,7 @@ def build_megatron_llama(
     )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
-    spec.submodules.mlp.submodules.activation_func = _swiglu_activation
+    _mlp_submodules(spec.submodules.mlp).activation_func = _swiglu_activation
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,

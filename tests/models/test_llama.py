@@ -4,6 +4,7 @@ activation offload on it (bitwise-equal gradients on CPU tensors and real files)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -247,10 +248,10 @@ def test_megatrons_mlp_with_the_swiglu_module_equals_its_own_gated_unit() -> Non
     pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install dsx[llm])")
     import torch.distributed as dist
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from dsx.models.megatron_gpt import _init_megatron, _swiglu_activation
+    from dsx.models.megatron_gpt import _init_megatron, _mlp_submodules, _swiglu_activation
     from dsx.runtime.process import single_process_env
 
     if not dist.is_initialized():
@@ -259,10 +260,12 @@ def test_megatrons_mlp_with_the_swiglu_module_equals_its_own_gated_unit() -> Non
     _init_megatron(13)
     common = dict(num_layers=1, hidden_size=128, num_attention_heads=4, ffn_hidden_size=344, gated_linear_unit=True,
                   activation_func=torch.nn.functional.silu, add_bias_linear=False, bias_activation_fusion=False)  # fmt: skip
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.mlp
-    theirs = build_module(spec, config=TransformerConfig(**common)).cuda()
-    spec.submodules.activation_func = _swiglu_activation
-    ours = build_module(spec, config=TransformerConfig(**common, use_te_activation_func=True)).cuda()
+    # the linear layers of the spec the build starts from, with and without the activation module
+    subs = _mlp_submodules(get_gpt_layer_local_spec(normalization="RMSNorm").submodules.mlp)
+    assert subs.activation_func is None
+    theirs = MLP(TransformerConfig(**common), subs, ffn_hidden_size=344).cuda()
+    subs = dataclasses.replace(subs, activation_func=_swiglu_activation)
+    ours = MLP(TransformerConfig(**common, use_te_activation_func=True), subs, ffn_hidden_size=344).cuda()
     assert isinstance(ours.activation_func, SwiGLUActivation)
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(32, 2, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(14))
