@@ -62,11 +62,17 @@ def median_runs(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def load_run(path: str, config: str | None) -> tuple[dict[str, Any], list[LayerProfile], list[TierBandwidth]]:
-    """The run, the profiles and bandwidths of its first dsx config with a profiled plan (or ``config``)."""
+    """The run, the profiles and bandwidths of ``config``, or of its first dsx config with a profiled plan,
+    preferring one whose profiles measured ``recompute_modules`` (they hold every choice a plan has, so that a
+    bound from them holds for every config of the run)."""
     run = json.loads(Path(path).read_text())
     fields = {f.name for f in dataclasses.fields(LayerProfile)}
     # a repeated config: the run its measured figures come from
-    for r in median_runs(run["results"]).values():
+    rows = list(median_runs(run["results"]).values())
+    if config is None:  # (stable: the first of each kind)
+        rows.sort(key=lambda r: not any(p.get("sel_saved_bytes") is not None
+                                        for p in (r.get("plan") or {}).get("profiles") or []))  # fmt: skip
+    for r in rows:
         plan = r.get("plan") or {}
         if plan.get("profiles") and (config is None or r["config"] == config):
             profiles = [LayerProfile(**{k: v for k, v in p.items() if k in fields}) for p in plan["profiles"]]

@@ -156,3 +156,19 @@ def test_repeated_configs_are_read_at_their_median_run() -> None:
     assert set(got) == {"none", "dsx_auto_budget"} and got["dsx_auto_budget"]["round"] == 0
     runs.append({"config": "dsx_auto_budget", "step_s": 0.30, "activation_peak_gb": 2.0, "round": 3})
     assert plan_frontier.median_runs(runs)["dsx_auto_budget"]["round"] == 3  # the lower middle of four
+
+
+def test_without_a_config_the_profiles_with_every_choice_are_read(tmp_path) -> None:
+    """A run with a dsx config profiled without ``recompute_modules`` before one profiled with them: the bound
+    and frontier are computed from the latter, whose profiles hold every choice a plan of the run has."""
+    path = _run_file(tmp_path)
+    run = json.loads(open(path).read())
+    sel = next(r for r in run["results"] if r["config"] == "dsx_auto_budget_sel")
+    plain = {**sel, "config": "dsx_auto_budget", "plan": {**sel["plan"], "profiles": [
+        {**p, "sel_saved_bytes": None, "sel_recompute_s": 0.0} for p in sel["plan"]["profiles"]]}}  # fmt: skip
+    run["results"].insert(0, plain)
+    open(path, "w").write(json.dumps(run))
+    _, profiles, _ = plan_frontier.load_run(path, None)
+    assert all(p.sel_saved_bytes is not None for p in profiles)
+    _, profiles, _ = plan_frontier.load_run(path, "dsx_auto_budget")  # a named config is read as named
+    assert all(p.sel_saved_bytes is None for p in profiles)
