@@ -2,14 +2,14 @@
 # dsx's checks on a GPU machine, as named suites; each fits one 10-minute command on one H100.
 #   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | hetero | hetero-scale | hetero-large |
 #                                         offload | offload-hide | offload-8b | offload-8b-peers |
-#                                         offload-8b-sweep [1|2] | offload-8b-megatron | offload-long |
+#                                         offload-8b-sweep [1|2|3] | offload-8b-megatron | offload-long |
 #                                         offload-ssd | main | wheel
 # Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
 # docs/performance.md cites) and a copy to $OUT/results/. docs/performance.md, "GPU suites", says what each runs.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2]|offload-8b-megatron|offload-long|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-long|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -22,6 +22,9 @@ run() {  # run NAME SECONDS CMD...: CMD's output to $OUT/NAME.log, its exit stat
   log "$name rc=$rc"; [ "$rc" -eq 0 ] || failed=1
 }
 keep() { for n in "$@"; do cp "$RES/$n.json" "$RES/$n.png" "$OUT/results/" 2>/dev/null; done; }
+# the Llama-3-8B layer's shape and step settings, the same in every suite that merges into its JSONs
+LLAMA_8B="--model llama --hidden 4096 --layers 8 --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 8192
+  --micro-batch 2 --warmup 2 --steps 4 --repeats 3 --pool-gb 40 --adam fused --child-timeout 120"
 case $suite in
   tests)  # every GPU test (multigpu ones skip with a reason on one GPU)
     run gpu-tests 570 python -m pytest -q -rs -m "gpu or multigpu" -p no:cacheprovider tests/ ;;
@@ -78,41 +81,39 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
       --child-timeout 100 --configs none dsx_auto_hide --name bench_offload_hide --out "$RES"
     keep bench_offload_hide ;;
   offload-8b)  # the Llama-3-8B layer at sequence 8192, micro-batch 2 (activations, not gradients, set the peak): no
-                # offload, full recompute and dsx at recompute's peak, 3 interleaved runs; then the lower bound and
-                # the planner's frontier on that run's profiles
-    run bench-offload-8b 500 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 --heads 32 \
-      --kv-heads 8 --ffn-hidden 14336 --seq-len 8192 --micro-batch 2 --warmup 2 --steps 4 --repeats 3 --pool-gb 40 \
-      --adam fused --child-timeout 120 --configs none recompute dsx_auto_budget --name bench_offload_8b --out "$RES"
-    run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" --config dsx_auto_budget \
-      --name plan_frontier_8b --out "$RES"
+                # offload, full recompute and dsx at recompute's peak (SwiGLU activation recomputable: _sel), 3
+                # interleaved runs; then the lower bound and the planner's frontier on that run's profiles
+    run bench-offload-8b 500 python benchmarks/bench_offload.py $LLAMA_8B --configs none recompute dsx_auto_budget_sel \
+      --name bench_offload_8b --out "$RES"
+    run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" \
+      --config dsx_auto_budget_sel --name plan_frontier_8b --out "$RES"
     keep bench_offload_8b plan_frontier_8b ;;
   offload-8b-peers)  # the same shape: the peers that peak at full recompute's memory or below (DeepSpeed's
                      # cpu_checkpointing, a saved-tensor-hook offload) beside full recompute and dsx at recompute's
                      # peak, 3 interleaved runs
-    run bench-offload-8b-peers 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
-      --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 8192 --micro-batch 2 --warmup 2 --steps 4 --repeats 3 \
-      --pool-gb 40 --adam fused --child-timeout 120 --configs recompute ds_cpu_ckpt hooks_offload dsx_auto_budget \
-      --name bench_offload_8b_peers --out "$RES"
+    run bench-offload-8b-peers 560 python benchmarks/bench_offload.py $LLAMA_8B \
+      --configs recompute ds_cpu_ckpt hooks_offload dsx_auto_budget_sel --name bench_offload_8b_peers --out "$RES"
     keep bench_offload_8b_peers ;;
   offload-8b-sweep)  # dsx over budgets at the 8B shape, merged into bench_offload_8b.json (budgets as multiples of
-                    # recompute's peak), 3 interleaved runs each; each part re-measures a baseline on its own
-                    # machine: part 1 (the default) full recompute and dsx at 1x 1.15x 1.3x, part 2 no offload and
-                    # dsx at 1.5x 1.75x 2x; then the frontier again
-    configs="recompute dsx_auto_budget" scales="1 1.15 1.3"
-    [ "${2:-1}" = 2 ] && configs="none dsx_auto_budget" scales="1.5 1.75 2"
-    run bench-offload-8b-sweep 510 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
-      --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 8192 --micro-batch 2 --warmup 2 --steps 4 --repeats 3 \
-      --pool-gb 40 --adam fused --child-timeout 120 --configs $configs --budget-scales $scales --merge \
-      --name bench_offload_8b --out "$RES"
-    run plan-frontier-8b 55 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" --config dsx_auto_budget \
-      --name plan_frontier_8b --out "$RES"
+                    # recompute's peak), 3 interleaved runs each; parts 1 and 2 re-measure a baseline on the
+                    # machine they land on: part 1 (the default) full recompute and dsx at 1.15x 1.3x, part 2 no
+                    # offload and dsx at 1.5x 1.75x, part 3 dsx at 2x and with no budget; then the frontier again
+    case ${2:-1} in
+      1) configs="recompute dsx_auto_budget_sel" scales="1.15 1.3" ;;
+      2) configs="none dsx_auto_budget_sel" scales="1.5 1.75" ;;
+      3) configs="dsx_auto_budget_sel dsx_auto_hide_sel" scales="2" ;;
+      *) log "offload-8b-sweep: part 1, 2 or 3, not ${2}"; exit 2 ;;
+    esac
+    run bench-offload-8b-sweep 510 python benchmarks/bench_offload.py $LLAMA_8B --configs $configs \
+      --budget-scales $scales --merge --name bench_offload_8b --out "$RES"
+    run plan-frontier-8b 55 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" \
+      --config dsx_auto_budget_sel --name plan_frontier_8b --out "$RES"
     keep bench_offload_8b plan_frontier_8b ;;
   offload-8b-megatron)  # megatron-core's own ways at the 8B shape, merged into bench_offload_8b_peers.json: selective
                         # recompute and fine-grained offload of the attention core, of all of attention, of every set
-    run bench-offload-8b-megatron 540 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
-      --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 8192 --micro-batch 2 --warmup 2 --steps 4 --repeats 3 \
-      --pool-gb 40 --adam fused --child-timeout 120 --configs megatron_selective megatron_offload_core_attn \
-      megatron_offload_attn megatron_offload_all --merge --name bench_offload_8b_peers --out "$RES"
+    run bench-offload-8b-megatron 540 python benchmarks/bench_offload.py $LLAMA_8B --configs megatron_selective \
+      megatron_offload_core_attn megatron_offload_attn megatron_offload_all --merge --name bench_offload_8b_peers \
+      --out "$RES"
     keep bench_offload_8b_peers ;;
   offload-long)  # long context: six Llama-3-8B layers at sequence 32768 (as many as fit without offload, which the
                  # bound needs): no offload, full recompute and dsx at recompute's peak, 3 interleaved runs; the bound
