@@ -1018,19 +1018,26 @@ def _plot(results: list[dict[str, Any]], out: str | os.PathLike[str], name: str)
     if not ok:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.2, 1]})
-    # the trade-off: lower left is better; dsx points in one colour, baselines in another
+    # the trade-off: lower left is better; dsx points in one colour, baselines in another; every repeat a
+    # point, each config named once, at its median
+    med = _medians(ok)
     for r in ok:
         dsx_cfg = r["config"].startswith("dsx")
         a.scatter(r["activation_peak_gb"], r["step_s"] * 1e3, color="tab:blue" if dsx_cfg else "tab:gray",
-                  marker="o" if dsx_cfg else "s")  # fmt: skip
+                  marker="o" if dsx_cfg else "s", s=14)  # fmt: skip
+    for r in med.values():
         a.annotate(r["config"], (r["activation_peak_gb"], r["step_s"] * 1e3), fontsize=7,
                    xytext=(4, 3), textcoords="offset points")  # fmt: skip
     a.set_xlabel("activation peak (GB)")
     a.set_ylabel("step time (ms)")
     a.set_yscale("log")
     a.grid(alpha=0.3)
-    names = [r["config"] for r in ok]
-    b.barh(names, [r["tokens_per_s"] / 1e3 for r in ok],
+    # throughput at the median step, the bar's line spanning the repeats
+    names = list(med)
+    tps = [med[n]["tokens_per_s"] for n in names]
+    spread = [[t - t * med[n]["step_s"] / max(med[n]["step_s_runs"]) for n, t in zip(names, tps, strict=True)],
+              [t * med[n]["step_s"] / min(med[n]["step_s_runs"]) - t for n, t in zip(names, tps, strict=True)]]  # fmt: skip
+    b.barh(names, [t / 1e3 for t in tps], xerr=[[e / 1e3 for e in side] for side in spread],
            color=["tab:blue" if n.startswith("dsx") else "tab:gray" for n in names])  # fmt: skip
     b.invert_yaxis()
     b.set_xlabel("throughput (k tokens/s)")
