@@ -149,7 +149,11 @@ def _mlp_submodules(mlp: Any) -> Any:
 
 def _swiglu_activation(config: Any) -> nn.Module:
     """megatron's gated SiLU unit (``silu(x_glu) * (x_linear + glu_linear_offset)``) as a module: what its MLP
-    computes inline when no activation module is given."""
+    computes inline when no activation module is given and its fused kernel is off (``bias_activation_fusion``,
+    which megatron-core refuses beside an activation module; the fused kernel saves only its input)."""
+    if not config.gated_linear_unit or config.activation_func is not torch.nn.functional.silu:
+        raise ValueError("the SwiGLU activation module is a gated SiLU unit: it needs gated_linear_unit=True and "
+                         f"activation_func=silu, got {config.gated_linear_unit} and {config.activation_func}")  # fmt: skip
     if config.activation_func_clamp_value is not None:
         raise ValueError(
             "the SwiGLU activation module does not clamp: activation_func_clamp_value must be None"

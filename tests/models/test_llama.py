@@ -167,9 +167,8 @@ def test_activation_offload_gives_bitwise_equal_gradients(tmp_path, tiers: list[
         sched.close()
     assert moved and moved[0] > 0, "nothing was offloaded: the test would pass vacuously"
     assert_same_grads(want, got)
-    if (
-        sel
-    ):  # one FFN-wide float32 tensor a layer fewer to write and to read back: silu(gate) (its input is kept)
+    if sel:
+        # one FFN-wide float32 tensor a layer fewer to write and to read back: silu(gate) (its input is kept)
         full = Llama(SMALL, seed=7)
         sched = Scheduler(SchedulerConfig(io_workers=2))
         off = ActivationOffload(full, _cfg(tmp_path, tiers), sched)
@@ -242,9 +241,9 @@ def test_megatron_llama_trains_and_its_sdpa_core_attention_equals_megatrons() ->
 
 @pytest.mark.gpu
 def test_megatrons_mlp_with_the_swiglu_module_equals_its_own_gated_unit() -> None:
-    """The build fills megatron's activation-module slot with :class:`SwiGLUActivation` (so that
-    ``recompute_modules`` can name it): on fresh random inputs its MLP gives the output and gradients of
-    megatron's own inline gated unit (float32), and saves the same bytes for backward."""
+    """The build fills megatron's activation-module slot with :class:`SwiGLUActivation` in every layer (so that
+    ``recompute_modules`` can name it): on fresh random inputs megatron's MLP with it gives the output and
+    gradients of megatron's own inline gated unit (float32), and saves the same bytes for backward."""
     pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install dsx[llm])")
     import torch.distributed as dist
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -267,6 +266,12 @@ def test_megatrons_mlp_with_the_swiglu_module_equals_its_own_gated_unit() -> Non
     subs = dataclasses.replace(subs, activation_func=_swiglu_activation)
     ours = MLP(TransformerConfig(**common, use_te_activation_func=True), subs, ffn_hidden_size=344).cuda()
     assert isinstance(ours.activation_func, SwiGLUActivation)
+    # and the build puts it in every layer
+    from dsx.models.megatron_gpt import build_megatron_llama
+
+    cfg = LlamaConfig(vocab_size=64, seq_len=32, layers=2, hidden=128, heads=4, kv_heads=2, ffn_hidden=344)
+    acts = [m for m in build_megatron_llama(cfg, seed=0).modules() if isinstance(m, SwiGLUActivation)]
+    assert len(acts) == cfg.layers and all(a.offset == 0.0 for a in acts)
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(32, 2, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(14))
     saved: dict[str, list[int]] = {"theirs": [], "ours": []}
