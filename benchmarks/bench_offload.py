@@ -170,8 +170,9 @@ def _model(args: argparse.Namespace, name: str) -> torch.nn.Module:
 def _sel_module(args: argparse.Namespace) -> str:
     """What the ``_sel`` configs name in ``recompute_modules``. The GPT: its core attention, which megatron's
     selective recompute recomputes too (unfused, it saves the ``[b, heads, s, s]`` scores). The Llama decoder:
-    its SwiGLU activation, which drops two FFN-wide tensors a layer for an elementwise pass; recomputing its
-    flash core attention would drop one hidden-wide tensor for a second attention forward."""
+    its SwiGLU activation, which drops two FFN-wide tensors a layer (megatron-core's unit; one in the plain-torch
+    model) for an elementwise pass; recomputing its flash core attention would drop one hidden-wide tensor for
+    a second attention forward."""
     if args.model == "llama":
         return "SwiGLUActivation"
     return "DotProductAttention" if _megatron(args) else "Attention"
@@ -709,9 +710,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.hidden, args.layers, args.heads, args.seq_len, args.micro_batch = 64, 2, 2, 32, 2
         args.warmup, args.steps, args.pool_gb = 2, 2, 0.25  # auto: its warm-up steps, then the profiled one
     earlier, parts = _earlier(args) if args.merge and not args.one else ([], [])
-    # (the device per part: rows merged from another machine are not comparable with this run's)
-    parts.append({"utc": utc_now(), "device": device_name(), "configs": args.configs,
-                  "budget_scales": args.budget_scales})  # fmt: skip
+    # each row names its part, and each part its device: rows merged from another machine are not comparable
+    # with this run's (a part none of whose rows is left is marked superseded)
+    device, part = device_name(), len(parts)
+    parts.append(
+        {"utc": utc_now(), "device": device, "configs": args.configs, "budget_scales": args.budget_scales}
+    )
+    elsewhere = sorted({p.get("device") for p in parts[:-1] if p.get("device") not in (None, device)})
+    if elsewhere:
+        print(f"bench_offload --merge: {args.name}.json holds rows from {elsewhere}, this run is on {device!r}: "
+              "compare rows of one device only (each row's part names its device)", file=sys.stderr)  # fmt: skip
     new: list[dict[str, Any]] = []  # this run's rows
     results = [*earlier, *new]
     with tempfile.TemporaryDirectory(dir=args.ssd_dir) as ssd:
@@ -757,6 +765,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 res["config"] = f"{res['config']}@seq{seq}"
             if budget is not None:
                 res["budget_gb"] = budget * 2**30 / 1e9
+            res["part"] = part
             new.append(res)
             # (a merged file's row of the same name is replaced by this run's)
             earlier = [r for r in earlier if r["config"] != res["config"]]
@@ -767,7 +776,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 flush=True,
             )
     out = _write(results, args, parts)
-    _plot(results, args.out, args.name)
+    _plot(results, args.out, args.name, out["parts"])
     return out
 
 
@@ -1001,6 +1010,10 @@ def _write(
     drive = _tier_vs_drive([r for r in results if "error" not in r])
     if drive:
         ratios["ssd_tier_vs_drive"] = drive
+    # (rows from before rows named their part belong to the file's first)
+    used = {r.get("part", 0) for r in results}
+    parts = [{**p, "superseded": True} if i not in used else {k: v for k, v in p.items() if k != "superseded"}
+             for i, p in enumerate(parts or [])]  # fmt: skip
     out = {"name": "bench_offload", "env": environment(), "config": vars(args), "parts": parts or [],
            "model": "megatron-core GPTModel" if _megatron(args) else "dsx torch GPT",
            "results": results, "ratios": ratios}  # fmt: skip
@@ -1008,7 +1021,9 @@ def _write(
     return out
 
 
-def _plot(results: list[dict[str, Any]], out: str | os.PathLike[str], name: str) -> None:
+def _plot(
+    results: list[dict[str, Any]], out: str | os.PathLike[str], name: str, parts: list[dict[str, Any]] = ()
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1042,8 +1057,14 @@ def _plot(results: list[dict[str, Any]], out: str | os.PathLike[str], name: str)
     b.invert_yaxis()
     b.set_xlabel("throughput (k tokens/s)")
     b.tick_params(axis="y", labelsize=7)
+    live = [p for p in parts if not p.get("superseded")]
+    if len(live) > 1:
+        devices = ", ".join(sorted({str(p.get("device")) for p in live}))
+        runs = f"{len(live)} runs merged ({devices})"
+    else:
+        runs = "one run"
     fig.suptitle(
-        "Activation offload strategies: same model, same data, one run (each config in its own process)"
+        f"Activation offload strategies: same model, same data, {runs} (each config in its own process)"
     )
     fig.tight_layout()
     save_png(fig, out, name)

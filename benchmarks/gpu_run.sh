@@ -23,8 +23,8 @@ run() {  # run NAME SECONDS CMD...: CMD's output to $OUT/NAME.log, its exit stat
 }
 keep() { for n in "$@"; do cp "$RES/$n.json" "$RES/$n.png" "$OUT/results/" 2>/dev/null; done; }
 # the Llama-3-8B layer's shape and step settings, the same in every suite that merges into its JSONs
-LLAMA_8B="--model llama --hidden 4096 --layers 8 --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 8192
-  --micro-batch 2 --warmup 2 --steps 4 --repeats 3 --pool-gb 40 --adam fused --child-timeout 120"
+LLAMA_8B=(--model llama --hidden 4096 --layers 8 --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 8192
+  --micro-batch 2 --warmup 2 --steps 4 --repeats 3 --pool-gb 40 --adam fused --child-timeout 120)
 case $suite in
   tests)  # every GPU test (multigpu ones skip with a reason on one GPU)
     run gpu-tests 570 python -m pytest -q -rs -m "gpu or multigpu" -p no:cacheprovider tests/ ;;
@@ -82,36 +82,37 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
     keep bench_offload_hide ;;
   offload-8b)  # the Llama-3-8B layer at sequence 8192, micro-batch 2 (activations, not gradients, set the peak): no
                 # offload, full recompute and dsx at recompute's peak (SwiGLU activation recomputable: _sel), 3
-                # interleaved runs; then the lower bound and the planner's frontier on that run's profiles
-    run bench-offload-8b 500 python benchmarks/bench_offload.py $LLAMA_8B --configs none recompute dsx_auto_budget_sel \
-      --name bench_offload_8b --out "$RES"
+                # interleaved runs, in a new JSON (the sweep's parts merge into it: run them after this, on the same
+                # machine); then the lower bound and the planner's frontier on that run's profiles
+    run bench-offload-8b 500 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" --configs none recompute \
+      dsx_auto_budget_sel --name bench_offload_8b --out "$RES"
     run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" \
       --config dsx_auto_budget_sel --name plan_frontier_8b --out "$RES"
     keep bench_offload_8b plan_frontier_8b ;;
   offload-8b-peers)  # the same shape: the peers that peak at full recompute's memory or below (DeepSpeed's
                      # cpu_checkpointing, a saved-tensor-hook offload) beside full recompute and dsx at recompute's
                      # peak, 3 interleaved runs
-    run bench-offload-8b-peers 560 python benchmarks/bench_offload.py $LLAMA_8B \
+    run bench-offload-8b-peers 560 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" \
       --configs recompute ds_cpu_ckpt hooks_offload dsx_auto_budget_sel --name bench_offload_8b_peers --out "$RES"
     keep bench_offload_8b_peers ;;
-  offload-8b-sweep)  # dsx over budgets at the 8B shape, merged into bench_offload_8b.json (budgets as multiples of
-                    # recompute's peak), 3 interleaved runs each; parts 1 and 2 re-measure a baseline on the
-                    # machine they land on: part 1 (the default) full recompute and dsx at 1.15x 1.3x, part 2 no
-                    # offload and dsx at 1.5x 1.75x, part 3 dsx at 2x and with no budget; then the frontier again
+  offload-8b-sweep)  # dsx over budgets at the 8B shape (multiples of recompute's peak), 3 interleaved runs each,
+                    # merged into bench_offload_8b.json beside offload-8b's baselines (run that first, on the same
+                    # machine: the merge warns when the file's rows come from another device): part 1 (the
+                    # default) 1.15x 1.3x, part 2 1.5x 1.75x, part 3 2x and no budget; then the frontier again
     case ${2:-1} in
-      1) configs="recompute dsx_auto_budget_sel" scales="1.15 1.3" ;;
-      2) configs="none dsx_auto_budget_sel" scales="1.5 1.75" ;;
-      3) configs="dsx_auto_budget_sel dsx_auto_hide_sel" scales="2" ;;
+      1) configs=(dsx_auto_budget_sel) scales=(1.15 1.3) ;;
+      2) configs=(dsx_auto_budget_sel) scales=(1.5 1.75) ;;
+      3) configs=(dsx_auto_budget_sel dsx_auto_hide_sel) scales=(2) ;;
       *) log "offload-8b-sweep: part 1, 2 or 3, not ${2}"; exit 2 ;;
     esac
-    run bench-offload-8b-sweep 510 python benchmarks/bench_offload.py $LLAMA_8B --configs $configs \
-      --budget-scales $scales --merge --name bench_offload_8b --out "$RES"
+    run bench-offload-8b-sweep 510 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" --configs "${configs[@]}" \
+      --budget-scales "${scales[@]}" --merge --name bench_offload_8b --out "$RES"
     run plan-frontier-8b 55 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" \
       --config dsx_auto_budget_sel --name plan_frontier_8b --out "$RES"
     keep bench_offload_8b plan_frontier_8b ;;
   offload-8b-megatron)  # megatron-core's own ways at the 8B shape, merged into bench_offload_8b_peers.json: selective
                         # recompute and fine-grained offload of the attention core, of all of attention, of every set
-    run bench-offload-8b-megatron 540 python benchmarks/bench_offload.py $LLAMA_8B --configs megatron_selective \
+    run bench-offload-8b-megatron 540 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" --configs megatron_selective \
       megatron_offload_core_attn megatron_offload_attn megatron_offload_all --merge --name bench_offload_8b_peers \
       --out "$RES"
     keep bench_offload_8b_peers ;;

@@ -174,6 +174,11 @@ def test_a_run_merged_into_an_earlier_file_keeps_its_rows_and_replaces_same_name
     with pytest.raises(SystemExit, match=r"--merge: .* other settings \{'adam': \('foreach', 'fused'\)\}"):
         bench_offload.main([*common, "--configs", "none", "--merge", "--adam", "fused"])
     assert json.loads((tmp_path / "m.json").read_text()) == saved  # the refused part changed nothing
+    assert {r["config"]: r["part"] for r in saved["results"]} == {"none": 1, "recompute": 0}
+    # a part none of whose rows is left is marked superseded
+    bench_offload.main([*common, "--configs", "recompute", "--merge"])
+    parts = json.loads((tmp_path / "m.json").read_text())["parts"]
+    assert [bool(p.get("superseded")) for p in parts] == [True, False, False], parts
 
 
 def test_capacity_takes_the_median_over_repeats_and_keeps_other_tags_apart() -> None:

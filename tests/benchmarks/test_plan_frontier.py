@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from pathlib import Path
 
 from benchmarks import plan_frontier
 from dsx.offload.plan import LayerProfile
@@ -162,12 +163,12 @@ def test_without_a_config_the_profiles_with_every_choice_are_read(tmp_path) -> N
     """A run with a dsx config profiled without ``recompute_modules`` before one profiled with them: the bound
     and frontier are computed from the latter, whose profiles hold every choice a plan of the run has."""
     path = _run_file(tmp_path)
-    run = json.loads(open(path).read())
+    run = json.loads(Path(path).read_text())
     sel = next(r for r in run["results"] if r["config"] == "dsx_auto_budget_sel")
     plain = {**sel, "config": "dsx_auto_budget", "plan": {**sel["plan"], "profiles": [
         {**p, "sel_saved_bytes": None, "sel_recompute_s": 0.0} for p in sel["plan"]["profiles"]]}}  # fmt: skip
     run["results"].insert(0, plain)
-    open(path, "w").write(json.dumps(run))
+    Path(path).write_text(json.dumps(run))
     _, profiles, _ = plan_frontier.load_run(path, None)
     assert all(p.sel_saved_bytes is not None for p in profiles)
     _, profiles, _ = plan_frontier.load_run(path, "dsx_auto_budget")  # a named config is read as named
