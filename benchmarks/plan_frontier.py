@@ -240,8 +240,9 @@ def _plot(out: dict[str, Any], where: str, name: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
-    styles = {"offload": ("tab:blue", "planner, with the run's tiers (+ rest of step)"),
-              "recompute_only": ("tab:orange", "planner, keep / recompute only (+ rest of step)")}  # fmt: skip
+    # (the profiles' recompute_modules, where measured, are choices of both frontiers: the +sel forms)
+    styles = {"offload": ("tab:blue", "planner, with the run's tiers (+ rest of step; +sel where profiled)"),
+              "recompute_only": ("tab:orange", "planner, keep / recompute only (+ rest of step; +sel where profiled)")}  # fmt: skip
     bound_styles = {"timeline": ("-", "lower bound, per-layer / per-module plans (the profiled memory timeline)"),
                     "until_peak": ("-.", "the same, one peak and every write until it (aggregate)"),
                     "forward": (":", "the same with the design's hideable bytes (bandwidth x forward time)")}  # fmt: skip
