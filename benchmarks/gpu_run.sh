@@ -90,11 +90,14 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
       --config dsx_auto_budget_sel --name plan_frontier_8b --out "$RES"
     keep bench_offload_8b plan_frontier_8b ;;
   offload-8b-peers)  # the same shape: the peers that peak at full recompute's memory or below (DeepSpeed's
-                     # cpu_checkpointing, a saved-tensor-hook offload) beside full recompute and dsx at recompute's
-                     # peak, 3 interleaved runs
-    run bench-offload-8b-peers 560 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" \
-      --configs recompute ds_cpu_ckpt hooks_offload dsx_auto_budget_sel --name bench_offload_8b_peers --out "$RES"
-    keep bench_offload_8b_peers ;;
+                     # cpu_checkpointing, a saved-tensor-hook offload), 3 interleaved runs, merged into
+                     # bench_offload_8b.json beside offload-8b's rows (run that first, on the same machine), so that
+                     # the frontier draws every peer and checks dsx against each; then the frontier again
+    run bench-offload-8b-peers 480 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" --configs ds_cpu_ckpt \
+      hooks_offload --merge --name bench_offload_8b --out "$RES"
+    run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" \
+      --config dsx_auto_budget_sel --name plan_frontier_8b --out "$RES"
+    keep bench_offload_8b plan_frontier_8b ;;
   offload-8b-sweep)  # dsx over budgets at the 8B shape (multiples of recompute's peak), 3 interleaved runs each,
                     # merged into bench_offload_8b.json beside offload-8b's baselines (run that first, on the same
                     # machine: the merge warns when the file's rows come from another device): part 1 (the
@@ -110,12 +113,15 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
     run plan-frontier-8b 55 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" \
       --config dsx_auto_budget_sel --name plan_frontier_8b --out "$RES"
     keep bench_offload_8b plan_frontier_8b ;;
-  offload-8b-megatron)  # megatron-core's own ways at the 8B shape, merged into bench_offload_8b_peers.json: selective
-                        # recompute and fine-grained offload of the attention core, of all of attention, of every set
-    run bench-offload-8b-megatron 540 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" --configs megatron_selective \
-      megatron_offload_core_attn megatron_offload_attn megatron_offload_all --merge --name bench_offload_8b_peers \
+  offload-8b-megatron)  # megatron-core's own ways at the 8B shape, merged into bench_offload_8b.json as the peers
+                        # are: selective recompute and fine-grained offload of the attention core, of all of
+                        # attention, of every set; 3 interleaved runs; then the frontier again
+    run bench-offload-8b-megatron 500 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" --configs megatron_selective \
+      megatron_offload_core_attn megatron_offload_attn megatron_offload_all --merge --name bench_offload_8b \
       --out "$RES"
-    keep bench_offload_8b_peers ;;
+    run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" \
+      --config dsx_auto_budget_sel --name plan_frontier_8b --out "$RES"
+    keep bench_offload_8b plan_frontier_8b ;;
   offload-long)  # long context: six Llama-3-8B layers at sequence 32768 (as many as fit without offload, which the
                  # bound needs): no offload, full recompute and dsx at recompute's peak, 3 interleaved runs; the bound
     run bench-offload-long 500 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 6 --heads 32 \
