@@ -31,6 +31,8 @@ __all__ = [
     "device_name",
     "environment",
     "host_probe_s",
+    "is_peer",
+    "median_runs",
     "save_png",
     "utc_now",
     "versions",
@@ -200,3 +202,23 @@ def median_seconds(fn: Any, repeats: int, cuda: bool) -> float:
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def median_runs(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per config, its run of median step time (``--repeats`` runs each config several times; the lower middle
+    one of an even count: a run that happened, not an average), with every run's step time beside it
+    (``step_s_runs``, sorted: the spread)."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(r["config"], []).append(r)
+    out = {}
+    for name, runs in by.items():
+        runs = sorted(runs, key=lambda r: r["step_s"])
+        out[name] = {**runs[(len(runs) - 1) // 2], "step_s_runs": [r["step_s"] for r in runs]}
+    return out
+
+
+def is_peer(config: str) -> bool:
+    """Whether an activation-offload config is a peer dsx is compared against: not dsx's own, and not
+    ``none_copies`` (a diagnostic that moves bytes without freeing any)."""
+    return not config.startswith(("dsx", "none_copies"))

@@ -59,7 +59,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _kernel_trace
 import _memory_trace
-from _common import add_common_args, device_name, environment, host_probe_s, save_png, utc_now, write_json
+from _common import (
+    add_common_args,
+    device_name,
+    environment,
+    host_probe_s,
+    is_peer,
+    median_runs,
+    save_png,
+    utc_now,
+    write_json,
+)
 from _hook_offload import SavedTensorOffload
 from _megatron_offload import (
     OFFLOAD_SETS,
@@ -863,7 +873,7 @@ def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any
         base = "none" + name[len(name.split("@")[0]) :]
         if name != base and base in best:
             out[f"{name}_vs_none_tokens_per_s"] = b["tokens_per_s"] / best[base]["tokens_per_s"]
-    peers = [n for n in best if not n.startswith(("dsx", "none_copies"))]
+    peers = [n for n in best if is_peer(n)]
     if peers:
         peer = max(peers, key=lambda n: (best[n][key], best[n]["tokens_per_s"]))
         size = best[peer][key]
@@ -906,19 +916,6 @@ def _tier_vs_drive(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per config, its run of median step time, with every run's step time beside it (``step_s_runs``,
-    sorted: the spread); a config run once is that run."""
-    by: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        by.setdefault(r["config"], []).append(r)
-    out = {}
-    for name, runs in by.items():
-        runs = sorted(runs, key=lambda r: r["step_s"])
-        out[name] = {**runs[(len(runs) - 1) // 2], "step_s_runs": [r["step_s"] for r in runs]}
-    return out
-
-
 # what rows merged into one file must share (the model, its step, the optimizer); configs, sizes and budgets may
 # differ from part to part
 MERGE_SAME = ("model", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "seq_len", "micro_batch", "vocab",
@@ -956,7 +953,7 @@ def _write(
 ) -> dict[str, Any]:
     """The JSON of the results so far, with the throughput ratios the targets are stated in; ``parts``: when
     each run merged into the file ran, and what it ran."""
-    ok = _medians([r for r in results if "error" not in r])
+    ok = median_runs([r for r in results if "error" not in r])
     ratios: dict[str, Any] = {}
     for a, b in [("dsx_auto_budget", "recompute"), ("dsx_host_sel", "ds_cpu_ckpt"), ("dsx_auto_budget_sel", "recompute"),
                  ("dsx_auto_budget_sel", "megatron_selective"), ("dsx_auto_hide", "none"),
@@ -1035,7 +1032,7 @@ def _plot(
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.2, 1]})
     # the trade-off: lower left is better; dsx points in one colour, baselines in another; every repeat a
     # point, each config named once, at its median
-    med = _medians(ok)
+    med = median_runs(ok)
     for r in ok:
         dsx_cfg = r["config"].startswith("dsx")
         a.scatter(r["activation_peak_gb"], r["step_s"] * 1e3, color="tab:blue" if dsx_cfg else "tab:gray",

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_args, environment, save_png, write_json
+from _common import add_common_args, environment, is_peer, save_png, write_json
+from _common import median_runs as _medians
 
 from dsx.config import ActivationOffloadConfig
 from dsx.offload.plan import (
@@ -52,13 +53,8 @@ GB = 1e9  # the unit bench_offload reports memory in
 
 
 def median_runs(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per config, its run of median step time (``bench_offload --repeats`` runs each config several times; the
-    lower middle one of an even count), leaving out runs that failed or measured no peak."""
-    by: dict[str, list[dict[str, Any]]] = {}
-    for r in results:
-        if "error" not in r and r.get("activation_peak_gb", 0) > 0:
-            by.setdefault(r["config"], []).append(r)
-    return {c: sorted(rs, key=lambda r: r["step_s"])[(len(rs) - 1) // 2] for c, rs in by.items()}
+    """:func:`_common.median_runs` of the runs that trained and measured a peak."""
+    return _medians([r for r in results if "error" not in r and r.get("activation_peak_gb", 0) > 0])
 
 
 def load_run(path: str, config: str | None) -> tuple[dict[str, Any], list[LayerProfile], list[TierBandwidth]]:
@@ -208,7 +204,7 @@ def against(
     that peak at the same or less memory and step faster: the points that show dsx's curve not dominating.
     ``worst_over_bound``: the largest such ratio; both summaries are None without a dsx point."""
     per: dict[str, Any] = {}
-    peers = {p: q for p, q in points.items() if not p.startswith("dsx") and p != "none_copies"}
+    peers = {p: q for p, q in points.items() if is_peer(p)}
     for cfg, r in points.items():
         if not cfg.startswith("dsx"):
             continue
