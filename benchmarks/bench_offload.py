@@ -27,11 +27,13 @@ of megatron-core layers was seen to keep ~3.8 GB per layer allocated between ste
     python benchmarks/bench_offload.py --quick        # CPU smoke test with the small torch GPT
 
 Capacity: ``--micro-batches`` and ``--seq-lens`` run configs at several sizes (rows ``config@mbN``,
-``config@seqN``; a run out of memory is an error row) and the JSON gives the largest each trained and each dsx
-config's tokens/s at the largest the best of the others trained:
+``config@seqN``; a run out of memory is an error row, and the config's larger sizes in that round are not run)
+and the JSON gives the largest each trained and each dsx config's tokens/s at the largest the best of the others
+trained. ``--gpu-memory-gb`` caps torch's allocator, so that a larger card answers for a smaller one, and
+``--fit-budget`` gives dsx the whole capped card: the cap less the static memory a peer before it measured:
 
-    python benchmarks/bench_offload.py --model llama --offload-optimizer --configs recompute dsx_auto_budget \
-        --seq-lens 32768,65536 --auto-budget-gb 60
+    python benchmarks/bench_offload.py --model llama --offload-optimizer --gpu-memory-gb 85 --fit-budget \
+        --configs recompute dsx_auto_budget_sel --seq-lens 32768,65536
 
 ``--memory-history DIR`` (CUDA) records the allocator over the measured steps and writes what is allocated at
 their peak, grouped by the line that allocated it (``_memory_trace.py``): where a plan's measured peak and its
@@ -229,6 +231,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         )
     te_flag_held = hold_te_offload_flag() if megatron_offload else None
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if args.gpu_memory_gb is not None and dev.type == "cuda":
+        _cap_device_memory(dev, args.gpu_memory_gb)
     if name == "ds_cpu_ckpt" and dev.type != "cuda":
         # DeepSpeed copies a checkpointed input "to the host" and then empties the input: on a CPU device
         # the copy is the input itself, so backward would find nothing
@@ -582,6 +586,36 @@ def _deepspeed_checkpointing(model: torch.nn.Module, in_cpu: bool = True) -> Non
 RESULT_TAG = "BENCH_OFFLOAD_RESULT "
 
 
+def _cap_device_memory(dev: torch.device, gb: float) -> None:
+    """Let torch's allocator hand out at most ``gb`` (10^9 bytes) of ``dev``'s memory: a larger card runs as a
+    smaller one (an H200 as an H100 80GB: 85 GB, its 79.2 GiB), so that what fits is the smaller card's. The
+    CUDA context and libraries' own allocations lie outside the cap, as they lie outside the smaller card's
+    79.2 GiB that torch reports."""
+    total = torch.cuda.get_device_properties(dev).total_memory
+    if gb * 1e9 > total:
+        raise ValueError(f"--gpu-memory-gb {gb:g} is more than this GPU's {total / 1e9:.1f} GB")
+    torch.cuda.set_per_process_memory_fraction(gb * 1e9 / total, dev)
+
+
+def _fit_budget_gb(results: list[dict[str, Any]], args: argparse.Namespace, mb: int) -> float | str:
+    """``--fit-budget``: the activation budget (GB) that fills the GPU: ``--gpu-memory-gb`` less the static
+    memory (weights, gradients, optimizer state: ``peak_breakdown_gb``) a row of this run measured at micro-batch
+    ``mb`` (it does not depend on the sequence length) less ``--fit-reserve-gb``; or why there is none."""
+    if args.gpu_memory_gb is None:
+        return "--fit-budget needs --gpu-memory-gb (the memory the budget fills)"
+    static = next(
+        (b["weights"] + b["gradients_and_optimizer_state"] for r in results
+         if "error" not in r and r.get("micro_batch") == mb and (b := r.get("peak_breakdown_gb"))),
+        None,
+    )  # fmt: skip
+    if static is None:
+        return f"--fit-budget needs a row measured before it at micro-batch {mb} (GPU run): list a peer first"
+    budget = args.gpu_memory_gb - static - args.fit_reserve_gb
+    if budget <= 0:
+        return f"--fit-budget: the static {static:.1f} GB and the reserve leave no room in {args.gpu_memory_gb:g} GB"
+    return budget
+
+
 def _init_distributed() -> None:
     single_process_env()
     import deepspeed
@@ -687,6 +721,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--auto-budget-gb", type=float, default=None,
                    help="activation budget (GB) for the dsx_auto_budget configs, times --budget-scales, instead of "
                         "full recompute's peak at the same micro-batch (a micro-batch sweep past what fits)")  # fmt: skip
+    p.add_argument("--fit-budget", action="store_true",
+                   help="the dsx_auto_budget configs' budget fills --gpu-memory-gb: that less the static memory "
+                        "(weights, gradients, optimizer state) a peer listed before them measured, less "
+                        "--fit-reserve-gb (capacity: the longest sequence that trains)")  # fmt: skip
+    p.add_argument("--fit-reserve-gb", type=float, default=2.0,
+                   help="--fit-budget: GB left free for the allocator's fragmentation and the CUDA libraries")  # fmt: skip
+    p.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="CUDA: cap torch's allocator at this many GB (10^9 bytes) of the GPU, so that a larger card "
+                        "runs as a smaller one (85: an H100 80GB's 79.2 GiB)")  # fmt: skip
     p.add_argument("--budget-gb", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--memory-history", default=None, metavar="DIR",
                    help="record the allocator over the measured steps (CUDA) and write what is live at their "
@@ -714,6 +757,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="dsx configs: the scheduler's timeline of the last steps (transfers, stalls) to "
                         "DIR/trace_<config>_mb<N>.json; `dsx trace` draws it")  # fmt: skip
     args = p.parse_args(argv)
+    if args.fit_budget and args.auto_budget_gb is not None:
+        p.error("--fit-budget and --auto-budget-gb both set the dsx_auto_budget configs' budget: give one")
     if args.adam == "fused" and args.offload_optimizer:
         p.error("--adam fused builds torch's AdamW on the GPU; --offload-optimizer uses DeepSpeed's CPU Adam")
     if args.quick:
@@ -744,17 +789,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # --repeats interleaves: every config once, then every config again, so that a drift of the machine
         # over the run falls on all of them alike
         runs = [
-            (name, scale, mb, seq)
-            for _ in range(args.repeats)
+            (rep, name, scale, mb, seq)
+            for rep in range(args.repeats)
             for name in args.configs
             for seq in seqs[name]
             for mb in sizes[name]
             for scale in (args.budget_scales if name in NEEDS_BUDGET else [1.0])
         ]
-        for name, scale, mb, seq in runs:
+        # a config that failed at a size (out of memory, no plan under the budget, out of time) fails at larger
+        # ones too: in that round they are not run (a capacity sweep's longest runs are its slowest)
+        failed: dict[tuple[int, str, float], tuple[int, int]] = {}
+        for rep, name, scale, mb, seq in runs:
             budget: float | None = None
             res: dict[str, Any] | None = None
-            if name in NEEDS_BUDGET and args.auto_budget_gb is not None:
+            smaller = failed.get((rep, name, scale))
+            if smaller is not None and seq >= smaller[0] and mb >= smaller[1]:
+                res = {"config": name, "error": f"not run: failed at sequence {smaller[0]}, micro-batch "
+                                                f"{smaller[1]} in this round"}  # fmt: skip
+            elif name in NEEDS_BUDGET and args.fit_budget:
+                fit = _fit_budget_gb(results, args, mb)
+                if isinstance(fit, str):
+                    res = {"config": name, "error": fit}
+                else:
+                    budget = fit * 1e9 / 2**30
+            elif name in NEEDS_BUDGET and args.auto_budget_gb is not None:
                 budget = scale * args.auto_budget_gb * 1e9 / 2**30
             elif name in NEEDS_BUDGET:
                 rec = next((r for r in results if r["config"].split("@")[0] == "recompute"
@@ -766,6 +824,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     budget = scale * rec["activation_peak_gb"] * 1e9 / 2**30
             if res is None:
                 res = _run_one(name, args, argv, mb, seq, budget, results, ssd)
+                if "error" in res:
+                    failed[rep, name, scale] = (seq, mb)
             if scale != 1.0:
                 res["config"] = f"{name}@{scale:g}x"
             res["micro_batch"], res["seq_len"] = mb, seq
@@ -919,7 +979,7 @@ def _tier_vs_drive(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 # what rows merged into one file must share (the model, its step, the optimizer); configs, sizes and budgets may
 # differ from part to part
 MERGE_SAME = ("model", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "seq_len", "micro_batch", "vocab",
-              "warmup", "steps", "adam", "offload_optimizer", "pool_gb", "quick")  # fmt: skip
+              "warmup", "steps", "adam", "offload_optimizer", "pool_gb", "quick", "gpu_memory_gb")  # fmt: skip
 
 
 def _earlier(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

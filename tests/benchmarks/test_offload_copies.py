@@ -155,6 +155,47 @@ def test_a_sequence_sweep_runs_every_length_and_names_its_rows(tmp_path) -> None
     assert saved["ratios"]["longest_sequence"]["largest"]["none"]["seq_len"] == 32
 
 
+def test_a_size_past_one_that_failed_is_not_run_in_that_round(tmp_path) -> None:
+    """A capacity sweep stops a config at its first failure: its longer sequences, the slowest runs, are recorded
+    as not run (in each round), while the other configs run every length. (DeepSpeed's cpu_checkpointing fails
+    on the CPU at every length: without the rule its longer row would carry that error instead.)"""
+    import json
+
+    bench_offload.main(["--quick", "--in-process", "--configs", "none", "ds_cpu_ckpt", "--seq-lens", "16,32",
+                        "--repeats", "2", "--out", str(tmp_path), "--name", "stop"])  # fmt: skip
+    rows = json.loads((tmp_path / "stop.json").read_text())["results"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["config"], []).append(r)
+    names = ("none@seq16", "none@seq32", "ds_cpu_ckpt@seq16", "ds_cpu_ckpt@seq32")
+    assert [len(by[c]) for c in names] == [2] * 4
+    assert all("error" not in r for c in ("none@seq16", "none@seq32") for r in by[c])
+    assert all("needs a GPU" in r["error"] for r in by["ds_cpu_ckpt@seq16"])
+    assert all(r["error"] == "not run: failed at sequence 16, micro-batch 2 in this round"
+               for r in by["ds_cpu_ckpt@seq32"]), by["ds_cpu_ckpt@seq32"]  # fmt: skip
+
+
+def test_a_fit_budget_fills_the_capped_gpu_past_the_static_memory() -> None:
+    """--fit-budget: the cap less what a peer measured of weights, gradients and optimizer state (at the same
+    micro-batch; an error row measured nothing) less the reserve; or a reason, never a guess."""
+    import argparse
+
+    args = argparse.Namespace(gpu_memory_gb=85.0, fit_reserve_gb=2.0)
+    static = {"weights": 3.5, "gradients_and_optimizer_state": 4.5}
+    rows = [
+        {"config": "none@seq8", "micro_batch": 1, "error": "CUDA out of memory", "peak_breakdown_gb": None},
+        {"config": "recompute@seq8", "micro_batch": 2, "peak_breakdown_gb": {**static, "weights": 9.0}},
+        {"config": "recompute@seq8", "micro_batch": 1, "peak_breakdown_gb": static},
+    ]
+    assert bench_offload._fit_budget_gb(rows, args, 1) == pytest.approx(85.0 - 8.0 - 2.0)
+    assert "micro-batch 4" in bench_offload._fit_budget_gb(rows, args, 4)
+    small = argparse.Namespace(gpu_memory_gb=9, fit_reserve_gb=2)
+    assert "no room" in bench_offload._fit_budget_gb(rows, small, 1)
+    assert "--gpu-memory-gb" in bench_offload._fit_budget_gb(rows, argparse.Namespace(gpu_memory_gb=None), 1)
+    with pytest.raises(SystemExit):  # two budgets for the same configs
+        bench_offload.main(["--quick", "--fit-budget", "--auto-budget-gb", "1", "--gpu-memory-gb", "85"])
+
+
 def test_a_run_merged_into_an_earlier_file_keeps_its_rows_and_replaces_same_named_ones(tmp_path) -> None:
     """--merge: a sweep in parts. The second part's rows join the first's; a row it runs again replaces the
     earlier one; the file records both parts; a part with other model or step settings is refused."""
