@@ -102,18 +102,17 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
   offload-8b-sweep)  # dsx over budgets at the 8B shape (multiples of recompute's peak), 3 interleaved runs each,
                     # merged into bench_offload_8b.json beside offload-8b's baselines (run that first, on the same
                     # machine: the merge warns when the file's rows come from another device): part 1 (the
-                    # default) 1.15x 1.3x, part 2 1.5x 1.75x, part 3 2x and no budget; then the frontier again
+                    # default) 1.15x 1.3x, part 2 1.5x 1.75x, part 3 2x and no budget; the whole command's time
+                    # goes to the runs (plan_frontier.py needs no GPU: run it on the merged JSON anywhere)
     case ${2:-1} in
       1) configs=(dsx_auto_budget_sel) scales=(1.15 1.3) ;;
       2) configs=(dsx_auto_budget_sel) scales=(1.5 1.75) ;;
       3) configs=(dsx_auto_budget_sel dsx_auto_hide_sel) scales=(2) ;;
       *) log "offload-8b-sweep: part 1, 2 or 3, not ${2}"; exit 2 ;;
     esac
-    run bench-offload-8b-sweep 510 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" --configs "${configs[@]}" \
+    run bench-offload-8b-sweep 565 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" --configs "${configs[@]}" \
       --budget-scales "${scales[@]}" --merge --name bench_offload_8b --out "$RES"
-    run plan-frontier-8b 55 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" \
-      --config dsx_auto_budget_sel --name plan_frontier_8b --out "$RES"
-    keep bench_offload_8b plan_frontier_8b ;;
+    keep bench_offload_8b ;;
   offload-8b-megatron)  # megatron-core's own ways at the 8B shape, merged into bench_offload_8b.json as the peers
                         # are: selective recompute and fine-grained offload of the attention core, of all of
                         # attention, of every set; 3 interleaved runs; then the frontier again
