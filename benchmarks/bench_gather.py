@@ -19,6 +19,10 @@ One process, one pinned table (default ~4 GB), 1M random row ids (with repeats, 
 * ``dsx_padded``     ``dsx`` from a copy of the table with rows 32 bytes apart (``row_alignment=32``), for row
                      sizes that are not a multiple of 32; ``dsx_padded_queued`` timed as ``dsx_queued``
 
+A row size that is not a multiple of 32 bytes gets a ``sector_bound``: the queued fraction of the row size
+rounded up to 32 (320 for 300, 1024 for 1000), scaled by the row's share of those bytes. The GPU reads host
+memory in whole 32-byte sectors, so no gather of such rows goes above it.
+
 Each method is timed 5 times a round (median), in 3 rounds over every row size (median of the rounds, each
 round's figures kept in the JSON). CPU baselines get their ids already on the host; GPU methods get them on
 the GPU. Every output is checked against ``index_select``. ``--quick`` runs tiny sizes on the CPU (the CPU paths only) as a smoke test.
@@ -232,6 +236,24 @@ def _combine(recs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _sector_bound(rec: dict[str, Any], whole: dict[str, Any] | None) -> None:
+    """A row whose size is not a multiple of 32 bytes still costs whole 32-byte sectors: padded, a 300-byte row
+    reads the same 10 sectors as a 320-byte row. So its queued gather cannot beat the measured gather of rows of
+    the size rounded up to 32 (``whole``, the same id count), scaled by the bytes that are the row's and by the
+    distinct rows each reads (duplicates are read once): ``rec["sector_bound"]``, a fraction of the ceiling."""
+    rb = rec["row_bytes"]
+    if whole is None or whole is rec or "dsx_queued" not in whole["fraction_of_ceiling"]:
+        return
+    bound = (
+        whole["fraction_of_ceiling"]["dsx_queued"]
+        * rb
+        / whole["row_bytes"]
+        * whole["unique_fraction"]
+        / rec["unique_fraction"]
+    )
+    rec["sector_bound"] = {"of_ceiling_queued": round(bound, 3), "from_row_bytes": whole["row_bytes"]}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cuda = torch.cuda.is_available() and not args.quick
     dev = torch.device("cuda" if cuda else "cpu")
@@ -252,6 +274,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results = [_combine(list(recs)) for recs in zip(*rounds)]
     base_ut.close()
     by = {r["row_bytes"]: r for r in results}
+    if cuda:
+        for r in results:
+            _sector_bound(r, by.get(-(-r["row_bytes"] // 32) * 32))
     targets = {}
     if cuda:
         r512 = by.get(512)
@@ -317,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--table-mb", type=int, default=4096)
     p.add_argument("--num-indices", type=int, default=1 << 20)
     p.add_argument(
-        "--row-bytes", type=int, nargs="+", default=[64, 128, 256, 300, 512, 1000, 1024, 2048, 4096]
+        "--row-bytes", type=int, nargs="+", default=[64, 128, 256, 300, 320, 512, 1000, 1024, 2048, 4096]
     )
     p.add_argument("--repeats", type=int, default=5, help="timed calls per method (median) in a round")
     p.add_argument("--rounds", type=int, default=3, help="passes over every row size (median over them)")

@@ -388,3 +388,23 @@ def test_bench_gather_quick_smoke(tmp_path) -> None:
     assert saved["env"]["torch"] == torch.__version__ and len(saved["results"]) == len(report["results"]) == 2
     for rec in saved["results"]:
         assert all(rec["correct"].values()) and rec["gb_per_s"]["dsx"] > 0
+
+
+def test_a_row_off_whole_sectors_is_bounded_by_the_row_rounded_up_to_them() -> None:
+    """bench_gather's sector bound: a 300-byte row costs the 10 sectors of a 320-byte row, so its fraction of the
+    ceiling is at most the 320-byte rows', times 300/320, times the distinct rows each reads (a duplicate is read
+    once); a row of whole sectors, or one whose rounded size was not measured, gets no bound."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_gather
+    finally:
+        sys.path.pop(0)
+    r300 = {"row_bytes": 300, "unique_fraction": 0.96, "fraction_of_ceiling": {"dsx_queued": 0.85}}
+    r320 = {"row_bytes": 320, "unique_fraction": 0.95, "fraction_of_ceiling": {"dsx_queued": 0.93}}
+    bench_gather._sector_bound(r300, r320)
+    assert r300["sector_bound"] == {"of_ceiling_queued": round(0.93 * 300 / 320 * 0.95 / 0.96, 3),
+                                    "from_row_bytes": 320}  # fmt: skip
+    bench_gather._sector_bound(r320, r320)
+    r1000 = {"row_bytes": 1000, "unique_fraction": 0.9, "fraction_of_ceiling": {"dsx_queued": 1.0}}
+    bench_gather._sector_bound(r1000, None)
+    assert "sector_bound" not in r320 and "sector_bound" not in r1000
