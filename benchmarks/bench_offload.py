@@ -27,10 +27,12 @@ of megatron-core layers was seen to keep ~3.8 GB per layer allocated between ste
     python benchmarks/bench_offload.py --quick        # CPU smoke test with the small torch GPT
 
 Capacity: ``--micro-batches`` and ``--seq-lens`` run configs at several sizes (rows ``config@mbN``,
-``config@seqN``; a run out of memory is an error row, and the config's larger sizes in that round are not run)
-and the JSON gives the largest each trained and each dsx config's tokens/s at the largest the best of the others
-trained. ``--gpu-memory-gb`` caps torch's allocator, so that a larger card answers for a smaller one, and
-``--fit-budget`` gives dsx the whole capped card: the cap less the static memory a peer before it measured:
+``config@seqN``; a run out of memory, without a plan under its budget or out of time is an error row, and the
+config's larger sizes in that round are not run), and the JSON gives the largest each trained (``limit_found``:
+a larger one failed) and each dsx config's tokens/s at the largest the best of the others trained.
+``--gpu-memory-gb`` caps the process's use of the GPU, so that a larger card answers for a smaller one, and
+``--fit-budget`` gives dsx the whole capped card: the cap less the static memory the rows before it measured (the
+least of them) and less ``--fit-reserve-gb``:
 
     python benchmarks/bench_offload.py --model llama --offload-optimizer --gpu-memory-gb 85 --fit-budget \
         --configs recompute dsx_auto_budget_sel --seq-lens 32768,65536
@@ -587,26 +589,31 @@ RESULT_TAG = "BENCH_OFFLOAD_RESULT "
 
 
 def _cap_device_memory(dev: torch.device, gb: float) -> None:
-    """Let torch's allocator hand out at most ``gb`` (10^9 bytes) of ``dev``'s memory: a larger card runs as a
-    smaller one (an H200 as an H100 80GB: 85 GB, its 79.2 GiB), so that what fits is the smaller card's. The
-    CUDA context and libraries' own allocations lie outside the cap, as they lie outside the smaller card's
-    79.2 GiB that torch reports."""
-    total = torch.cuda.get_device_properties(dev).total_memory
+    """Let this process use at most ``gb`` (10^9 bytes) of ``dev``'s memory: a larger card runs as a smaller one
+    (an H200 as an H100 80GB: 85 GB, its 79.2 GiB), so that what fits is the smaller card's. What the process
+    already holds outside torch's allocator (the CUDA context, libraries' handles) comes out of the smaller
+    card's memory too, so torch's share is ``gb`` less that; what libraries allocate later outside torch's
+    allocator (NCCL's buffers) is not counted, a small bias toward fitting."""
+    free, total = torch.cuda.mem_get_info(dev)
+    outside = total - free - torch.cuda.memory_reserved(dev)
     if gb * 1e9 > total:
         raise ValueError(f"--gpu-memory-gb {gb:g} is more than this GPU's {total / 1e9:.1f} GB")
-    torch.cuda.set_per_process_memory_fraction(gb * 1e9 / total, dev)
+    torch.cuda.set_per_process_memory_fraction(max(0.0, gb * 1e9 - outside) / total, dev)
 
 
 def _fit_budget_gb(results: list[dict[str, Any]], args: argparse.Namespace, mb: int) -> float | str:
     """``--fit-budget``: the activation budget (GB) that fills the GPU: ``--gpu-memory-gb`` less the static
-    memory (weights, gradients, optimizer state: ``peak_breakdown_gb``) a row of this run measured at micro-batch
-    ``mb`` (it does not depend on the sequence length) less ``--fit-reserve-gb``; or why there is none."""
+    memory (weights, gradients, optimizer state: ``peak_breakdown_gb``) the rows so far measured at micro-batch
+    ``mb`` (the least of them; it does not depend on the sequence length) less ``--fit-reserve-gb``; or why there
+    is none."""
     if args.gpu_memory_gb is None:
         return "--fit-budget needs --gpu-memory-gb (the memory the budget fills)"
-    static = next(
+    # the least any row held: what a strategy keeps between steps beyond the model and its optimizer
+    # (cpu_checkpointing's host staging buffers on the device) is that strategy's, not the budget's
+    static = min(
         (b["weights"] + b["gradients_and_optimizer_state"] for r in results
          if "error" not in r and r.get("micro_batch") == mb and (b := r.get("peak_breakdown_gb"))),
-        None,
+        default=None,
     )  # fmt: skip
     if static is None:
         return f"--fit-budget needs a row measured before it at micro-batch {mb} (GPU run): list a peer first"
@@ -723,7 +730,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "full recompute's peak at the same micro-batch (a micro-batch sweep past what fits)")  # fmt: skip
     p.add_argument("--fit-budget", action="store_true",
                    help="the dsx_auto_budget configs' budget fills --gpu-memory-gb: that less the static memory "
-                        "(weights, gradients, optimizer state) a peer listed before them measured, less "
+                        "(weights, gradients, optimizer state; the least of the rows measured before them: list a peer first), less "
                         "--fit-reserve-gb (capacity: the longest sequence that trains)")  # fmt: skip
     p.add_argument("--fit-reserve-gb", type=float, default=2.0,
                    help="--fit-budget: GB left free for the allocator's fragmentation and the CUDA libraries")  # fmt: skip
@@ -759,6 +766,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.fit_budget and args.auto_budget_gb is not None:
         p.error("--fit-budget and --auto-budget-gb both set the dsx_auto_budget configs' budget: give one")
+    if args.fit_budget and (args.gpu_memory_gb is None or args.budget_scales != [1.0]):
+        p.error("--fit-budget fills --gpu-memory-gb (give it) with one budget (no --budget-scales)")
+    if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
+        p.error(f"--gpu-memory-gb must be > 0, not {args.gpu_memory_gb:g}")
+    if args.fit_reserve_gb < 0:
+        p.error(f"--fit-reserve-gb must be >= 0, not {args.fit_reserve_gb:g}")
     if args.adam == "fused" and args.offload_optimizer:
         p.error("--adam fused builds torch's AdamW on the GPU; --offload-optimizer uses DeepSpeed's CPU Adam")
     if args.quick:
@@ -805,11 +818,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             smaller = failed.get((rep, name, scale))
             if smaller is not None and seq >= smaller[0] and mb >= smaller[1]:
                 res = {"config": name, "error": f"not run: failed at sequence {smaller[0]}, micro-batch "
-                                                f"{smaller[1]} in this round"}  # fmt: skip
+                                                f"{smaller[1]} in this round", "not_run": True}  # fmt: skip
             elif name in NEEDS_BUDGET and args.fit_budget:
                 fit = _fit_budget_gb(results, args, mb)
                 if isinstance(fit, str):
-                    res = {"config": name, "error": fit}
+                    res = {"config": name, "error": fit, "not_run": True}
                 else:
                     budget = fit * 1e9 / 2**30
             elif name in NEEDS_BUDGET and args.auto_budget_gb is not None:
@@ -819,7 +832,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             and r.get("micro_batch") == mb and r.get("seq_len") == seq and "error" not in r), None)  # fmt: skip
                 if rec is None or rec["activation_peak_gb"] <= 0:
                     res = {"config": name, "error": f"needs a measured 'recompute' peak at micro-batch {mb}, "
-                                                    f"sequence {seq} (GPU run)"}  # fmt: skip
+                                                    f"sequence {seq} (GPU run)", "not_run": True}  # fmt: skip
                 else:
                     budget = scale * rec["activation_peak_gb"] * 1e9 / 2**30
             if res is None:
@@ -837,8 +850,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 res["budget_gb"] = budget * 2**30 / 1e9
             res["part"] = part
             new.append(res)
-            # (a merged file's row of the same name is replaced by this run's)
-            earlier = [r for r in earlier if r["config"] != res["config"]]
+            # (a merged file's row of the same name is replaced by this run's, unless this one did not run)
+            if not res.get("not_run"):
+                earlier = [r for r in earlier if r["config"] != res["config"]]
             results = [*earlier, *new]
             _write(results, args, parts)  # after every config: a run cut short still leaves its JSON
             print(
@@ -917,17 +931,24 @@ def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any
     that trained in the rows tagged ``@<tag>``, and its median tokens/s there over the repeats; each dsx
     config's tokens/s against no offload's (the same other tags) at their largest; and ``at_best_peer``: the
     peer (a config not named ``dsx*``; not ``none_copies``, a diagnostic) that trained the largest (the faster
-    one on a tie), and each dsx config's median tokens/s at that size against the peer's."""
+    one on a tie), and each dsx config's median tokens/s at that size against the peer's. ``limit_found``: a
+    larger size of the config failed (else its largest is only the largest it was given)."""
     runs: dict[tuple[str, int], list[float]] = {}
+    failed: dict[str, int] = {}  # per config, its smallest size that failed
     for r in results:
-        if "error" in r or f"@{tag}" not in r["config"]:
+        if f"@{tag}" not in r["config"]:
             continue
         name = re.sub(rf"@{tag}\d+", "", r["config"])
+        if "error" in r:
+            if r.get(key) is not None and not r.get("not_run"):  # (it ran and failed)
+                failed[name] = min(failed.get(name, r[key]), r[key])
+            continue
         runs.setdefault((name, r[key]), []).append(r["tokens_per_s"])
     tps = {k: statistics.median(v) for k, v in runs.items()}
     best: dict[str, dict[str, Any]] = {}
     for (name, size), t in sorted(tps.items()):
-        best[name] = {key: size, "tokens_per_s": t}  # (ascending sizes: the last is the largest)
+        # (ascending sizes: the last is the largest)
+        best[name] = {key: size, "tokens_per_s": t, "limit_found": failed.get(name, 0) > size}
     out: dict[str, Any] = {"largest": best}
     for name, b in best.items():
         base = "none" + name[len(name.split("@")[0]) :]

@@ -128,11 +128,12 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
                         # bench_offload_8b_capacity.json, the others merge into it: 1 no offload and full recompute
                         # (their static memory sets dsx's budget), 2 DeepSpeed's cpu_checkpointing and dsx given the
                         # whole card, 3 the saved-tensor-hook offload and megatron's offload of every module; part 4,
-                        # 3 interleaved runs of the best peer and dsx at the longest the peer trained
+                        # 3 interleaved runs of the best peer and dsx at the longest the peer trained. A config that
+                        # trains its longest listed length has no limit found (limit_found in the JSON): extend it
     case ${2:-1} in
       1) sizes=(none=24576,32768,40960 recompute=49152,65536,81920) ;;
-      2) sizes=(ds_cpu_ckpt=65536,81920,98304 dsx_auto_budget_sel=65536,81920,98304,114688) ;;
-      3) sizes=(hooks_offload=65536,81920,98304 megatron_offload_all=32768,40960,49152) ;;
+      2) sizes=(ds_cpu_ckpt=65536,81920,98304,114688 dsx_auto_budget_sel=65536,81920,98304,114688) ;;
+      3) sizes=(hooks_offload=65536,81920,98304,114688 megatron_offload_all=32768,40960,49152) ;;
       4) at=$(python -c "
 import json
 at = json.load(open('$RES/bench_offload_8b_capacity.json'))['ratios']['longest_sequence']['at_best_peer']

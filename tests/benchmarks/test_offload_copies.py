@@ -125,10 +125,11 @@ def test_the_longest_sequence_and_the_speed_at_the_best_peers() -> None:
         {"config": "recompute@mb2", "micro_batch": 2, "tokens_per_s": 1e9},  # another sweep's row
     ]
     out = bench_offload._largest(rows, "seq_len", "seq")
-    assert out["largest"] == {"none": {"seq_len": 8, "tokens_per_s": 100.0},
-                              "recompute": {"seq_len": 32, "tokens_per_s": 70.0},
-                              "ds_cpu_ckpt": {"seq_len": 32, "tokens_per_s": 60.0},
-                              "dsx_auto_budget": {"seq_len": 64, "tokens_per_s": 84.0}}  # fmt: skip
+    # (no offload's longest is a limit: a longer one failed; the others' are only the longest they were given)
+    assert out["largest"] == {"none": {"seq_len": 8, "tokens_per_s": 100.0, "limit_found": True},
+                              "recompute": {"seq_len": 32, "tokens_per_s": 70.0, "limit_found": False},
+                              "ds_cpu_ckpt": {"seq_len": 32, "tokens_per_s": 60.0, "limit_found": False},
+                              "dsx_auto_budget": {"seq_len": 64, "tokens_per_s": 84.0, "limit_found": False}}  # fmt: skip
     # recompute and cpu_checkpointing both reach 32: the faster of the two is the peer
     at = out["at_best_peer"]
     assert at["peer"] == "recompute" and at["seq_len"] == 32 and at["peer_tokens_per_s"] == 70.0
@@ -155,28 +156,77 @@ def test_a_sequence_sweep_runs_every_length_and_names_its_rows(tmp_path) -> None
     assert saved["ratios"]["longest_sequence"]["largest"]["none"]["seq_len"] == 32
 
 
-def test_a_size_past_one_that_failed_is_not_run_in_that_round(tmp_path) -> None:
+def _out_of_memory_from(monkeypatch: pytest.MonkeyPatch, config: str, seq: int) -> None:
+    """Make ``config`` run out of memory at sequence ``seq`` and longer, as on a GPU too small for it."""
+    real = bench_offload.run_one
+
+    def run_one(name, args, ssd, budget):
+        if name == config and args.seq_len >= seq:
+            raise torch.OutOfMemoryError(f"CUDA out of memory at sequence {args.seq_len}")
+        return real(name, args, ssd, budget)
+
+    monkeypatch.setattr(bench_offload, "run_one", run_one)
+
+
+def test_a_size_past_one_that_failed_is_not_run_in_that_round(tmp_path, monkeypatch) -> None:
     """A capacity sweep stops a config at its first failure: its longer sequences, the slowest runs, are recorded
-    as not run (in each round), while the other configs run every length. (DeepSpeed's cpu_checkpointing fails
-    on the CPU at every length: without the rule its longer row would carry that error instead.)"""
+    as not run (in each round), while the other configs run every length; the longest it trained is then a
+    limit found, and another config's longest only the longest it was given."""
     import json
 
-    bench_offload.main(["--quick", "--in-process", "--configs", "none", "ds_cpu_ckpt", "--seq-lens", "16,32",
+    _out_of_memory_from(monkeypatch, "recompute", 16)
+    bench_offload.main(["--quick", "--in-process", "--configs", "none", "recompute", "--seq-lens", "8,16,32",
                         "--repeats", "2", "--out", str(tmp_path), "--name", "stop"])  # fmt: skip
-    rows = json.loads((tmp_path / "stop.json").read_text())["results"]
-    by = {}
-    for r in rows:
+    saved = json.loads((tmp_path / "stop.json").read_text())
+    by: dict[str, list] = {}
+    for r in saved["results"]:
         by.setdefault(r["config"], []).append(r)
-    names = ("none@seq16", "none@seq32", "ds_cpu_ckpt@seq16", "ds_cpu_ckpt@seq32")
-    assert [len(by[c]) for c in names] == [2] * 4
-    assert all("error" not in r for c in ("none@seq16", "none@seq32") for r in by[c])
-    assert all("needs a GPU" in r["error"] for r in by["ds_cpu_ckpt@seq16"])
-    assert all(r["error"] == "not run: failed at sequence 16, micro-batch 2 in this round"
-               for r in by["ds_cpu_ckpt@seq32"]), by["ds_cpu_ckpt@seq32"]  # fmt: skip
+    assert {c: len(v) for c, v in by.items()} == dict.fromkeys(
+        ["none@seq8", "none@seq16", "none@seq32", "recompute@seq8", "recompute@seq16", "recompute@seq32"], 2
+    )
+    assert all(
+        "error" not in r for c in ("none@seq8", "none@seq16", "none@seq32", "recompute@seq8") for r in by[c]
+    )
+    assert all("out of memory at sequence 16" in r["error"] for r in by["recompute@seq16"])
+    assert all(r["error"] == "not run: failed at sequence 16, micro-batch 2 in this round" and r["not_run"]
+               for r in by["recompute@seq32"]), by["recompute@seq32"]  # fmt: skip
+    largest = saved["ratios"]["longest_sequence"]["largest"]
+    assert largest["recompute"]["seq_len"] == 8 and largest["recompute"]["limit_found"]
+    assert largest["none"]["seq_len"] == 32 and not largest["none"]["limit_found"]
+
+
+def test_a_merged_part_that_did_not_run_a_size_keeps_the_earlier_measurement(tmp_path, monkeypatch) -> None:
+    """--merge with a failure: a size the new part ran and failed replaces the earlier rows (it is the newer
+    measurement); a size it did not run leaves the earlier rows as they were."""
+    import json
+
+    common = ["--quick", "--in-process", "--configs", "recompute", "--seq-lens", "8,16", "--out", str(tmp_path),
+              "--name", "part"]  # fmt: skip
+    bench_offload.main(common)
+    _out_of_memory_from(monkeypatch, "recompute", 8)
+    bench_offload.main([*common, "--merge"])
+    rows = json.loads((tmp_path / "part.json").read_text())["results"]
+    at8 = [r for r in rows if r["config"] == "recompute@seq8"]
+    at16 = [r for r in rows if r["config"] == "recompute@seq16"]
+    assert len(at8) == 1 and "out of memory" in at8[0]["error"]
+    assert [("error" in r, r["part"]) for r in at16] == [(False, 0), (True, 1)] and at16[1]["not_run"]
+
+
+def test_capacity_settings_that_cannot_hold_are_refused_before_any_run(capsys) -> None:
+    for argv, says in [
+        (["--fit-budget", "--auto-budget-gb", "1", "--gpu-memory-gb", "85"], "give one"),
+        (["--fit-budget"], "--fit-budget fills --gpu-memory-gb"),
+        (["--fit-budget", "--gpu-memory-gb", "85", "--budget-scales", "1", "1.5"], "no --budget-scales"),
+        (["--gpu-memory-gb", "0"], "--gpu-memory-gb must be > 0"),
+        (["--fit-reserve-gb", "-1"], "--fit-reserve-gb must be >= 0"),
+    ]:
+        with pytest.raises(SystemExit):
+            bench_offload.main(["--quick", *argv])
+        assert says in capsys.readouterr().err, argv
 
 
 def test_a_fit_budget_fills_the_capped_gpu_past_the_static_memory() -> None:
-    """--fit-budget: the cap less what a peer measured of weights, gradients and optimizer state (at the same
+    """--fit-budget: the cap less the least a row measured of weights, gradients and optimizer state (at the same
     micro-batch; an error row measured nothing) less the reserve; or a reason, never a guess."""
     import argparse
 
@@ -192,8 +242,11 @@ def test_a_fit_budget_fills_the_capped_gpu_past_the_static_memory() -> None:
     small = argparse.Namespace(gpu_memory_gb=9, fit_reserve_gb=2)
     assert "no room" in bench_offload._fit_budget_gb(rows, small, 1)
     assert "--gpu-memory-gb" in bench_offload._fit_budget_gb(rows, argparse.Namespace(gpu_memory_gb=None), 1)
-    with pytest.raises(SystemExit):  # two budgets for the same configs
-        bench_offload.main(["--quick", "--fit-budget", "--auto-budget-gb", "1", "--gpu-memory-gb", "85"])
+    # a strategy that keeps more between steps (cpu_checkpointing's staging) does not shrink the budget
+    rows.append(
+        {"config": "ds_cpu_ckpt@seq8", "micro_batch": 1, "peak_breakdown_gb": {**static, "weights": 4.6}}
+    )
+    assert bench_offload._fit_budget_gb(rows[::-1], args, 1) == pytest.approx(85.0 - 8.0 - 2.0)
 
 
 def test_a_run_merged_into_an_earlier_file_keeps_its_rows_and_replaces_same_named_ones(tmp_path) -> None:
@@ -234,8 +287,12 @@ def test_capacity_takes_the_median_over_repeats_and_keeps_other_tags_apart() -> 
         {"config": "recompute@mb4@seq16", "micro_batch": 4, "seq_len": 16, "tokens_per_s": 50.0},
     ]  # fmt: skip
     out = bench_offload._largest(rows, "seq_len", "seq")
-    assert out["largest"]["recompute@mb2"] == {"seq_len": 32, "tokens_per_s": 70}  # the median, not the best
-    assert out["largest"]["recompute@mb4"] == {"seq_len": 16, "tokens_per_s": 50.0}  # another micro-batch
+    assert out["largest"]["recompute@mb2"] == {
+        "seq_len": 32,
+        "tokens_per_s": 70,
+        "limit_found": False,
+    }  # median
+    assert out["largest"]["recompute@mb4"] == {"seq_len": 16, "tokens_per_s": 50.0, "limit_found": False}
     at = out["at_best_peer"]  # none_copies (a diagnostic) trained longer but is no peer
     assert at["peer"] == "recompute@mb2" and at["dsx_auto_budget@mb2_vs_peer_tokens_per_s"] == 80 / 70
     assert out["dsx_auto_budget@mb2_vs_none_tokens_per_s"] == 80 / 100.0
