@@ -20,8 +20,10 @@ One process, one pinned table (default ~4 GB), 1M random row ids (with repeats, 
                      sizes that are not a multiple of 32; ``dsx_padded_queued`` timed as ``dsx_queued``
 
 A row size that is not a multiple of 32 bytes gets a ``sector_bound``: the queued fraction of the row size
-rounded up to 32 (320 for 300, 1024 for 1000), scaled by the row's share of those bytes. The GPU reads host
-memory in whole 32-byte sectors, so no gather of such rows goes above it.
+rounded up to 32 (320 for 300, 1024 for 1000), scaled by the row's share of those bytes and by the distinct rows
+each reads. The GPU reads host memory in whole 32-byte sectors, so a gather of such rows, padded to whole
+sectors, can do no better; it is estimated from the two sizes' medians, and the link's drift between their
+measurements can put a single round above it.
 
 Each method is timed 5 times a round (median), in 3 rounds over every row size (median of the rounds, each
 round's figures kept in the JSON). CPU baselines get their ids already on the host; GPU methods get them on
@@ -238,9 +240,10 @@ def _combine(recs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _sector_bound(rec: dict[str, Any], whole: dict[str, Any] | None) -> None:
     """A row whose size is not a multiple of 32 bytes still costs whole 32-byte sectors: padded, a 300-byte row
-    reads the same 10 sectors as a 320-byte row. So its queued gather cannot beat the measured gather of rows of
-    the size rounded up to 32 (``whole``, the same id count), scaled by the bytes that are the row's and by the
-    distinct rows each reads (duplicates are read once): ``rec["sector_bound"]``, a fraction of the ceiling."""
+    reads the same 10 sectors as a 320-byte row. So its queued gather can do no better than the measured gather of
+    rows of the size rounded up to 32 (``whole``, the same id count), scaled by the bytes that are the row's and by
+    the distinct rows each reads (duplicates are read once): ``rec["sector_bound"]``, a fraction of the ceiling,
+    from the two sizes' medians (measured seconds apart: the link's drift is in it)."""
     rb = rec["row_bytes"]
     if whole is None or whole is rec or "dsx_queued" not in whole["fraction_of_ceiling"]:
         return
