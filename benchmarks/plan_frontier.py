@@ -111,6 +111,41 @@ def frontier(
     return out
 
 
+def exhaustive(
+    profiles: list[LayerProfile],
+    bandwidths: list[TierBandwidth],
+    tiers: list[str],
+    pool_gb: float,
+    peak_gb: float,
+    depths: list[int],
+) -> dict[str, Any]:
+    """The cost model's best whole-layer plan within ``peak_gb`` over every assignment of actions to layers (the
+    planner's exhaustive search, up to 10^7 plans a depth) at each prefetch depth in ``depths``, with ``tiers``:
+    what the planner's local search, which the runtime uses, is checked against. ``step_with_rest_s`` is the
+    layers' step only until the caller adds the rest of the step; ``exhaustive`` is False where some depth had
+    more plans than that and fell back to the local search."""
+    cfg = ActivationOffloadConfig(tiers=tiers or ["host"], policy="auto", host_pool_gb=pool_gb,
+                                  ssd_capacity_gb=pool_gb, memory_budget_gb=peak_gb * GB / 2**30 + 1e-9)  # fmt: skip
+    bandwidths = [b for b in bandwidths if b.tier in cfg.tiers]
+    found = []
+    for d in depths:
+        try:
+            found.append(
+                make_plan(
+                    profiles, bandwidths, cfg.model_copy(update={"prefetch_depth": d}), exhaustive_limit=10**7
+                )
+            )
+        except PlanError:
+            continue
+    if not found:
+        return {"depths": depths, "tiers": cfg.tiers, "step_with_rest_s": float("nan"), "fits": False}
+    best = min(found, key=lambda plan: plan.predicted_step_s)
+    return {"depths": depths, "tiers": cfg.tiers, "fits": True,
+            "exhaustive": all(plan.search == "exhaustive" for plan in found), "step_s": best.predicted_step_s,
+            "step_with_rest_s": best.predicted_step_s, "actions": [a.value for a in best.actions],
+            "prefetch_depth": best.prefetch_depth, "peak_gb": best.peak_bytes / GB}  # fmt: skip
+
+
 def best_within(front: list[dict[str, Any]], peak_gb: float) -> dict[str, Any] | None:
     fits = [f for f in front if f["predicted_peak_gb"] <= peak_gb]
     return min(fits, key=lambda f: f["predicted_step_s"]) if fits else None
@@ -128,6 +163,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--speedup", type=float, default=1.15,
                    help="the speed-up over full recompute at its peak whose budget and bound are reported")  # fmt: skip
     p.add_argument("--name", default=None, help="JSON/PNG name (default: plan_frontier_<run's name>)")
+    p.add_argument("--exhaustive-depths", type=int, nargs="+", default=None, metavar="D",
+                   help="also try every whole-layer plan (up to 10^7 a depth) at full recompute's measured peak, at "
+                        "these prefetch depths: the cost model's best there, beside the planner's local search "
+                        "(about 2 minutes a depth for 8 layers of 6 choices: one tier)")  # fmt: skip
+    p.add_argument("--exhaustive-tiers", nargs="+", default=None, metavar="TIER",
+                   help="--exhaustive-depths: the tiers its plans may use (default: the run's; each tier adds "
+                        "three choices a layer)")  # fmt: skip
     add_common_args(p)
     args = p.parse_args(argv)
     if args.quick:
@@ -170,6 +212,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "predicted_best_recompute_only_step_s": only and only["predicted_step_with_rest_s"],
             f"measured_{base}_over_predicted_best": best and measured[base]["step_s"] / best["predicted_step_with_rest_s"],
         }  # fmt: skip
+    if args.exhaustive_depths and "recompute" in measured:
+        targets["at_recompute_peak"]["exhaustive"] = exhaustive(
+            profiles,
+            bandwidths,
+            args.exhaustive_tiers or tiers,
+            pool,
+            measured["recompute"]["activation_peak_gb"],
+            args.exhaustive_depths,
+        )
+        targets["at_recompute_peak"]["exhaustive"]["step_with_rest_s"] += rest
     if "recompute" in measured:
         goal = measured["recompute"]["step_s"] / args.speedup
         reach = [f for f in fronts["offload"] if f["predicted_step_with_rest_s"] <= goal]

@@ -173,3 +173,24 @@ def test_without_a_config_the_profiles_with_every_choice_are_read(tmp_path) -> N
     assert all(p.sel_saved_bytes is not None for p in profiles)
     _, profiles, _ = plan_frontier.load_run(path, "dsx_auto_budget")  # a named config is read as named
     assert all(p.sel_saved_bytes is None for p in profiles)
+
+
+def test_an_exhaustive_check_at_recompute_peak_matches_the_planners_best(tmp_path) -> None:
+    """--exhaustive-depths: every whole-layer plan at full recompute's peak, at the depths given. With every depth
+    it is the planner's own best there (4 layers: the planner is exhaustive too), the rest of the step included;
+    with one depth it can only be slower or equal."""
+    run = _run_file(tmp_path)
+    every = plan_frontier.main([run, "--points", "4", "--out", str(tmp_path), "--exhaustive-depths", "1", "2", "3",
+                                "4"])["targets"]["at_recompute_peak"]  # fmt: skip
+    ex = every["exhaustive"]
+    assert ex["fits"] and ex["exhaustive"] and len(ex["actions"]) == 4
+    assert ex["peak_gb"] <= every["measured_peak_gb"] + 1e-9 and ex["tiers"] == ["host", "ssd"]
+    assert abs(ex["step_with_rest_s"] - every["predicted_best_step_s"]) < 1e-9, (ex, every)
+    one = plan_frontier.main([run, "--points", "4", "--out", str(tmp_path), "--exhaustive-depths", "1"])
+    assert (
+        one["targets"]["at_recompute_peak"]["exhaustive"]["step_with_rest_s"]
+        >= ex["step_with_rest_s"] - 1e-12
+    )
+    host = plan_frontier.main([run, "--points", "4", "--out", str(tmp_path), "--exhaustive-depths", "1",
+                               "--exhaustive-tiers", "host"])["targets"]["at_recompute_peak"]["exhaustive"]  # fmt: skip
+    assert host["tiers"] == ["host"] and not any("ssd" in a for a in host["actions"])

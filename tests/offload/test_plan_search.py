@@ -49,6 +49,8 @@ def test_exhaustive_is_optimal_and_greedy_is_close(seed: int) -> None:
     greedy = make_plan(prof, BW, cfg, exhaustive_limit=0)
     assert greedy.peak_bytes <= cfg.memory_budget_gb * GiB
     assert greedy.predicted_step_s <= best * 1.15
+    # the plan says which search chose it
+    assert (exact.search, greedy.search) == ("exhaustive", "local")
 
 
 def test_no_budget_hides_only() -> None:

@@ -132,6 +132,7 @@ def make_plan(
     keep_all = [_fit(Action.KEEP, p) for p in profiles]
     base_t, _, keep_peak = simulate(profiles, keep_all, bw, depth)
     budget_bytes = None if cfg.memory_budget_gb is None else int(cfg.memory_budget_gb * GB)
+    search = ""
     if cfg.policy == "none":
         actions = keep_all
     elif cfg.policy == "recompute_all":
@@ -154,6 +155,7 @@ def make_plan(
         # The prefetch depth trades stall (too shallow) against memory (too deep): search it too.
         depths = [cfg.prefetch_depth] if cfg.prefetch_depth else list(range(1, min(n, MAX_DEPTH) + 1))
         found = {d: _search(profiles, bw, cfg, d, base_t, exhaustive_limit) for d in depths}
+        search = "exhaustive" if all(f.exhaustive for f in found.values()) else "local"
         budget = None if cfg.memory_budget_gb is None else cfg.memory_budget_gb * GB
         fits = [d for d in depths if budget is None or found[d].peak <= budget]
         if fits:
@@ -221,7 +223,7 @@ def make_plan(
     barrier = cfg.resolved("write_barrier") == "on"
     fwd_barrier, bwd_barrier = write_barrier(profiles, actions, bw, caps) if barrier else ([], [])
     return Plan(actions, depth, t, bound, profiles, peak, stall, over_budget=over, move_caps=caps,
-                search_s=time.perf_counter() - t_start, write_barrier=fwd_barrier,
+                search_s=time.perf_counter() - t_start, search=search, write_barrier=fwd_barrier,
                 write_barrier_bwd=bwd_barrier, outside_s=outside_s,
                 outside_peak_bytes=outside_peak_bytes)  # fmt: skip
 
@@ -413,6 +415,7 @@ class _Found:
     score: tuple[float, ...]
     peak: int
     lowest: tuple[tuple[float, ...], list[Action]] | None
+    exhaustive: bool
 
 
 def _search(
@@ -450,7 +453,8 @@ def _search(
             lowest = ((full, peak, t), list(actions))
         return (full, over, t, peak)
 
-    if len(choices) ** n <= exhaustive_limit:
+    exhaustive = len(choices) ** n <= exhaustive_limit
+    if exhaustive:
         plans = (list(c) for c in itertools.product(choices, repeat=n))
         best = min((c for c in plans if all(map(_usable, c, profiles))), key=score)
     else:
@@ -479,4 +483,4 @@ def _search(
             ends.append((cur, cur_plan))
         best = min(ends, key=lambda e: (e[0], [a.value for a in e[1]]))[1]
     sc = score(best)
-    return _Found(best, sc, int(sc[3] if budget is not None else sc[2]), lowest)
+    return _Found(best, sc, int(sc[3] if budget is not None else sc[2]), lowest, exhaustive)

@@ -190,6 +190,9 @@ class Plan:
     # MoveCap also names the smallest storage that moves
     move_caps: dict[int, int] = field(default_factory=dict)
     search_s: float = 0.0  # wall time make_plan took (the search is once per run, plus re-plans)
+    # how policy auto chose the actions: "exhaustive" (every assignment, at every depth searched) or "local" (the
+    # descent from each uniform plan); "" for the fixed policies
+    search: str = ""
     # per layer, then for the start of backward: the layers whose writes the runtime awaits there; and at
     # each layer's backward start (write_barrier())
     write_barrier: list[int] = field(default_factory=list)
