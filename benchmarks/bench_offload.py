@@ -730,13 +730,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "full recompute's peak at the same micro-batch (a micro-batch sweep past what fits)")  # fmt: skip
     p.add_argument("--fit-budget", action="store_true",
                    help="the dsx_auto_budget configs' budget fills --gpu-memory-gb: that less the static memory "
-                        "(weights, gradients, optimizer state; the least of the rows measured before them: list a peer first), less "
-                        "--fit-reserve-gb (capacity: the longest sequence that trains)")  # fmt: skip
+                        "(weights, gradients, optimizer state; the least the rows before them measured: list a "
+                        "peer first), less --fit-reserve-gb (capacity: the longest sequence that trains)")  # fmt: skip
     p.add_argument("--fit-reserve-gb", type=float, default=2.0,
                    help="--fit-budget: GB left free for the allocator's fragmentation and the CUDA libraries")  # fmt: skip
     p.add_argument("--gpu-memory-gb", type=float, default=None,
-                   help="CUDA: cap torch's allocator at this many GB (10^9 bytes) of the GPU, so that a larger card "
-                        "runs as a smaller one (85: an H100 80GB's 79.2 GiB)")  # fmt: skip
+                   help="CUDA: let each config's process use at most this many GB (10^9 bytes) of the GPU, what it "
+                        "holds outside torch's allocator included, so that a larger card runs as a smaller one (85: "
+                        "an H100 80GB's 79.2 GiB)")  # fmt: skip
     p.add_argument("--budget-gb", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--memory-history", default=None, metavar="DIR",
                    help="record the allocator over the measured steps (CUDA) and write what is live at their "
