@@ -122,7 +122,7 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
     run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" \
       --config dsx_auto_budget_sel --name plan_frontier_8b --out "$RES"
     keep bench_offload_8b plan_frontier_8b ;;
-  offload-8b-capacity)  # the longest sequence at the 8B layer (micro-batch 1) on an H100's memory (torch's allocator
+  offload-8b-capacity)  # the longest sequence at the 8B layer (micro-batch 1) on an H100's memory (each process
                         # capped at 85 GB on a larger card), ZeRO-2 with the optimizer on the CPU: one round per part,
                         # each config's sizes ascending (it stops at its first failure); part 1 writes
                         # bench_offload_8b_capacity.json, the others merge into it: 1 no offload and full recompute
