@@ -79,6 +79,19 @@ def load_run(path: str, config: str | None) -> tuple[dict[str, Any], list[LayerP
     )
 
 
+def _auto_config(tiers: list[str], pool_gb: float) -> ActivationOffloadConfig:
+    """Policy ``auto`` over ``tiers`` (the host tier's settings where there are none), each of ``pool_gb``."""
+    return ActivationOffloadConfig(
+        tiers=tiers or ["host"], policy="auto", host_pool_gb=pool_gb, ssd_capacity_gb=pool_gb
+    )
+
+
+def _budget_gib(nbytes: float) -> float:
+    """``memory_budget_gb`` (GiB) for a budget of ``nbytes``; a hair over, so that a plan at exactly that peak
+    fits."""
+    return nbytes / 2**30 + 1e-9
+
+
 def frontier(
     profiles: list[LayerProfile],
     bandwidths: list[TierBandwidth],
@@ -90,9 +103,7 @@ def frontier(
     """Best plan at ``points`` budgets from the floor to keeping everything (denser near the floor, where
     the targets are) and at ``also_gb``, with ``tiers`` (may be empty) of ``pool_gb`` each (the run's
     ``host_pool_gb`` and ``ssd_capacity_gb``: plans stay within them)."""
-    cfg = ActivationOffloadConfig(
-        tiers=tiers or ["host"], policy="auto", host_pool_gb=pool_gb, ssd_capacity_gb=pool_gb
-    )
+    cfg = _auto_config(tiers, pool_gb)
     bws = bandwidths if tiers else []
     lo = floor_bytes(profiles, bws, cfg)
     hi = make_plan(profiles, bws, cfg.model_copy(update={"policy": "none"})).peak_bytes
@@ -100,9 +111,7 @@ def frontier(
     out = []
     for budget in sorted({*grid, *(g * GB for g in also_gb if lo <= g * GB <= hi)}):
         try:
-            plan = make_plan(
-                profiles, bws, cfg.model_copy(update={"memory_budget_gb": budget / 2**30 + 1e-9})
-            )
+            plan = make_plan(profiles, bws, cfg.model_copy(update={"memory_budget_gb": _budget_gib(budget)}))
         except PlanError:
             continue
         out.append({"budget_gb": budget / GB, "predicted_step_s": plan.predicted_step_s,
@@ -118,14 +127,14 @@ def exhaustive(
     pool_gb: float,
     peak_gb: float,
     depths: list[int],
+    rest_s: float = 0.0,
 ) -> dict[str, Any]:
     """The cost model's best whole-layer plan within ``peak_gb`` over every assignment of actions to layers (the
     planner's exhaustive search, up to 10^7 plans a depth) at each prefetch depth in ``depths``, with ``tiers``:
-    what the planner's local search, which the runtime uses, is checked against. ``step_with_rest_s`` is the
-    layers' step only until the caller adds the rest of the step; ``exhaustive`` is False where some depth had
-    more plans than that and fell back to the local search."""
-    cfg = ActivationOffloadConfig(tiers=tiers or ["host"], policy="auto", host_pool_gb=pool_gb,
-                                  ssd_capacity_gb=pool_gb, memory_budget_gb=peak_gb * GB / 2**30 + 1e-9)  # fmt: skip
+    what the planner's local search, which the runtime uses, is checked against. ``step_with_rest_s`` adds
+    ``rest_s``, the step outside the layers; ``exhaustive`` is False where some depth had more plans than that
+    and fell back to the local search."""
+    cfg = _auto_config(tiers, pool_gb).model_copy(update={"memory_budget_gb": _budget_gib(peak_gb * GB)})
     bandwidths = [b for b in bandwidths if b.tier in cfg.tiers]
     found = []
     for d in depths:
@@ -142,7 +151,7 @@ def exhaustive(
     best = min(found, key=lambda plan: plan.predicted_step_s)
     return {"depths": depths, "tiers": cfg.tiers, "fits": True,
             "exhaustive": all(plan.search == "exhaustive" for plan in found), "step_s": best.predicted_step_s,
-            "step_with_rest_s": best.predicted_step_s, "actions": [a.value for a in best.actions],
+            "step_with_rest_s": best.predicted_step_s + rest_s, "actions": [a.value for a in best.actions],
             "prefetch_depth": best.prefetch_depth, "peak_gb": best.peak_bytes / GB}  # fmt: skip
 
 
@@ -220,8 +229,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             pool,
             measured["recompute"]["activation_peak_gb"],
             args.exhaustive_depths,
+            rest,
         )
-        targets["at_recompute_peak"]["exhaustive"]["step_with_rest_s"] += rest
     if "recompute" in measured:
         goal = measured["recompute"]["step_s"] / args.speedup
         reach = [f for f in fronts["offload"] if f["predicted_step_with_rest_s"] <= goal]
