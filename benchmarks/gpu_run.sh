@@ -3,14 +3,14 @@
 #   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | hetero | hetero-scale | hetero-large |
 #                                         offload | offload-hide | offload-8b | offload-8b-peers |
 #                                         offload-8b-sweep [1|2|3] | offload-8b-megatron |
-#                                         offload-8b-capacity [1|2|3|4] | offload-long |
+#                                         offload-8b-capacity [1-5] | offload-long |
 #                                         offload-ssd | main | wheel
 # Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
 # docs/performance.md cites) and a copy to $OUT/results/. docs/performance.md, "GPU suites", says what each runs.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1|2|3|4]|offload-long|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-5]|offload-long|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -126,24 +126,26 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
                         # capped at 85 GB on a larger card), ZeRO-2 with the optimizer on the CPU: one round per part,
                         # each config's sizes ascending (it stops at its first failure); part 1 writes
                         # bench_offload_8b_capacity.json, the others merge into it: 1 no offload and full recompute
-                        # (their static memory sets dsx's budget), 2 DeepSpeed's cpu_checkpointing and dsx given the
-                        # whole card, 3 the saved-tensor-hook offload and megatron's offload of every module; part 4,
-                        # 3 interleaved runs of the best peer and dsx at the longest the peer trained. A config that
-                        # trains its longest listed length has no limit found (limit_found in the JSON): extend it
+                        # (their static memory sets dsx's budget), 2 dsx given the whole card, 3 DeepSpeed's
+                        # cpu_checkpointing and megatron's offload of every module, 4 the saved-tensor-hook offload
+                        # (its pinned copies, 1.8 MB a token, make host memory its limit); part 5, 3 interleaved runs
+                        # of the best peer and dsx at the longest the peer trained. A config that trains its longest
+                        # listed length has no limit found (limit_found in the JSON): extend it
     case ${2:-1} in
-      1) sizes=(none=24576,32768,40960 recompute=49152,65536,81920) ;;
-      2) sizes=(ds_cpu_ckpt=65536,81920,98304,114688 dsx_auto_budget_sel=65536,81920,98304,114688) ;;
-      3) sizes=(hooks_offload=65536,81920,98304,114688 megatron_offload_all=32768,40960,49152) ;;
-      4) at=$(python -c "
+      1) sizes=(none=32768,40960,49152 recompute=65536,81920,98304) ;;
+      2) sizes=(dsx_auto_budget_sel=65536,81920,98304,114688) ;;
+      3) sizes=(ds_cpu_ckpt=65536,81920,98304 megatron_offload_all=40960,49152,57344) ;;
+      4) sizes=(hooks_offload=32768,40960,49152) ;;
+      5) at=$(python -c "
 import json
 at = json.load(open('$RES/bench_offload_8b_capacity.json'))['ratios']['longest_sequence']['at_best_peer']
-print(at['peer'].split('@')[0], at['seq_len'])") || { log "offload-8b-capacity 4: run parts 1-3 first"; exit 1; }
+print(at['peer'].split('@')[0], at['seq_len'])") || { log "offload-8b-capacity 5: run parts 1-4 first"; exit 1; }
          read -r peer len <<< "$at"; sizes=("$peer=$len" "dsx_auto_budget_sel=$len") ;;
-      *) log "offload-8b-capacity: part 1, 2, 3 or 4, not ${2}"; exit 2 ;;
+      *) log "offload-8b-capacity: part 1, 2, 3, 4 or 5, not ${2}"; exit 2 ;;
     esac
     configs=("${sizes[@]%%=*}") merge=(--merge) repeats=1
     [ "${2:-1}" = 1 ] && merge=()
-    [ "${2:-1}" = 4 ] && repeats=3
+    [ "${2:-1}" = 5 ] && repeats=3
     run bench-offload-8b-capacity 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --warmup 2 --steps 3 --repeats $repeats \
       --pool-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --child-timeout 240 \
