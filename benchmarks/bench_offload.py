@@ -594,11 +594,14 @@ def _cap_device_memory(dev: torch.device, gb: float) -> None:
     already holds outside torch's allocator (the CUDA context, libraries' handles) comes out of the smaller
     card's memory too, so torch's share is ``gb`` less that; what libraries allocate later outside torch's
     allocator (NCCL's buffers) is not counted, a small bias toward fitting."""
-    free, total = torch.cuda.mem_get_info(dev)
-    outside = total - free - torch.cuda.memory_reserved(dev)
+    index = (
+        torch.cuda.current_device() if dev.index is None else dev.index
+    )  # (the fraction's setter needs one)
+    free, total = torch.cuda.mem_get_info(index)
+    outside = total - free - torch.cuda.memory_reserved(index)
     if gb * 1e9 > total:
         raise ValueError(f"--gpu-memory-gb {gb:g} is more than this GPU's {total / 1e9:.1f} GB")
-    torch.cuda.set_per_process_memory_fraction(max(0.0, gb * 1e9 - outside) / total, dev)
+    torch.cuda.set_per_process_memory_fraction(max(0.0, gb * 1e9 - outside) / total, index)
 
 
 def _fit_budget_gb(results: list[dict[str, Any]], args: argparse.Namespace, mb: int) -> float | str:

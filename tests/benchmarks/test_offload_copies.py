@@ -3,6 +3,8 @@ every training step and only then; its byte count comes from the same invocation
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -325,3 +327,26 @@ def test_a_real_vocabulary_trains(tmp_path) -> None:
                         "--name", "v"])  # fmt: skip
     row = json.loads((tmp_path / "v.json").read_text())["results"][0]
     assert "error" not in row and abs(row["losses"][0] - math.log(5000)) < 1.0, row.get("losses")
+
+
+@pytest.mark.gpu
+def test_gpu_memory_cap_holds_the_process_to_it() -> None:
+    # in a child: the cap is for the whole process, and the device is named as bench_offload names it (no index)
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch
+        from benchmarks import bench_offload
+        bench_offload._cap_device_memory(torch.device("cuda"), 4.0)
+        a = torch.empty(2 * 10**9, dtype=torch.uint8, device="cuda")  # within the cap
+        try:
+            b = torch.empty(3 * 10**9, dtype=torch.uint8, device="cuda")  # 5 GB with the first: over it
+        except torch.OutOfMemoryError:
+            print("capped")
+        """)
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "capped" in out.stdout
