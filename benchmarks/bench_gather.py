@@ -108,6 +108,30 @@ def _time(fn, repeats: int, cuda: bool, queued: bool = False) -> float:
     return statistics.median(times)
 
 
+def _time_paired(fn, ref, repeats: int) -> tuple[float, float]:
+    """Queued CUDA timing of ``fn`` with ``ref`` (the copy ceiling) timed the same way just before it in every
+    repeat: (median seconds of ``fn``, median of the per-repeat ratios ``ref / fn``). The link's rate drifts by
+    several percent within seconds on a shared host; a ratio of two timings taken back to back follows the drift
+    where a ratio of two medians taken apart does not."""
+    fn()
+    ref()
+    times, ratios = [], []
+    for _ in range(repeats):
+        pair = []
+        for f in (ref, fn):
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(_QUEUE_CYCLES)
+            a.record()
+            f()
+            b.record()
+            b.synchronize()
+            pair.append(a.elapsed_time(b) / 1e3)
+        times.append(pair[1])
+        ratios.append(pair[0] / pair[1])
+    return statistics.median(times), statistics.median(ratios)
+
+
 def _fill(buf: torch.Tensor, seed: int) -> None:
     """Random bytes, 8 at a time (a 4 GB table fills in seconds)."""
     g = torch.Generator().manual_seed(seed)
@@ -141,9 +165,15 @@ def _measure(
     }
     check: dict[str, bool] = {}
     gbs: dict[str, float] = {}
+    paired: dict[
+        str, float
+    ] = {}  # queued methods: the median of their per-repeat fractions of the queued copy
 
     def record(key: str, fn, out_fn, queued: bool = False) -> None:
-        secs = _time(fn, args.repeats, cuda, queued)
+        if queued:
+            secs, paired[key] = _time_paired(fn, lambda: dst.copy_(src, non_blocking=True), args.repeats)
+        else:
+            secs = _time(fn, args.repeats, cuda)
         gbs[key] = gathered / secs / 1e9
         out_fn().zero_()  # buffers are shared between methods: make a stale result impossible to pass
         fn()
@@ -213,8 +243,10 @@ def _measure(
         ut_view = unified(table, shared="off", config=UnifiedConfig(backend="torch"))
         record("dsx", lambda: ut_view.gather(gidx), lambda: ut_view.gather(gidx))
     rec["gb_per_s"] = {k: round(v, 2) for k, v in gbs.items()}
-    rec["fraction_of_ceiling"] = {  # queued figures against the copy timed the same way
-        k: round(v / gbs["copy_ceiling_queued" if k.endswith("_queued") else "copy_ceiling"], 3)
+    rec[
+        "fraction_of_ceiling"
+    ] = {  # queued figures: against the copy timed the same way, just before, each repeat
+        k: round(paired[k] if k in paired else v / gbs["copy_ceiling"], 3)
         for k, v in gbs.items()
         if not k.startswith("copy_ceiling")
     }
