@@ -10,7 +10,10 @@ One process, one pinned table (default ~4 GB), 1M random row ids (with repeats, 
 * ``dsx_queued``     ``dsx`` queued behind other GPU work, as a loader's gather is: the clock starts when the GPU
                      reaches it, so the host's launches (the sort alone is several kernels) do not leave the
                      GPU idle inside the timed span, and the index check is deferred (``dsx`` waits for it);
-                     ``copy_ceiling_queued`` is the copy timed so
+                     ``copy_ceiling_queued`` is the copy timed so. A queued method's fraction of the ceiling
+                     pairs it with that copy timed just before it in each repeat (the median of the per-repeat
+                     ratios): the link's rate drifts within seconds, and two timings taken back to back see the
+                     same rate where two medians taken apart need not
 * ``dsx_unsorted``   the tuned kernel without the sort
 * ``dsx_bounded``    ``dsx`` limited to ``--bounded-sms`` SMs (what it may take beside training)
 * ``dsx_all_sms``    ``dsx`` with no bound (one wave over every SM; rows < 512 B still keep to 8 SMs)
@@ -22,8 +25,7 @@ One process, one pinned table (default ~4 GB), 1M random row ids (with repeats, 
 A row size that is not a multiple of 32 bytes gets a ``sector_bound``: the queued fraction of the row size
 rounded up to 32 (320 for 300, 1024 for 1000), scaled by the row's share of those bytes and by the distinct rows
 each reads. The GPU reads host memory in whole 32-byte sectors, so a gather of such rows, padded to whole
-sectors, can do no better; it is estimated from the two sizes' medians, and the link's drift between their
-measurements can put a single round above it.
+sectors, can do no better; it is estimated from the two sizes' medians, so a single round can lie above it.
 
 Each method is timed 5 times a round (median), in 3 rounds over every row size (median of the rounds, each
 round's figures kept in the JSON). CPU baselines get their ids already on the host; GPU methods get them on
@@ -165,9 +167,8 @@ def _measure(
     }
     check: dict[str, bool] = {}
     gbs: dict[str, float] = {}
-    paired: dict[
-        str, float
-    ] = {}  # queued methods: the median of their per-repeat fractions of the queued copy
+    # queued methods: the median of their per-repeat fractions of the queued copy
+    paired: dict[str, float] = {}
 
     def record(key: str, fn, out_fn, queued: bool = False) -> None:
         if queued:
@@ -243,9 +244,8 @@ def _measure(
         ut_view = unified(table, shared="off", config=UnifiedConfig(backend="torch"))
         record("dsx", lambda: ut_view.gather(gidx), lambda: ut_view.gather(gidx))
     rec["gb_per_s"] = {k: round(v, 2) for k, v in gbs.items()}
-    rec[
-        "fraction_of_ceiling"
-    ] = {  # queued figures: against the copy timed the same way, just before, each repeat
+    # queued figures: against the copy timed the same way, just before, each repeat
+    rec["fraction_of_ceiling"] = {
         k: round(paired[k] if k in paired else v / gbs["copy_ceiling"], 3)
         for k, v in gbs.items()
         if not k.startswith("copy_ceiling")
@@ -275,7 +275,7 @@ def _sector_bound(rec: dict[str, Any], whole: dict[str, Any] | None) -> None:
     reads the same 10 sectors as a 320-byte row. So its queued gather can do no better than the measured gather of
     rows of the size rounded up to 32 (``whole``, the same id count), scaled by the bytes that are the row's and by
     the distinct rows each reads (duplicates are read once): ``rec["sector_bound"]``, a fraction of the ceiling,
-    from the two sizes' medians (measured seconds apart: the link's drift is in it)."""
+    from the two sizes' medians (an estimate: a single round can lie above it)."""
     rb = rec["row_bytes"]
     if whole is None or whole is rec or "dsx_queued" not in whole["fraction_of_ceiling"]:
         return
@@ -340,7 +340,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "targets": targets,
         "notes": "GB/s = gathered bytes / median time in a round, median over the rounds; fractions: median of "
         "each round's fraction of that round's ceiling; dsx includes the GPU sort of the ids; dsx_queued is dsx "
-        "timed from when the GPU reaches it (its fraction is of copy_ceiling_queued); CPU baselines receive "
+        "timed from when the GPU reaches it (its fraction: the median over repeats of copy_ceiling_queued's time, taken "
+        "just before it, over its own); CPU baselines receive "
         "host ids. Output of every method checked against index_select (first 4096 rows).",
     }
 
