@@ -10,7 +10,8 @@ its ``OffloadActivations`` (``_hook_offload.py``: a baseline written here, not d
 set of each layer's sub-modules (``_megatron_offload.py``: it runs without TransformerEngine through a holder
 for TE's offload flag, megatron's code unchanged); dsx host tier; dsx SSD tier; dsx ``auto`` with a budget
 equal to full recompute's measured peak; dsx ``auto``
-with no budget (hide only); and the dsx configs again with ``recompute_modules`` (``_sel``: the GPT's core
+with no budget (hide only); ``dsx_auto_budget_host``, the budget config over the host tier alone (beside a
+pool capped by ``--pool-gb`` and an SSD tier of ``--ssd-gb``: what the SSD adds); and the dsx configs again with ``recompute_modules`` (``_sel``: the GPT's core
 attention or the Llama decoder's SwiGLU activation recomputed where the plan says, the rest kept or moved per
 layer). ``none_copies`` is no offload with as many bytes
 copied to the host in forward and back in backward as the hide-only plan moved, on side streams and without
@@ -95,8 +96,8 @@ from dsx.runtime.process import single_process_env
 
 CONFIGS = [
     "none", "recompute", "megatron_selective", "save_on_cpu", "hooks_offload", "ds_cpu_ckpt", "dsx_host", "dsx_host_sel",
-    "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_auto_budget", "dsx_auto_budget_sel", "dsx_auto_hide", "dsx_auto_hide_sel",
-    "none_copies",
+    "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_auto_budget", "dsx_auto_budget_sel", "dsx_auto_budget_host",
+    "dsx_auto_budget_host_sel", "dsx_auto_hide", "dsx_auto_hide_sel", "none_copies",
 ]  # fmt: skip
 # megatron-core's fine-grained activation offloading of one set of sub-modules (llama model, megatron on a GPU;
 # _megatron_offload.py): asked for by name, not in the default list
@@ -107,7 +108,7 @@ ALL_CONFIGS = CONFIGS + MEGATRON_OFFLOAD
 SSD_ONLY = ("dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel")
 # configs whose steps take seconds (bandwidth-bound copies): fewer steps, same warm-up rule
 SLOW = ("save_on_cpu", "hooks_offload", "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_host")
-NEEDS_BUDGET = ("dsx_auto_budget", "dsx_auto_budget_sel")
+NEEDS_BUDGET = ("dsx_auto_budget", "dsx_auto_budget_sel", "dsx_auto_budget_host", "dsx_auto_budget_host_sel")
 
 
 def _ds_config(
@@ -201,8 +202,10 @@ def _section(
     read_pool: str = "auto",
     write_barrier: str = "auto",
     io_backend: str = "auto",
+    ssd_gb: float | None = None,
 ) -> dict[str, Any] | None:
-    base = {"enabled": True, "min_tensor_bytes": 1 << 16, "host_pool_gb": pool_gb, "ssd_capacity_gb": pool_gb,
+    ssd_gb = pool_gb if ssd_gb is None else ssd_gb
+    base = {"enabled": True, "min_tensor_bytes": 1 << 16, "host_pool_gb": pool_gb, "ssd_capacity_gb": ssd_gb,
             "read_pool": read_pool, "io_backend": io_backend}  # fmt: skip
     if name.endswith("_sel"):
         base["recompute_modules"] = [sel_module]
@@ -219,6 +222,8 @@ def _section(
         "ds_cpu_ckpt": None,
         "dsx_auto_budget": {**base, **auto, "tiers": ["host", "ssd"], "ssd_path": ssd_dir,
                             "memory_budget_gb": budget_gb},
+        # the same with the host tier alone: what the SSD tier adds beside a capped host pool
+        "dsx_auto_budget_host": {**base, **auto, "tiers": ["host"], "memory_budget_gb": budget_gb},
         "dsx_auto_hide": {**base, **auto, "tiers": ["host", "ssd"], "ssd_path": ssd_dir},
     }.get(name)  # fmt: skip
 
@@ -242,7 +247,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     model = _model(args, name)
     bf16 = dev.type == "cuda"
     section = _section(name, ssd_dir, budget_gb, args.pool_gb, _sel_module(args), args.read_pool, args.write_barrier,
-                       args.io_backend)  # fmt: skip
+                       args.io_backend, args.ssd_gb)  # fmt: skip
     if name == "ds_cpu_ckpt":
         _deepspeed_checkpointing(model)
     engine, _, _, _ = dsx.initialize(
@@ -715,7 +720,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="add this run's rows to <out>/<name>.json (same model and step settings), replacing "
                         "rows of the same name: a sweep too long for one job runs in parts, and a budget "
                         "relative to recompute's peak may use the earlier part's measurement")  # fmt: skip
-    p.add_argument("--pool-gb", type=float, default=40.0, help="host pool and SSD file size per config")
+    p.add_argument("--pool-gb", type=float, default=40.0, help="host pool (and SSD file) size per config")
+    p.add_argument("--ssd-gb", type=float, default=None,
+                   help="SSD file size per config, if not --pool-gb: a host pool capped below what the SSD holds, "
+                        "as when the ranks of a node share its memory")  # fmt: skip
     p.add_argument("--ssd-dir", default=None, help="directory on the SSD (default: a temporary directory)")
     p.add_argument("--budget-scales", type=float, nargs="+", default=[1.0],
                    help="budgets for the dsx_auto_budget configs, as multiples of full recompute's peak")  # fmt: skip
@@ -1004,7 +1012,7 @@ def _tier_vs_drive(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 # what rows merged into one file must share (the model, its step, the optimizer); configs, sizes and budgets may
 # differ from part to part
 MERGE_SAME = ("model", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "seq_len", "micro_batch", "vocab",
-              "warmup", "steps", "adam", "offload_optimizer", "pool_gb", "quick", "gpu_memory_gb")  # fmt: skip
+              "warmup", "steps", "adam", "offload_optimizer", "pool_gb", "ssd_gb", "quick", "gpu_memory_gb")  # fmt: skip
 
 
 def _earlier(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -3,14 +3,14 @@
 #   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | hetero | hetero-scale | hetero-large |
 #                                         offload | offload-hide | offload-8b | offload-8b-peers |
 #                                         offload-8b-sweep [1|2|3] | offload-8b-megatron |
-#                                         offload-8b-capacity [1-5] | offload-long |
+#                                         offload-8b-capacity [1-5] | offload-8b-pool | offload-long |
 #                                         offload-ssd | main | wheel
 # Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
 # docs/performance.md cites) and a copy to $OUT/results/. docs/performance.md, "GPU suites", says what each runs.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-5]|offload-long|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-5]|offload-8b-pool|offload-long|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -151,6 +151,14 @@ print(at['peer'].split('@')[0], at['seq_len'])") || { log "offload-8b-capacity 5
       --pool-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --child-timeout 240 \
       --configs "${configs[@]}" --seq-lens "${sizes[@]}" "${merge[@]}" --name bench_offload_8b_capacity --out "$RES"
     keep bench_offload_8b_capacity ;;
+  offload-8b-pool)  # the capacity suite's settings at sequence 65536 with the host pool capped at 12 GB (a rank's
+                    # share when the ranks of a node share its memory) and a 48 GB SSD tier: full recompute, dsx with
+                    # the host tier alone and dsx with the SSD tier beside it, 3 interleaved runs
+    run bench-offload-8b-pool 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
+      --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --seq-len 65536 --warmup 2 --steps 3 --repeats 3 \
+      --pool-gb 12 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --child-timeout 150 \
+      --configs recompute dsx_auto_budget_host_sel dsx_auto_budget_sel --name bench_offload_8b_pool --out "$RES"
+    keep bench_offload_8b_pool ;;
   offload-long)  # long context: six Llama-3-8B layers at sequence 32768 (as many as fit without offload, which the
                  # bound needs): no offload, full recompute and dsx at recompute's peak, 3 interleaved runs; the bound
     run bench-offload-long 500 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 6 --heads 32 \

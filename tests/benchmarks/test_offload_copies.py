@@ -158,6 +158,23 @@ def test_a_sequence_sweep_runs_every_length_and_names_its_rows(tmp_path) -> None
     assert saved["ratios"]["longest_sequence"]["largest"]["none"]["seq_len"] == 32
 
 
+def test_a_capped_host_pool_runs_with_the_ssd_tier_and_without(tmp_path) -> None:
+    """--ssd-gb sizes the SSD tier apart from the host pool; dsx_auto_budget_host plans over the host tier
+    alone, so that the two rows side by side say what the SSD adds beside a capped pool. Real engines and a
+    real SSD file on the CPU."""
+    out = bench_offload.main(["--quick", "--in-process", "--configs", "dsx_auto_budget", "dsx_auto_budget_host",
+                              "--ssd-gb", "0.5", "--auto-budget-gb", "0.0001", "--out", str(tmp_path)])  # fmt: skip
+    rows = {r["config"]: r for r in out["results"]}
+    assert set(rows) == {"dsx_auto_budget", "dsx_auto_budget_host"} and not any(
+        "error" in r for r in rows.values()
+    )
+    both = rows["dsx_auto_budget"]["plan"]["bound"]["tier_capacity_bytes"]
+    host = rows["dsx_auto_budget_host"]["plan"]["bound"]["tier_capacity_bytes"]
+    assert set(both) == {"host", "ssd"} and set(host) == {"host"}
+    assert both["ssd"] > 1.5 * both["host"]  # --ssd-gb 0.5 beside --quick's 0.25 GB pool
+    assert out["config"]["ssd_gb"] == 0.5
+
+
 def _out_of_memory_from(monkeypatch: pytest.MonkeyPatch, config: str, seq: int) -> None:
     """Make ``config`` run out of memory at sequence ``seq`` and longer, as on a GPU too small for it."""
     real = bench_offload.run_one
