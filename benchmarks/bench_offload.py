@@ -40,7 +40,8 @@ least of them) and less ``--fit-reserve-gb``:
 
 ``--memory-history DIR`` (CUDA) records the allocator over the measured steps and writes what is allocated at
 their peak, grouped by the line that allocated it (``_memory_trace.py``): where a plan's measured peak and its
-prediction part, this says which tensors make the difference.
+prediction part, this says which tensors make the difference. ``--memory-history-from start`` records from the
+first step, and a step that runs out of memory writes what was live when it did (``..._oom.json``).
 """
 
 from __future__ import annotations
@@ -228,6 +229,13 @@ def _section(
     }.get(name)  # fmt: skip
 
 
+def _history_path(args: argparse.Namespace, name: str, budget_gb: float | None, suffix: str = "") -> Path:
+    """``--memory-history``'s file for a config: one per budget (a config runs at several: --budget-scales)
+    and size."""
+    tag = f"_budget{budget_gb:.2f}gib" if budget_gb is not None else ""
+    return Path(args.memory_history) / f"memory_{name}{tag}{_size_tag(args)}{suffix}.json"
+
+
 def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float | None) -> dict[str, Any]:
     if name == "megatron_selective" and not _megatron(args):
         raise RuntimeError(f"megatron_selective needs megatron-core on a GPU ({megatron_available()[1]})")
@@ -321,14 +329,22 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             if step == warmup:
                 base = torch.cuda.memory_allocated()
                 allocator_base = _allocator_counts()
-                if args.memory_history:
-                    _memory_trace.start()
+            if args.memory_history and step == (0 if args.memory_history_from == "start" else warmup):
+                _memory_trace.start()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
         if step == warmup:
             window[0] = time.time()
         t0 = time.perf_counter()
-        loss = train_step(engine)
+        try:
+            loss = train_step(engine)
+        except torch.OutOfMemoryError:
+            if args.memory_history and (args.memory_history_from == "start" or step >= warmup):
+                # what was live when the step ran out: the peak of the recording is the moment it did
+                _memory_trace.stop_and_write(
+                    str(_history_path(args, name, budget_gb, "_oom")), f"{name} out of memory at step {step}"
+                )
+            raise
         if dev.type == "cuda":
             torch.cuda.synchronize()
             per_step.append((start / 1e9, (torch.cuda.max_memory_allocated() - start) / 1e9))
@@ -352,9 +368,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     )  # fmt: skip
     memory = None
     if args.memory_history and dev.type == "cuda":
-        # one file per budget: a config runs at several (--budget-scales)
-        tag = f"_budget{budget_gb:.2f}gib" if budget_gb is not None else ""
-        path = Path(args.memory_history) / f"memory_{name}{tag}{_size_tag(args)}.json"
+        path = _history_path(args, name, budget_gb)
         memory = _memory_trace.stop_and_write(str(path), f"{name} micro-batch {args.micro_batch}")
         memory = {"path": str(path), "peak_bytes_since_recording": memory["peak_bytes_since_recording"]}
     alloc_counts = _allocator_counts() if dev.type == "cuda" else {}
@@ -753,6 +767,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--memory-history", default=None, metavar="DIR",
                    help="record the allocator over the measured steps (CUDA) and write what is live at their "
                         "peak, by allocating line, to DIR/memory_<config>_mb<N>.json (slows the steps)")  # fmt: skip
+    p.add_argument("--memory-history-from", choices=["measured", "start"], default="measured",
+                   help="--memory-history from the measured steps on, or from the first step (start); either way "
+                        "a step that runs out of memory writes what was live then (memory_<config>..._oom.json)")  # fmt: skip
     p.add_argument("--copy-gb", type=float, default=None,
                    help="none_copies: GB copied each way a step (default: what a dsx_auto_hide run before it in "
                         "this invocation wrote per measured step, its median)")  # fmt: skip
