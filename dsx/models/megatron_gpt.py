@@ -35,18 +35,25 @@ def megatron_available() -> tuple[bool, str]:
 
 
 class MegatronGPT(nn.Module):
-    """Wraps a megatron-core ``GPTModel``; returns the mean token loss when targets are given."""
+    """Wraps a megatron-core ``GPTModel``; returns the mean token loss when targets are given.
 
-    def __init__(self, gpt: nn.Module, seq_len: int) -> None:
+    ``causal_mask``: pass megatron its ``[1, 1, s, s]`` causal mask, which its local attention reads. A core
+    attention that is causal by itself (:func:`sdpa_core_attention`) is given none, as megatron's flash paths
+    are: the mask costs ``s * s`` bytes in every forward, more than a layer's activations at long sequences,
+    and every layer takes it as an input, so that offload would count it with what each layer saves."""
+
+    def __init__(self, gpt: nn.Module, seq_len: int, causal_mask: bool = True) -> None:
         super().__init__()
         self.gpt = gpt
         self.seq_len = seq_len
+        self.causal_mask = causal_mask
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-        # True marks positions that may not be attended to (megatron's convention).
-        mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu_(1).view(1, 1, s, s)
+        mask = None
+        if self.causal_mask:  # True marks positions that may not be attended to (megatron's convention)
+            mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu_(1).view(1, 1, s, s)
         out = self.gpt(tokens, pos, mask, labels=targets)
         return out.float().mean() if targets is not None else out
 
@@ -223,4 +230,4 @@ def build_megatron_llama(
         rotary_base=int(cfg.rope_theta),
         share_embeddings_and_output_weights=cfg.tie_embeddings,
     )
-    return MegatronGPT(gpt, cfg.seq_len)
+    return MegatronGPT(gpt, cfg.seq_len, causal_mask=False)  # (its core attention is causal SDPA)

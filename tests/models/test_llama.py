@@ -207,6 +207,29 @@ def test_bf16_on_the_gpu_runs_flash_attention_and_matches_float32() -> None:
         assert (a - b).norm() <= 0.05 * a.norm() + 1e-6, name
 
 
+@pytest.mark.parametrize("causal_mask", [True, False])
+def test_the_megatron_wrapper_passes_a_causal_mask_only_where_asked(causal_mask: bool) -> None:
+    """megatron's local attention reads the ``[1, 1, s, s]`` mask; the Llama build's SDPA core attention is causal
+    by itself and gets none (the mask would cost s * s bytes a forward and be an input of every layer)."""
+    from dsx.models.megatron_gpt import MegatronGPT
+
+    seen = {}
+
+    class Recorder(torch.nn.Module):  # what megatron's GPTModel receives
+        def forward(self, tokens, pos, mask, labels=None):
+            seen["mask"], seen["pos"] = mask, pos
+            return torch.randn(tokens.shape, requires_grad=True)
+
+    tokens = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(3))
+    MegatronGPT(Recorder(), 6, causal_mask=causal_mask)(tokens, tokens)
+    assert torch.equal(seen["pos"], torch.arange(6).expand(2, 6))
+    if causal_mask:
+        assert seen["mask"].shape == (1, 1, 6, 6)
+        assert torch.equal(seen["mask"][0, 0], torch.ones(6, 6, dtype=torch.bool).triu(1))  # True: masked out
+    else:
+        assert seen["mask"] is None
+
+
 @pytest.mark.gpu
 def test_megatron_llama_trains_and_its_sdpa_core_attention_equals_megatrons() -> None:
     """The main job trains the megatron-core build in bf16; then, on fresh random inputs with grouped heads, the
