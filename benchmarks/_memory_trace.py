@@ -38,9 +38,11 @@ def _where(frames: list[dict[str, Any]]) -> str:
     return " <- ".join(dict.fromkeys(parts)) or "?"
 
 
-def live_at_peak(snapshot: dict[str, Any], top: int = 40) -> dict[str, Any]:
+def live_at_peak(snapshot: dict[str, Any], top: int = 40, at: str = "peak") -> dict[str, Any]:
     """Replay the allocator trace of ``snapshot`` (``torch.cuda.memory._snapshot()``): the peak of the bytes
-    allocated while recording, and the blocks live at it grouped by where they were allocated."""
+    allocated while recording, and the blocks live at it grouped by where they were allocated; ``at="end"``:
+    the blocks live at the trace's end instead (after an allocation failed, what held the memory then: one
+    large request can fail below an earlier peak)."""
     events = [e for trace in snapshot.get("device_traces", []) for e in trace]
 
     def replay(upto: int) -> tuple[dict[int, tuple[int, Any]], int, int]:
@@ -58,8 +60,8 @@ def live_at_peak(snapshot: dict[str, Any], top: int = 40) -> dict[str, Any]:
                 cur -= live.pop(e["addr"])[0]
         return live, peak, at
 
-    _, peak, at = replay(len(events) - 1)  # where the peak is, then what was live there
-    at_peak = replay(at)[0] if at >= 0 else {}
+    live_end, peak, peak_at = replay(len(events) - 1)  # where the peak is, then what was live there
+    at_peak = live_end if at == "end" else (replay(peak_at)[0] if peak_at >= 0 else {})
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for size, frames in at_peak.values():
         where = _where(frames)
@@ -74,11 +76,12 @@ def live_at_peak(snapshot: dict[str, Any], top: int = 40) -> dict[str, Any]:
     }
 
 
-def stop_and_write(path: str, label: str) -> dict[str, Any]:
-    """Take the snapshot, stop recording, write the summary to ``path`` (JSON) and return it."""
+def stop_and_write(path: str, label: str, at: str = "peak") -> dict[str, Any]:
+    """Take the snapshot, stop recording, write the summary (:func:`live_at_peak` ``at`` the peak or the end) to
+    ``path`` (JSON) and return it."""
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    out = {"label": label, **live_at_peak(snap)}
+    out = {"label": label, "at": at, **live_at_peak(snap, at=at)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=1))
     return out

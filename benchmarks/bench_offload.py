@@ -40,8 +40,8 @@ least of them) and less ``--fit-reserve-gb``:
 
 ``--memory-history DIR`` (CUDA) records the allocator over the measured steps and writes what is allocated at
 their peak, grouped by the line that allocated it (``_memory_trace.py``): where a plan's measured peak and its
-prediction part, this says which tensors make the difference. ``--memory-history-from start`` records from the
-first step, and a step that runs out of memory writes what was live when it did (``..._oom.json``).
+prediction part, this says which tensors make the difference; a step that runs out of memory writes what was
+live when it did (``..._oom.json``). ``--memory-history-from start`` records from the first step on.
 """
 
 from __future__ import annotations
@@ -340,9 +340,12 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             loss = train_step(engine)
         except torch.OutOfMemoryError:
             if args.memory_history and (args.memory_history_from == "start" or step >= warmup):
-                # what was live when the step ran out: the peak of the recording is the moment it did
+                # what held the memory when the step ran out (the trace's end, not its peak: one large
+                # request can fail below an earlier peak)
                 _memory_trace.stop_and_write(
-                    str(_history_path(args, name, budget_gb, "_oom")), f"{name} out of memory at step {step}"
+                    str(_history_path(args, name, budget_gb, "_oom")),
+                    f"{name} out of memory at step {step}",
+                    "end",
                 )
             raise
         if dev.type == "cuda":
@@ -799,6 +802,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error("--fit-budget fills --gpu-memory-gb (give it) with one budget (no --budget-scales)")
     if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
         p.error(f"--gpu-memory-gb must be > 0, not {args.gpu_memory_gb:g}")
+    if args.memory_history_from != "measured" and not args.memory_history:
+        p.error("--memory-history-from says when --memory-history records: give --memory-history DIR too")
     if args.fit_reserve_gb < 0:
         p.error(f"--fit-reserve-gb must be >= 0, not {args.fit_reserve_gb:g}")
     if args.adam == "fused" and args.offload_optimizer:
@@ -1040,7 +1045,11 @@ def _earlier(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
         return [], []
     before = json.loads(path.read_text())
     theirs = {"vocab": 256, **before.get("config", {})}  # (files from before --vocab ran at 256)
-    differ = {k: (theirs.get(k), vars(args)[k]) for k in MERGE_SAME if theirs.get(k) != vars(args)[k]}
+    ours = vars(args) | {"ssd_gb": args.ssd_gb if args.ssd_gb is not None else args.pool_gb}
+    theirs["ssd_gb"] = theirs.get("ssd_gb") if theirs.get("ssd_gb") is not None else theirs.get("pool_gb")
+    differ = {
+        k: (theirs.get(k), ours[k]) for k in MERGE_SAME if theirs.get(k) != ours[k]
+    }  # (no --ssd-gb: the pool's)
     if differ:
         raise SystemExit(
             f"--merge: {path} was run with other settings {differ} (theirs, this run's); run with the same "
@@ -1069,7 +1078,8 @@ def _write(
                  ("dsx_auto_budget_sel", "megatron_selective"), ("dsx_auto_hide", "none"),
                  ("dsx_auto_hide_sel", "none"), ("dsx_host", "save_on_cpu"), ("dsx_host_sel", "save_on_cpu"),
                  ("none_copies", "none"), ("dsx_auto_hide", "none_copies"),
-                 ("dsx_ssd", "dsx_ssd_noverify")]:  # fmt: skip
+                 ("dsx_ssd", "dsx_ssd_noverify"), ("dsx_auto_budget", "dsx_auto_budget_host"),
+                 ("dsx_auto_budget_sel", "dsx_auto_budget_host_sel")]:  # fmt: skip
         if a in ok and b in ok:
             ratios[f"{a}_vs_{b}_throughput"] = ok[a]["tokens_per_s"] / ok[b]["tokens_per_s"]
     # the targets as stated: the fastest dsx config whose measured activation peak is within a baseline's

@@ -50,3 +50,11 @@ def test_live_at_peak_replays_allocations_and_groups_them_by_line() -> None:
         "transfer.py:201 _read",
     }
     assert out["other_bytes"] == 0
+    # at the end instead: what is live after the last event (where an allocation failed), not at the peak
+    end: dict[str, int] = {}
+    for s, w in live.values():
+        end[w] = end.get(w, 0) + s
+    assert end != want  # (the run ends below its peak: the two must differ for this to test anything)
+    out = _memory_trace.live_at_peak({"device_traces": [events]}, at="end")
+    assert out["peak_bytes_since_recording"] == peak
+    assert {r["where"]: r["bytes"] for r in out["live_at_peak"]} == end

@@ -175,6 +175,19 @@ def test_a_capped_host_pool_runs_with_the_ssd_tier_and_without(tmp_path) -> None
     assert out["config"]["ssd_gb"] == 0.5
 
 
+def test_a_merge_takes_no_ssd_size_as_the_pools(tmp_path) -> None:
+    """A file written without --ssd-gb had an SSD tier the pool's size: a part that names that size merges, one
+    with another size is refused."""
+    import json
+
+    common = ["--quick", "--in-process", "--configs", "none", "--out", str(tmp_path), "--name", "s"]
+    bench_offload.main(common)
+    bench_offload.main([*common, "--merge", "--ssd-gb", "0.25"])  # --quick's pool: the same setting
+    assert len(json.loads((tmp_path / "s.json").read_text())["parts"]) == 2
+    with pytest.raises(SystemExit, match=r"other settings \{'ssd_gb': \(0.25, 0.5\)\}"):
+        bench_offload.main([*common, "--merge", "--ssd-gb", "0.5"])
+
+
 def _out_of_memory_from(monkeypatch: pytest.MonkeyPatch, config: str, seq: int) -> None:
     """Make ``config`` run out of memory at sequence ``seq`` and longer, as on a GPU too small for it."""
     real = bench_offload.run_one
@@ -238,6 +251,7 @@ def test_capacity_settings_that_cannot_hold_are_refused_before_any_run(capsys) -
         (["--fit-budget", "--gpu-memory-gb", "85", "--budget-scales", "1", "1.5"], "no --budget-scales"),
         (["--gpu-memory-gb", "0"], "--gpu-memory-gb must be > 0"),
         (["--fit-reserve-gb", "-1"], "--fit-reserve-gb must be >= 0"),
+        (["--memory-history-from", "start"], "give --memory-history DIR too"),
     ]:
         with pytest.raises(SystemExit):
             bench_offload.main(["--quick", *argv])
