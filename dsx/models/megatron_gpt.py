@@ -39,8 +39,8 @@ class MegatronGPT(nn.Module):
 
     ``causal_mask``: pass megatron its ``[1, 1, s, s]`` causal mask, which its local attention reads. A core
     attention that is causal by itself (:func:`sdpa_core_attention`) is given none, as megatron's flash paths
-    are: the mask costs ``s * s`` bytes in every forward, more than a layer's activations at long sequences,
-    and every layer takes it as an input, so that offload would count it with what each layer saves."""
+    are: the mask costs ``s * s`` bytes in every forward, growing with the square of the sequence where the
+    activations grow linearly, and every layer takes it as an input."""
 
     def __init__(self, gpt: nn.Module, seq_len: int, causal_mask: bool = True) -> None:
         super().__init__()
@@ -116,8 +116,8 @@ def sdpa_core_attention() -> type[nn.Module]:
     ``scaled_dot_product_attention``, causal, with grouped heads: flash attention where the GPU has it.
     megatron-core's own local ``DotProductAttention`` materialises the ``[b, heads, s, s]`` scores, and its
     fused attention needs TransformerEngine. Causal self-attention without dropout, bias or packed sequences
-    only: anything else is refused, not ignored (the mask megatron passes is its causal mask, which the kernel
-    applies itself)."""
+    only: anything else is refused, not ignored (a mask megatron passes, if any, is its causal mask, which the
+    kernel applies itself)."""
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.module import MegatronModule
 

@@ -293,7 +293,9 @@ def test_megatrons_mlp_with_the_swiglu_module_equals_its_own_gated_unit() -> Non
     from dsx.models.megatron_gpt import build_megatron_llama
 
     cfg = LlamaConfig(vocab_size=64, seq_len=32, layers=2, hidden=128, heads=4, kv_heads=2, ffn_hidden=344)
-    acts = [m for m in build_megatron_llama(cfg, seed=0).modules() if isinstance(m, SwiGLUActivation)]
+    built = build_megatron_llama(cfg, seed=0)
+    assert built.causal_mask is False  # (its SDPA core attention is causal by itself)
+    acts = [m for m in built.modules() if isinstance(m, SwiGLUActivation)]
     assert len(acts) == cfg.layers and all(a.offset == 0.0 for a in acts)
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(32, 2, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(14))
