@@ -737,6 +737,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="add this run's rows to <out>/<name>.json (same model and step settings), replacing "
                         "rows of the same name: a sweep too long for one job runs in parts, and a budget "
                         "relative to recompute's peak may use the earlier part's measurement")  # fmt: skip
+    p.add_argument("--merge-repeat", action="store_true",
+                   help="with --merge: keep the file's rows of the same name, so that this run's rows add repeats "
+                        "to them (interleaved rounds too long for one job, one round a part)")  # fmt: skip
     p.add_argument("--pool-gb", type=float, default=40.0, help="host pool (and SSD file) size per config")
     p.add_argument("--ssd-gb", type=float, default=None,
                    help="SSD file size per config, if not --pool-gb: a host pool capped below what the SSD holds, "
@@ -802,6 +805,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error("--fit-budget fills --gpu-memory-gb (give it) with one budget (no --budget-scales)")
     if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
         p.error(f"--gpu-memory-gb must be > 0, not {args.gpu_memory_gb:g}")
+    if args.merge_repeat and not args.merge:
+        p.error("--merge-repeat adds this run's rows to a file's: give --merge too")
     if args.memory_history_from != "measured" and not args.memory_history:
         p.error("--memory-history-from says when --memory-history records: give --memory-history DIR too")
     if args.fit_reserve_gb < 0:
@@ -884,8 +889,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 res["budget_gb"] = budget * 2**30 / 1e9
             res["part"] = part
             new.append(res)
-            # (a merged file's row of the same name is replaced by this run's, unless this one did not run)
-            if not res.get("not_run"):
+            # (a merged file's row of the same name is replaced by this run's, unless this one did not run or
+            # --merge-repeat keeps both as repeats)
+            if not res.get("not_run") and not args.merge_repeat:
                 earlier = [r for r in earlier if r["config"] != res["config"]]
             results = [*earlier, *new]
             _write(results, args, parts)  # after every config: a run cut short still leaves its JSON

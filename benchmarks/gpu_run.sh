@@ -3,14 +3,15 @@
 #   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | hetero | hetero-scale | hetero-large |
 #                                         offload | offload-hide | offload-8b | offload-8b-peers |
 #                                         offload-8b-sweep [1|2|3] | offload-8b-megatron |
-#                                         offload-8b-capacity [1-5] | offload-8b-pool | offload-long |
+#                                         offload-8b-capacity [1-4|5 ROUND] | offload-8b-pool ROUND |
+#                                         offload-long |
 #                                         offload-ssd | main | wheel
 # Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
 # docs/performance.md cites) and a copy to $OUT/results/. docs/performance.md, "GPU suites", says what each runs.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-5]|offload-8b-pool|offload-long|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-4|5 ROUND]|offload-8b-pool ROUND|offload-long|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -127,37 +128,43 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
                         # each config's sizes ascending (it stops at its first failure); part 1 writes
                         # bench_offload_8b_capacity.json, the others merge into it: 1 no offload and full recompute
                         # (their static memory sets dsx's budget), 2 dsx given the whole card, 3 DeepSpeed's
-                        # cpu_checkpointing and megatron's offload of every module, 4 the saved-tensor-hook offload
-                        # (its pinned copies, 1.8 MB a token, make host memory its limit); part 5, 3 interleaved runs
-                        # of the best peer and dsx at the longest the peer trained. A config that trains its longest
+                        # cpu_checkpointing, 4 megatron's offload of every module and the saved-tensor-hook offload
+                        # (its pinned copies, 1.8 MB a token, make host memory its limit); part 5 ROUND (1, 2, 3):
+                        # one round of the best peer and dsx at the longest the peer trained, the three parts
+                        # interleaved (a round at these lengths takes minutes). A config that trains its longest
                         # listed length has no limit found (limit_found in the JSON): extend it
-    case ${2:-1} in
-      1) sizes=(none=32768,40960,49152 recompute=65536,81920,98304) ;;
-      2) sizes=(dsx_auto_budget_sel=65536,81920,98304,114688) ;;
-      3) sizes=(ds_cpu_ckpt=65536,81920,98304 megatron_offload_all=40960,49152,57344) ;;
-      4) sizes=(hooks_offload=32768,40960,49152) ;;
+    part=${2:-1} repeat=()
+    case $part in
+      1) sizes=(none=40960,49152 recompute=98304,131072,163840) ;;
+      2) sizes=(dsx_auto_budget_sel=98304,131072,163840) ;;
+      3) sizes=(ds_cpu_ckpt=98304,131072,163840) ;;
+      4) sizes=(megatron_offload_all=49152,57344,65536 hooks_offload=32768,40960) ;;
       5) at=$(python -c "
 import json
 at = json.load(open('$RES/bench_offload_8b_capacity.json'))['ratios']['longest_sequence']['at_best_peer']
 print(at['peer'].split('@')[0], at['seq_len'])") || { log "offload-8b-capacity 5: run parts 1-4 first"; exit 1; }
-         read -r peer len <<< "$at"; sizes=("$peer=$len" "dsx_auto_budget_sel=$len") ;;
-      *) log "offload-8b-capacity: part 1, 2, 3, 4 or 5, not ${2}"; exit 2 ;;
+         read -r peer len <<< "$at"; sizes=("$peer=$len" "dsx_auto_budget_sel=$len")
+         case ${3:-1} in 1) ;; 2|3) repeat=(--merge-repeat) ;; *) log "offload-8b-capacity 5: round 1, 2 or 3"; exit 2 ;; esac ;;
+      *) log "offload-8b-capacity: part 1, 2, 3, 4 or 5, not $part"; exit 2 ;;
     esac
-    configs=("${sizes[@]%%=*}") merge=(--merge) repeats=1
-    [ "${2:-1}" = 1 ] && merge=()
-    [ "${2:-1}" = 5 ] && repeats=3
+    configs=("${sizes[@]%%=*}") merge=(--merge)
+    [ "$part" = 1 ] && merge=()
     run bench-offload-8b-capacity 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
-      --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --warmup 2 --steps 3 --repeats $repeats \
-      --pool-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --child-timeout 240 \
-      --configs "${configs[@]}" --seq-lens "${sizes[@]}" "${merge[@]}" --name bench_offload_8b_capacity --out "$RES"
+      --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --warmup 2 --steps 3 \
+      --pool-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --child-timeout 300 \
+      --configs "${configs[@]}" --seq-lens "${sizes[@]}" "${merge[@]}" "${repeat[@]}" --name bench_offload_8b_capacity \
+      --out "$RES"
     keep bench_offload_8b_capacity ;;
   offload-8b-pool)  # the capacity suite's settings at sequence 65536 with the host pool capped at 12 GB (a rank's
                     # share when the ranks of a node share its memory) and a 48 GB SSD tier: full recompute, dsx with
-                    # the host tier alone and dsx with the SSD tier beside it, 3 interleaved runs
+                    # the host tier alone and dsx with the SSD tier beside it; ROUND (1, 2, 3): one interleaved round
+                    # a command, round 1 writing bench_offload_8b_pool.json, the others adding their runs to it
+    case ${2:-1} in 1) merge=() ;; 2|3) merge=(--merge --merge-repeat) ;; *) log "offload-8b-pool: round 1, 2 or 3"; exit 2 ;; esac
     run bench-offload-8b-pool 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
-      --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --seq-len 65536 --warmup 2 --steps 3 --repeats 3 \
+      --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --seq-len 65536 --warmup 2 --steps 3 \
       --pool-gb 12 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --child-timeout 150 \
-      --configs recompute dsx_auto_budget_host_sel dsx_auto_budget_sel --name bench_offload_8b_pool --out "$RES"
+      --configs recompute dsx_auto_budget_host_sel dsx_auto_budget_sel "${merge[@]}" --name bench_offload_8b_pool \
+      --out "$RES"
     keep bench_offload_8b_pool ;;
   offload-long)  # long context: six Llama-3-8B layers at sequence 32768 (as many as fit without offload, which the
                  # bound needs): no offload, full recompute and dsx at recompute's peak, 3 interleaved runs; the bound

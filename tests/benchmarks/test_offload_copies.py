@@ -175,6 +175,27 @@ def test_a_capped_host_pool_runs_with_the_ssd_tier_and_without(tmp_path) -> None
     assert out["config"]["ssd_gb"] == 0.5
 
 
+def test_merged_repeats_keep_the_earlier_rows_and_the_capacity_takes_their_median(tmp_path) -> None:
+    """--merge-repeat: interleaved rounds too long for one job run one a part; each part's rows join the earlier
+    ones of the same name instead of replacing them, and the longest-sequence figures take the median."""
+    import json
+
+    common = ["--quick", "--in-process", "--configs", "none", "--seq-lens", "16", "--out", str(tmp_path),
+              "--name", "r"]  # fmt: skip
+    bench_offload.main(common)
+    for _ in range(2):
+        bench_offload.main([*common, "--merge", "--merge-repeat"])
+    saved = json.loads((tmp_path / "r.json").read_text())
+    rows = [r for r in saved["results"] if r["config"] == "none@seq16"]
+    assert [r["part"] for r in rows] == [0, 1, 2]
+    assert not any(p.get("superseded") for p in saved["parts"])
+    tps = sorted(r["tokens_per_s"] for r in rows)
+    assert saved["ratios"]["longest_sequence"]["largest"]["none"]["tokens_per_s"] == tps[1]
+    bench_offload.main([*common, "--merge"])  # without it, a part replaces them
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert [r["part"] for r in saved["results"] if r["config"] == "none@seq16"] == [3]
+
+
 def test_a_merge_takes_no_ssd_size_as_the_pools(tmp_path) -> None:
     """A file written without --ssd-gb had an SSD tier the pool's size: a part that names that size merges, one
     with another size is refused."""
@@ -252,6 +273,7 @@ def test_capacity_settings_that_cannot_hold_are_refused_before_any_run(capsys) -
         (["--gpu-memory-gb", "0"], "--gpu-memory-gb must be > 0"),
         (["--fit-reserve-gb", "-1"], "--fit-reserve-gb must be >= 0"),
         (["--memory-history-from", "start"], "give --memory-history DIR too"),
+        (["--merge-repeat"], "give --merge too"),
     ]:
         with pytest.raises(SystemExit):
             bench_offload.main(["--quick", *argv])
