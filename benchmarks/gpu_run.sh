@@ -4,14 +4,14 @@
 #                                         offload | offload-hide | offload-8b | offload-8b-peers |
 #                                         offload-8b-sweep [1|2|3] | offload-8b-megatron |
 #                                         offload-8b-capacity [1-4|5 ROUND] | offload-8b-pool ROUND |
-#                                         offload-long |
+#                                         offload-8b-2gpu | offload-long |
 #                                         offload-ssd | main | wheel
 # Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
 # docs/performance.md cites) and a copy to $OUT/results/. docs/performance.md, "GPU suites", says what each runs.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-4|5 ROUND]|offload-8b-pool ROUND|offload-long|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-4|5 ROUND]|offload-8b-pool ROUND|offload-8b-2gpu|offload-long|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -166,6 +166,17 @@ print(at['peer'].split('@')[0], at['seq_len'])") || { log "offload-8b-capacity 5
       --configs recompute dsx_auto_budget_host_sel dsx_auto_budget_sel "${merge[@]}" --name bench_offload_8b_pool \
       --out "$RES"
     keep bench_offload_8b_pool ;;
+  offload-8b-2gpu)  # on 2+ GPUs: the 8B layer at sequence 65536, one rank a GPU through the deepspeed launcher,
+                    # ZeRO-2 with the optimizer on the CPU and dsx's budget plan over host and SSD
+                    # (configs/gpt_llama8b_zero2_actoffload.json): the node's first rank logs each rank's share of the
+                    # host link and of the drive, measured with every rank at once, and the share they agreed
+    [ "$ngpu" -ge 2 ] || { log "offload-8b-2gpu needs 2 GPUs, found $ngpu"; exit 1; }
+    mkdir -p /tmp/dsx_act
+    run offload-8b-2gpu 560 deepspeed --num_gpus 2 examples/gpt/train.py \
+      --deepspeed_config configs/gpt_llama8b_zero2_actoffload.json --model megatron-llama --layers 8 --hidden 4096 \
+      --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 65536 --steps 8 --eval-batches 1 --no-progress \
+      --log-json "$OUT/offload_8b_2gpu.json"
+    grep -h -A12 "rank(s) share\|activation offload plan" "$OUT/offload-8b-2gpu.log" > "$OUT/offload_8b_2gpu_shares.log" ;;
   offload-long)  # long context: six Llama-3-8B layers at sequence 32768 (as many as fit without offload, which the
                  # bound needs): no offload, full recompute and dsx at recompute's peak, 3 interleaved runs; the bound
     run bench-offload-long 500 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 6 --heads 32 \
