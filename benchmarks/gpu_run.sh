@@ -139,12 +139,20 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
       2) sizes=(dsx_auto_budget_sel=98304,131072,163840) ;;
       3) sizes=(ds_cpu_ckpt=98304,131072,163840) ;;
       4) sizes=(megatron_offload_all=49152,57344,65536 hooks_offload=32768,40960) ;;
-      5) at=$(python -c "
+      5) case ${3:-1} in 1) ;; 2|3) repeat=(--merge-repeat) ;; *) log "offload-8b-capacity 5: round 1, 2 or 3"; exit 2 ;; esac
+         # round 1 takes the best peer from the JSON; rounds 2 and 3 run round 1's pair again (the best peer of a
+         # tie in length is the faster, and one more run may swap them)
+         at=$(python -c "
 import json
-at = json.load(open('$RES/bench_offload_8b_capacity.json'))['ratios']['longest_sequence']['at_best_peer']
-print(at['peer'].split('@')[0], at['seq_len'])") || { log "offload-8b-capacity 5: run parts 1-4 first"; exit 1; }
-         read -r peer len <<< "$at"; sizes=("$peer=$len" "dsx_auto_budget_sel=$len")
-         case ${3:-1} in 1) ;; 2|3) repeat=(--merge-repeat) ;; *) log "offload-8b-capacity 5: round 1, 2 or 3"; exit 2 ;; esac ;;
+d = json.load(open('$RES/bench_offload_8b_capacity.json'))
+if ${3:-1} == 1:
+    at = d['ratios']['longest_sequence']['at_best_peer']
+    print(at['peer'].split('@')[0], at['seq_len'])
+else:
+    last = len(d['parts']) - 1
+    row = next(r for r in d['results'] if r.get('part') == last)
+    print(d['parts'][last]['configs'][0], row['seq_len'])") || { log "offload-8b-capacity 5: run parts 1-4 (and round 1) first"; exit 1; }
+         read -r peer len <<< "$at"; sizes=("$peer=$len" "dsx_auto_budget_sel=$len") ;;
       *) log "offload-8b-capacity: part 1, 2, 3, 4 or 5, not $part"; exit 2 ;;
     esac
     configs=("${sizes[@]%%=*}") merge=(--merge)
