@@ -9,9 +9,9 @@ its ``OffloadActivations`` (``_hook_offload.py``: a baseline written here, not d
 ``megatron_offload_<set>`` (asked for by name), megatron-core's own fine-grained activation offloading of a
 set of each layer's sub-modules (``_megatron_offload.py``: it runs without TransformerEngine through a holder
 for TE's offload flag, megatron's code unchanged); dsx host tier; dsx SSD tier; dsx ``auto`` with a budget
-equal to full recompute's measured peak; dsx ``auto``
-with no budget (hide only); ``dsx_auto_budget_host``, the budget config over the host tier alone (beside a
-pool capped by ``--pool-gb`` and an SSD tier of ``--ssd-gb``: what the SSD adds); and the dsx configs again with ``recompute_modules`` (``_sel``: the GPT's core
+equal to full recompute's measured peak; dsx ``auto`` with no budget (hide only); ``dsx_auto_budget_host``,
+the budget config over the host tier alone (beside a pool capped by ``--pool-gb`` and an SSD tier of
+``--ssd-gb``: what the SSD adds); and the dsx configs again with ``recompute_modules`` (``_sel``: the GPT's core
 attention or the Llama decoder's SwiGLU activation recomputed where the plan says, the rest kept or moved per
 layer). ``none_copies`` is no offload with as many bytes
 copied to the host in forward and back in backward as the hide-only plan moved, on side streams and without
@@ -774,8 +774,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="record the allocator over the measured steps (CUDA) and write what is live at their "
                         "peak, by allocating line, to DIR/memory_<config>_mb<N>.json (slows the steps)")  # fmt: skip
     p.add_argument("--memory-history-from", choices=["measured", "start"], default="measured",
-                   help="--memory-history from the measured steps on, or from the first step (start); either way "
-                        "a step that runs out of memory writes what was live then (memory_<config>..._oom.json)")  # fmt: skip
+                   help="--memory-history from the measured steps on, or from the first step (start); either "
+                        "way a step that runs out of memory writes what was live then "
+                        "(memory_<config>..._oom.json)")  # fmt: skip
     p.add_argument("--copy-gb", type=float, default=None,
                    help="none_copies: GB copied each way a step (default: what a dsx_auto_hide run before it in "
                         "this invocation wrote per measured step, its median)")  # fmt: skip

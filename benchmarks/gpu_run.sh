@@ -139,7 +139,11 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
       2) sizes=(dsx_auto_budget_sel=98304,131072,163840) ;;
       3) sizes=(ds_cpu_ckpt=98304,131072,163840) ;;
       4) sizes=(megatron_offload_all=49152,57344,65536 hooks_offload=32768,40960) ;;
-      5) case ${3:-1} in 1) ;; 2|3) repeat=(--merge-repeat) ;; *) log "offload-8b-capacity 5: round 1, 2 or 3"; exit 2 ;; esac
+      5) case ${3:-1} in
+           1) ;;
+           2|3) repeat=(--merge-repeat) ;;
+           *) log "offload-8b-capacity 5: round 1, 2 or 3"; exit 2 ;;
+         esac
          # round 1 takes the best peer from the JSON; rounds 2 and 3 run round 1's pair again (the best peer of a
          # tie in length is the faster, and one more run may swap them)
          at=$(python -c "
@@ -151,7 +155,8 @@ if ${3:-1} == 1:
 else:
     last = len(d['parts']) - 1
     row = next(r for r in d['results'] if r.get('part') == last)
-    print(d['parts'][last]['configs'][0], row['seq_len'])") || { log "offload-8b-capacity 5: run parts 1-4 (and round 1) first"; exit 1; }
+    print(d['parts'][last]['configs'][0], row['seq_len'])") \
+           || { log "offload-8b-capacity 5: run parts 1-4 (and round 1) first"; exit 1; }
          read -r peer len <<< "$at"; sizes=("$peer=$len" "dsx_auto_budget_sel=$len") ;;
       *) log "offload-8b-capacity: part 1, 2, 3, 4 or 5, not $part"; exit 2 ;;
     esac
@@ -167,7 +172,11 @@ else:
                     # share when the ranks of a node share its memory) and a 48 GB SSD tier: full recompute, dsx with
                     # the host tier alone and dsx with the SSD tier beside it; ROUND (1, 2, 3): one interleaved round
                     # a command, round 1 writing bench_offload_8b_pool.json, the others adding their runs to it
-    case ${2:-1} in 1) merge=() ;; 2|3) merge=(--merge --merge-repeat) ;; *) log "offload-8b-pool: round 1, 2 or 3"; exit 2 ;; esac
+    case ${2:-1} in
+      1) merge=() ;;
+      2|3) merge=(--merge --merge-repeat) ;;
+      *) log "offload-8b-pool: round 1, 2 or 3"; exit 2 ;;
+    esac
     run bench-offload-8b-pool 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --seq-len 65536 --warmup 2 --steps 3 \
       --pool-gb 12 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --child-timeout 150 \
@@ -184,7 +193,8 @@ else:
       --deepspeed_config configs/gpt_llama8b_zero2_actoffload.json --model megatron-llama --layers 8 --hidden 4096 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 65536 --steps 8 --eval-batches 1 --no-progress \
       --log-json "$OUT/offload_8b_2gpu.json"
-    grep -h -A12 "rank(s) share\|activation offload plan" "$OUT/offload-8b-2gpu.log" > "$OUT/offload_8b_2gpu_shares.log" ;;
+    grep -h -A12 "rank(s) share\|activation offload plan" "$OUT/offload-8b-2gpu.log" \
+      > "$OUT/offload_8b_2gpu_shares.log" ;;
   offload-long)  # long context: six Llama-3-8B layers at sequence 32768 (as many as fit without offload, which the
                  # bound needs): no offload, full recompute and dsx at recompute's peak, 3 interleaved runs; the bound
     run bench-offload-long 500 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 6 --heads 32 \
