@@ -163,7 +163,8 @@ def test_a_capped_host_pool_runs_with_the_ssd_tier_and_without(tmp_path) -> None
     alone, so that the two rows side by side say what the SSD adds beside a capped pool. Real engines and a
     real SSD file on the CPU."""
     out = bench_offload.main(["--quick", "--in-process", "--configs", "dsx_auto_budget", "dsx_auto_budget_host",
-                              "--ssd-gb", "0.5", "--auto-budget-gb", "0.0001", "--out", str(tmp_path)])  # fmt: skip
+                              "--ssd-gb", "0.5", "--auto-budget-gb", "0.0001", "--io-backend", "posix",
+                              "--out", str(tmp_path)])  # fmt: skip
     rows = {r["config"]: r for r in out["results"]}
     assert set(rows) == {"dsx_auto_budget", "dsx_auto_budget_host"} and not any(
         "error" in r for r in rows.values()
