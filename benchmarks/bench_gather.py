@@ -94,20 +94,25 @@ def _time(fn, repeats: int, cuda: bool, queued: bool = False) -> float:
     times = []
     for _ in range(repeats):
         if cuda:
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if queued:
-                torch.cuda._sleep(_QUEUE_CYCLES)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
+            times.append(_cuda_seconds(fn, queued))
         else:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _cuda_seconds(fn, queued: bool) -> float:
+    """One timed call of ``fn`` between CUDA events, from idle or (``queued``) behind a busy kernel."""
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if queued:
+        torch.cuda._sleep(_QUEUE_CYCLES)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
 
 
 def _time_paired(fn, ref, repeats: int) -> tuple[float, float]:
@@ -119,16 +124,7 @@ def _time_paired(fn, ref, repeats: int) -> tuple[float, float]:
     ref()
     times, ratios = [], []
     for _ in range(repeats):
-        pair = []
-        for f in (ref, fn):
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(_QUEUE_CYCLES)
-            a.record()
-            f()
-            b.record()
-            b.synchronize()
-            pair.append(a.elapsed_time(b) / 1e3)
+        pair = [_cuda_seconds(f, queued=True) for f in (ref, fn)]
         times.append(pair[1])
         ratios.append(pair[0] / pair[1])
     return statistics.median(times), statistics.median(ratios)
