@@ -349,7 +349,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     res = report["results"]
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)  # (more methods than the default cycle's ten colours)
     for key in dict.fromkeys(k for r in res for k in r["gb_per_s"]):  # (padded: only some row sizes)
         style = {"copy_ceiling": "k--", "copy_ceiling_queued": "k:"}.get(key, "-o")
         pts = [(r["row_bytes"], r["gb_per_s"][key]) for r in res if key in r["gb_per_s"]]
@@ -359,7 +360,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("GB/s (gathered bytes / time)")
     ax.set_title(f"gather of {res[0]['indices']:,} random rows — {report['env']['device']}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # (beside the lines, not over them)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
