@@ -162,9 +162,11 @@ else:
     esac
     configs=("${sizes[@]%%=*}") merge=(--merge)
     [ "$part" = 1 ] && merge=()
+    # dsx's budget leaves 5 GB: the CUDA context, cuBLAS and NCCL hold over 2 GB outside torch, and a plan may
+    # peak a few percent over its prediction
     run bench-offload-8b-capacity 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --warmup 2 --steps 3 \
-      --pool-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --child-timeout 300 \
+      --pool-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 --child-timeout 300 \
       --configs "${configs[@]}" --seq-lens "${sizes[@]}" "${merge[@]}" "${repeat[@]}" --name bench_offload_8b_capacity \
       --out "$RES"
     keep bench_offload_8b_capacity ;;
@@ -179,7 +181,8 @@ else:
     esac
     run bench-offload-8b-pool 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --seq-len 65536 --warmup 2 --steps 3 \
-      --pool-gb 12 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --child-timeout 150 \
+      --pool-gb 12 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 \
+      --child-timeout 150 \
       --configs recompute dsx_auto_budget_host_sel dsx_auto_budget_sel "${merge[@]}" --name bench_offload_8b_pool \
       --out "$RES"
     keep bench_offload_8b_pool ;;
