@@ -199,13 +199,12 @@ def _section(
     ssd_dir: str,
     budget_gb: float | None,
     pool_gb: float,
+    ssd_gb: float,
     sel_module: str,
     read_pool: str = "auto",
     write_barrier: str = "auto",
     io_backend: str = "auto",
-    ssd_gb: float | None = None,
 ) -> dict[str, Any] | None:
-    ssd_gb = pool_gb if ssd_gb is None else ssd_gb
     base = {"enabled": True, "min_tensor_bytes": 1 << 16, "host_pool_gb": pool_gb, "ssd_capacity_gb": ssd_gb,
             "read_pool": read_pool, "io_backend": io_backend}  # fmt: skip
     if name.endswith("_sel"):
@@ -254,8 +253,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         raise RuntimeError("ds_cpu_ckpt needs a GPU: DeepSpeed's cpu_checkpointing loses its inputs on a CPU")
     model = _model(args, name)
     bf16 = dev.type == "cuda"
-    section = _section(name, ssd_dir, budget_gb, args.pool_gb, _sel_module(args), args.read_pool, args.write_barrier,
-                       args.io_backend, args.ssd_gb)  # fmt: skip
+    section = _section(name, ssd_dir, budget_gb, args.pool_gb, args.ssd_gb, _sel_module(args), args.read_pool,
+                       args.write_barrier, args.io_backend)  # fmt: skip
     if name == "ds_cpu_ckpt":
         _deepspeed_checkpointing(model)
     engine, _, _, _ = dsx.initialize(
@@ -616,9 +615,8 @@ def _cap_device_memory(dev: torch.device, gb: float) -> None:
     already holds outside torch's allocator (the CUDA context, libraries' handles) comes out of the smaller
     card's memory too, so torch's share is ``gb`` less that; what libraries allocate later outside torch's
     allocator (NCCL's buffers) is not counted, a small bias toward fitting."""
-    index = (
-        torch.cuda.current_device() if dev.index is None else dev.index
-    )  # (the fraction's setter needs one)
+    # (the fraction's setter needs an index)
+    index = torch.cuda.current_device() if dev.index is None else dev.index
     free, total = torch.cuda.mem_get_info(index)
     outside = total - free - torch.cuda.memory_reserved(index)
     if gb * 1e9 > total:
@@ -817,6 +815,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:
         args.hidden, args.layers, args.heads, args.seq_len, args.micro_batch = 64, 2, 2, 32, 2
         args.warmup, args.steps, args.pool_gb = 2, 2, 0.25  # auto: its warm-up steps, then the profiled one
+    if args.ssd_gb is None:  # the SSD file the pool's size, unless capped apart
+        args.ssd_gb = args.pool_gb
     earlier, parts = _earlier(args) if args.merge and not args.one else ([], [])
     # each row names its part, and each part its device: rows merged from another machine are not comparable
     # with this run's (a part none of whose rows is left is marked superseded)
@@ -1052,11 +1052,9 @@ def _earlier(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
         return [], []
     before = json.loads(path.read_text())
     theirs = {"vocab": 256, **before.get("config", {})}  # (files from before --vocab ran at 256)
-    ours = vars(args) | {"ssd_gb": args.ssd_gb if args.ssd_gb is not None else args.pool_gb}
-    theirs["ssd_gb"] = theirs.get("ssd_gb") if theirs.get("ssd_gb") is not None else theirs.get("pool_gb")
-    differ = {
-        k: (theirs.get(k), ours[k]) for k in MERGE_SAME if theirs.get(k) != ours[k]
-    }  # (no --ssd-gb: the pool's)
+    if theirs.get("ssd_gb") is None:  # (files from before --ssd-gb had an SSD file of the pool's size)
+        theirs["ssd_gb"] = theirs.get("pool_gb")
+    differ = {k: (theirs.get(k), vars(args)[k]) for k in MERGE_SAME if theirs.get(k) != vars(args)[k]}
     if differ:
         raise SystemExit(
             f"--merge: {path} was run with other settings {differ} (theirs, this run's); run with the same "
