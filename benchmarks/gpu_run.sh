@@ -135,7 +135,7 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
                         # listed length has no limit found (limit_found in the JSON): extend it
     part=${2:-1} repeat=()
     case $part in
-      1) sizes=(none=40960,49152 recompute=98304,131072,163840) ;;
+      1) sizes=(none=40960,49152,57344 recompute=98304,131072,163840) ;;
       2) sizes=(dsx_auto_budget_sel=98304,131072,163840) ;;
       3) sizes=(ds_cpu_ckpt=98304,131072,163840) ;;
       4) sizes=(megatron_offload_all=49152,57344,65536 hooks_offload=32768,40960) ;;
