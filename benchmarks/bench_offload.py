@@ -972,8 +972,9 @@ def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any
     that trained in the rows tagged ``@<tag>``, and its median tokens/s there over the repeats; each dsx
     config's tokens/s against no offload's (the same other tags) at their largest; and ``at_best_peer``: the
     peer (a config not named ``dsx*``; not ``none_copies``, a diagnostic) that trained the largest (the faster
-    one on a tie), and each dsx config's median tokens/s at that size against the peer's. ``limit_found``: a
-    larger size of the config failed (else its largest is only the largest it was given)."""
+    one on a tie), and each dsx config's median tokens/s at that size against the peer's, and at every size both
+    trained (``..._by_<key>``). ``limit_found``: a larger size of the config failed (else its largest is only the
+    largest it was given)."""
     runs: dict[tuple[str, int], list[float]] = {}
     failed: dict[str, int] = {}  # per config, its smallest size that failed
     for r in results:
@@ -1003,6 +1004,13 @@ def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any
         for name in best:
             if name.startswith("dsx") and (name, size) in tps:
                 at[f"{name}_vs_peer_tokens_per_s"] = tps[(name, size)] / best[peer]["tokens_per_s"]
+            if name.startswith("dsx"):
+                # how the ratio moves with the size: at every size both trained (JSON keys are strings)
+                at[f"{name}_vs_peer_tokens_per_s_by_{key}"] = {
+                    str(s): t / tps[(peer, s)]
+                    for (n, s), t in sorted(tps.items())
+                    if n == name and (peer, s) in tps
+                }
         out["at_best_peer"] = at
     return out
 

@@ -124,6 +124,7 @@ def test_the_longest_sequence_and_the_speed_at_the_best_peers() -> None:
         {"config": "ds_cpu_ckpt@seq32", "seq_len": 32, "tokens_per_s": 60.0},
         {"config": "dsx_auto_budget@seq32", "seq_len": 32, "tokens_per_s": 91.0},
         {"config": "dsx_auto_budget@seq64", "seq_len": 64, "tokens_per_s": 84.0},
+        {"config": "dsx_auto_budget@seq16", "seq_len": 16, "tokens_per_s": 120.0},
         {"config": "recompute@mb2", "micro_batch": 2, "tokens_per_s": 1e9},  # another sweep's row
     ]
     out = bench_offload._largest(rows, "seq_len", "seq")
@@ -136,6 +137,8 @@ def test_the_longest_sequence_and_the_speed_at_the_best_peers() -> None:
     at = out["at_best_peer"]
     assert at["peer"] == "recompute" and at["seq_len"] == 32 and at["peer_tokens_per_s"] == 70.0
     assert at["dsx_auto_budget_vs_peer_tokens_per_s"] == 91.0 / 70.0
+    # and at every length both trained (64: the peer did not train it)
+    assert at["dsx_auto_budget_vs_peer_tokens_per_s_by_seq_len"] == {"16": 120.0 / 80.0, "32": 91.0 / 70.0}
     assert out["dsx_auto_budget_vs_none_tokens_per_s"] == 84.0 / 100.0
 
 
