@@ -42,6 +42,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,9 @@ import torch
 import dsx
 from dsx.config import UnifiedConfig
 from dsx.direct import unified
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import save_png
 
 NAME = "bench_gather"
 
@@ -361,9 +365,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_title(f"gather of {res[0]['indices']:,} random rows — {report['env']['device']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # (beside the lines, not over them)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path.parent, path.stem)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import median_seconds
+from _common import median_seconds, save_png
 
 import dsx.rgnn as rg
 from dsx.data.hetero import PRESETS, synthetic_hetero
@@ -343,8 +343,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylabel("fwd+bwd ms (0 = OOM / skipped)")
         ax.set_title(model)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path.parent, path.stem)
 
 
 # Smallest graphs first: when a time limit cuts the run short, the JSON written so far covers most presets.

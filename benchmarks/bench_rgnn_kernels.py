@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import median_seconds
+from _common import median_seconds, save_png
 
 from dsx.rgnn.kernels import EdgeSpec, fused_edge, fused_edge_ref, gather_gemm, gather_gemm_ref
 
@@ -243,8 +243,7 @@ def plot(result, path: Path) -> None:
     b.set_title(f"typed linear, {result['config']['relations']} relations")
     b.legend()
     fig.suptitle(result["device"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path.parent, path.stem)
 
 
 def main(argv=None) -> dict:

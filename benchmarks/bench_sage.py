@@ -38,13 +38,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import save_png
 from dsx.data.rmat import rmat_graph
 from dsx.direct import NeighborLoader
-
-try:
-    from benchmarks._common import write_results as _write_common  # type: ignore
-except Exception:  # the shared helper may not exist in this tree
-    _write_common = None
 
 
 def _env() -> dict[str, Any]:
@@ -311,8 +307,7 @@ def _write(res: dict[str, Any], out: Path) -> None:
     ax.set_xlabel("epoch time, s (extrapolated from timed batches)")
     ax.set_title(f"3-layer SAGE, fanouts [15,10,5], batch {c['batch_size']}: {c['nodes']:,} nodes, "
                  f"{c['edges']:,} edges\n{res['env']['device']}", fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(out / f"{res['config']['name']}.png", dpi=120)
+    save_png(fig, out, res["config"]["name"])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -50,4 +50,4 @@ def test_save_png_writes_a_png(tmp_path) -> None:
     ax.plot(torch.rand(10).tolist())
     path = save_png(fig, tmp_path, "plot")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
-    assert not plt.get_fignums(), "the figure must be closed"
+    assert fig.number not in plt.get_fignums(), "the figure must be closed"
