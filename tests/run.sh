@@ -10,4 +10,10 @@ if ! command -v ruff >/dev/null 2>&1 || ! "$PY" -c "import pytest" >/dev/null 2>
 fi
 ruff check .
 ruff format --check .
-"$PY" -m pytest -q -rs "$@"
+# Two pytest processes (pytest-xdist, in the test extra) where the machine has two cores or more: most of the
+# suite's time is launched jobs starting their ranks. A file's tests stay in one process (--dist loadfile), so
+# module fixtures such as the fault harness's clean runs are made once. Without xdist the suite runs in one
+# process; "-n 0" (after this script's name) does the same.
+workers=()
+if "$PY" -c "import xdist" >/dev/null 2>&1 && [ "$(nproc)" -ge 2 ]; then workers=(-n 2 --dist loadfile); fi
+"$PY" -m pytest -q -rs "${workers[@]}" "$@"
