@@ -135,9 +135,9 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
                         # listed length has no limit found (limit_found in the JSON): extend it
     part=${2:-1} repeat=()
     case $part in
-      1) sizes=(none=40960,49152,57344 recompute=98304,131072,163840) ;;
-      2) sizes=(dsx_auto_budget_sel=98304,131072,163840) ;;
-      3) sizes=(ds_cpu_ckpt=98304,131072,163840) ;;
+      1) sizes=(none=40960,49152 recompute=163840,196608,229376) ;;
+      2) sizes=(dsx_auto_budget_sel=163840,196608) ;;
+      3) sizes=(ds_cpu_ckpt=163840,196608,229376) ;;
       4) sizes=(megatron_offload_all=49152,57344,65536 hooks_offload=32768,40960) ;;
       5) case ${3:-1} in
            1) ;;
@@ -163,10 +163,12 @@ else:
     configs=("${sizes[@]%%=*}") merge=(--merge)
     [ "$part" = 1 ] && merge=()
     # dsx's budget leaves 5 GB: the CUDA context, cuBLAS and NCCL hold over 2 GB outside torch, and a plan may
-    # peak a few percent over its prediction
+    # peak a few percent over its prediction. The host pool takes 80 GB of the machine's 128 GiB: the CPU
+    # optimizer's fp32 state holds about 28 GB, and past 131,072 tokens a 48 GB pool leaves dsx recomputing
+    # half the layers
     run bench-offload-8b-capacity 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --warmup 2 --steps 3 \
-      --pool-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 --child-timeout 300 \
+      --pool-gb 80 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 --child-timeout 300 \
       --configs "${configs[@]}" --seq-lens "${sizes[@]}" "${merge[@]}" "${repeat[@]}" --name bench_offload_8b_capacity \
       --out "$RES"
     keep bench_offload_8b_capacity ;;
