@@ -83,7 +83,8 @@ def launcher_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")  # two ranks on two cores: no oversubscription
+    # one thread a rank: jobs of two ranks, and two jobs at once on two cores
+    env.setdefault("OMP_NUM_THREADS", "1")
     try:
         import torch
 

@@ -10,10 +10,22 @@ if ! command -v ruff >/dev/null 2>&1 || ! "$PY" -c "import pytest" >/dev/null 2>
 fi
 ruff check .
 ruff format --check .
-# Two pytest processes (pytest-xdist, in the test extra) where the machine has two cores or more: most of the
-# suite's time is launched jobs starting their ranks. A file's tests stay in one process (--dist loadfile), so
-# module fixtures such as the fault harness's clean runs are made once. Without xdist the suite runs in one
-# process; "-n 0" (after this script's name) does the same.
+# Two pytest processes (pytest-xdist, in the test extra) on a machine with two cores or more and no GPU: most of
+# the suite's time is launched jobs starting their ranks. A file's tests stay in one process (--dist loadfile),
+# so module fixtures such as the fault harness's clean runs are made once. On a GPU machine, or without xdist,
+# the suite runs in one process (its GPU tests would share the card); "-n 0" after this script's name does the
+# same, as --pdb needs.
 workers=()
-if "$PY" -c "import xdist" >/dev/null 2>&1 && [ "$(nproc)" -ge 2 ]; then workers=(-n 2 --dist loadfile); fi
-"$PY" -m pytest -q -rs "${workers[@]}" "$@"
+if "$PY" - >/dev/null 2>&1 <<'EOF'
+import os
+import sys
+
+import torch
+import xdist  # noqa: F401
+
+sys.exit(0 if len(os.sched_getaffinity(0)) >= 2 and not torch.cuda.is_available() else 1)
+EOF
+then
+  workers=(-n 2 --dist loadfile)
+fi
+"$PY" -m pytest -q -rs ${workers[@]+"${workers[@]}"} "$@"
