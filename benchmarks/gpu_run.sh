@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | hetero | hetero-scale | hetero-large |
 #                                         offload | offload-hide | offload-8b | offload-8b-peers |
 #                                         offload-8b-sweep [1|2|3] | offload-8b-megatron |
-#                                         offload-8b-capacity [1-4|5 ROUND] | offload-8b-pool ROUND |
+#                                         offload-8b-capacity [1-6|7 ROUND] | offload-8b-pool ROUND |
 #                                         offload-8b-2gpu | offload-long |
 #                                         offload-ssd | main | wheel
 # Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
@@ -11,7 +11,7 @@
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-4|5 ROUND]|offload-8b-pool ROUND|offload-8b-2gpu|offload-long|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-6|7 ROUND]|offload-8b-pool ROUND|offload-8b-2gpu|offload-long|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -127,22 +127,25 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
                         # capped at 85 GB on a larger card), ZeRO-2 with the optimizer on the CPU: one round per part,
                         # each config's sizes ascending (it stops at its first failure); part 1 writes
                         # bench_offload_8b_capacity.json, the others merge into it: 1 no offload and full recompute
-                        # (their static memory sets dsx's budget), 2 dsx given the whole card, 3 DeepSpeed's
-                        # cpu_checkpointing, 4 megatron's offload of every module and the saved-tensor-hook offload
-                        # (its pinned copies, 1.8 MB a token, make host memory its limit); part 5 ROUND (1, 2, 3):
-                        # one round of the best peer and dsx at the longest the peer trained, the three parts
-                        # interleaved (a round at these lengths takes minutes). A config that trains its longest
-                        # listed length has no limit found (limit_found in the JSON): extend it
+                        # (their static memory sets dsx's budget), 2 and 3 dsx given the whole card (a part each
+                        # fits one command: a step at 163,840 tokens takes about 20 s), 4 full recompute at longer
+                        # lengths, 5 DeepSpeed's cpu_checkpointing, 6 megatron's offload of every module and the
+                        # saved-tensor-hook offload (its pinned copies, 1.8 MB a token, make host memory its limit);
+                        # part 7 ROUND (1, 2, 3): one round of the best peer and dsx at the longest the peer trained,
+                        # the three parts interleaved (a round at these lengths takes minutes). A config that trains
+                        # its longest listed length has no limit found (limit_found in the JSON): extend it
     part=${2:-1} repeat=()
     case $part in
-      1) sizes=(none=40960,49152 recompute=163840,196608,229376) ;;
-      2) sizes=(dsx_auto_budget_sel=163840,196608) ;;
-      3) sizes=(ds_cpu_ckpt=163840,196608,229376) ;;
-      4) sizes=(megatron_offload_all=49152,57344,65536 hooks_offload=32768,40960) ;;
-      5) case ${3:-1} in
+      1) sizes=(none=40960,49152,57344 recompute=98304,131072,163840) ;;
+      2) sizes=(dsx_auto_budget_sel=98304,131072) ;;
+      3) sizes=(dsx_auto_budget_sel=163840) ;;
+      4) sizes=(recompute=196608,229376) ;;
+      5) sizes=(ds_cpu_ckpt=98304,131072,163840) ;;
+      6) sizes=(megatron_offload_all=49152,57344,65536 hooks_offload=32768,40960) ;;
+      7) case ${3:-1} in
            1) ;;
            2|3) repeat=(--merge-repeat) ;;
-           *) log "offload-8b-capacity 5: round 1, 2 or 3"; exit 2 ;;
+           *) log "offload-8b-capacity 7: round 1, 2 or 3"; exit 2 ;;
          esac
          # round 1 takes the best peer from the JSON; rounds 2 and 3 run round 1's pair again (the best peer of a
          # tie in length is the faster, and one more run may swap them)
@@ -156,19 +159,17 @@ else:
     last = len(d['parts']) - 1
     row = next(r for r in d['results'] if r.get('part') == last)
     print(d['parts'][last]['configs'][0], row['seq_len'])") \
-           || { log "offload-8b-capacity 5: run parts 1-4 (and round 1) first"; exit 1; }
+           || { log "offload-8b-capacity 7: run parts 1-6 (and round 1) first"; exit 1; }
          read -r peer len <<< "$at"; sizes=("$peer=$len" "dsx_auto_budget_sel=$len") ;;
-      *) log "offload-8b-capacity: part 1, 2, 3, 4 or 5, not $part"; exit 2 ;;
+      *) log "offload-8b-capacity: part 1 to 7, not $part"; exit 2 ;;
     esac
     configs=("${sizes[@]%%=*}") merge=(--merge)
     [ "$part" = 1 ] && merge=()
     # dsx's budget leaves 5 GB: the CUDA context, cuBLAS and NCCL hold over 2 GB outside torch, and a plan may
-    # peak a few percent over its prediction. The host pool takes 80 GB of the machine's 128 GiB: the CPU
-    # optimizer's fp32 state holds about 28 GB, and past 131,072 tokens a 48 GB pool leaves dsx recomputing
-    # half the layers
+    # peak a few percent over its prediction. The SSD tier stays within the lent machine's 64 GB disk.
     run bench-offload-8b-capacity 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --warmup 2 --steps 3 \
-      --pool-gb 80 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 --child-timeout 300 \
+      --pool-gb 48 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 --child-timeout 300 \
       --configs "${configs[@]}" --seq-lens "${sizes[@]}" "${merge[@]}" "${repeat[@]}" --name bench_offload_8b_capacity \
       --out "$RES"
     keep bench_offload_8b_capacity ;;
