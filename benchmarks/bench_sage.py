@@ -37,8 +37,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks._common import save_png
+from _common import save_png
+
 from dsx.data.rmat import rmat_graph
 from dsx.direct import NeighborLoader
 

@@ -115,7 +115,8 @@ def test_a_drive_that_cannot_be_measured_is_recorded_and_left_out(tmp_path) -> N
 
 def test_the_longest_sequence_and_the_speed_at_the_best_peers() -> None:
     """Capacity over sequence lengths: per config the longest that trained (an error row, out of memory,
-    does not count), and each dsx config's tokens/s at the longest the best peer trained, against the peer's."""
+    does not count), and each dsx config's tokens/s at the longest the best peer trained, against the peer's, and
+    at every length both trained."""
     rows = [
         {"config": "none@seq8", "seq_len": 8, "tokens_per_s": 100.0},
         {"config": "none@seq16", "seq_len": 16, "error": "CUDA out of memory"},
