@@ -127,8 +127,8 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
                         # capped at 85 GB on a larger card), ZeRO-2 with the optimizer on the CPU: one round per part,
                         # each config's sizes ascending (it stops at its first failure); part 1 writes
                         # bench_offload_8b_capacity.json, the others merge into it: 1 no offload and full recompute
-                        # (their static memory sets dsx's budget), 2 and 3 dsx given the whole card (a part each
-                        # fits one command: a step at 163,840 tokens takes about 20 s), 4 full recompute at longer
+                        # (their static memory sets dsx's budget), 2 and 3 dsx given the whole card (split so that
+                        # each fits one command: steps take longer as the sequence grows), 4 full recompute at longer
                         # lengths, 5 DeepSpeed's cpu_checkpointing, 6 megatron's offload of every module and the
                         # saved-tensor-hook offload (its pinned copies, 1.8 MB a token, make host memory its limit);
                         # part 7 ROUND (1, 2, 3): one round of the best peer and dsx at the longest the peer trained,
