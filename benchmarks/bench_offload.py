@@ -1001,16 +1001,15 @@ def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any
         peer = max(peers, key=lambda n: (best[n][key], best[n]["tokens_per_s"]))
         size = best[peer][key]
         at = {"peer": peer, key: size, "peer_tokens_per_s": best[peer]["tokens_per_s"]}
-        for name in best:
-            if name.startswith("dsx") and (name, size) in tps:
+        for name in (n for n in best if n.startswith("dsx")):
+            if (name, size) in tps:
                 at[f"{name}_vs_peer_tokens_per_s"] = tps[(name, size)] / best[peer]["tokens_per_s"]
-            if name.startswith("dsx"):
-                # how the ratio moves with the size: at every size both trained (JSON keys are strings)
-                at[f"{name}_vs_peer_tokens_per_s_by_{key}"] = {
-                    str(s): t / tps[(peer, s)]
-                    for (n, s), t in sorted(tps.items())
-                    if n == name and (peer, s) in tps
-                }
+            # how the ratio moves with the size: at every size both trained (JSON keys are strings)
+            at[f"{name}_vs_peer_tokens_per_s_by_{key}"] = {
+                str(s): t / tps[(peer, s)]
+                for (n, s), t in sorted(tps.items())
+                if n == name and (peer, s) in tps
+            }
         out["at_best_peer"] = at
     return out
 
