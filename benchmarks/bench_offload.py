@@ -30,7 +30,7 @@ of megatron-core layers was seen to keep ~3.8 GB per layer allocated between ste
 Capacity: ``--micro-batches`` and ``--seq-lens`` run configs at several sizes (rows ``config@mbN``,
 ``config@seqN``; a run out of memory, without a plan under its budget or out of time is an error row, and the
 config's larger sizes in that round are not run), and the JSON gives the largest each trained (``limit_found``:
-a larger one failed) and each dsx config's tokens/s at the largest the best of the others trained.
+a larger one did not fit; ``failed_otherwise_at``: one ran out of time) and each dsx config's tokens/s at the largest the best of the others trained.
 ``--gpu-memory-gb`` caps the process's use of the GPU, so that a larger card answers for a smaller one, and
 ``--fit-budget`` gives dsx the whole capped card: the cap less the static memory the rows before it measured (the
 least of them) and less ``--fit-reserve-gb``:
@@ -677,8 +677,9 @@ def _child(name: str, argv: list[str], budget: float | None, timeout_s: float) -
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return {"config": name, "error": f"timed out after {timeout_s:g} s", "where": out[-800:]}
+        # what it had printed, both streams (its plan and warnings go to stderr): how far it got
+        out = "".join(s.decode() if isinstance(s, bytes) else s or "" for s in (exc.stdout, exc.stderr))
+        return {"config": name, "error": f"timed out after {timeout_s:g} s", "where": out[-3000:]}
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
             res = json.loads(line[len(RESULT_TAG) :])
@@ -967,23 +968,32 @@ def _hide_written_gb(results: list[dict[str, Any]], mb: int, seq: int | None = N
     return None
 
 
+def _does_not_fit(error: str) -> bool:
+    """Whether a run's error says that the size does not fit: CUDA out of memory, or no dsx plan under the
+    budget (``PlanError``); not a timeout or a crash."""
+    return "out of memory" in error.lower() or "cannot be met" in error
+
+
 def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any]:
     """Per config (its name without the ``@<tag>N`` part): the largest ``key`` (``micro_batch``, ``seq_len``)
     that trained in the rows tagged ``@<tag>``, and its median tokens/s there over the repeats; each dsx
     config's tokens/s against no offload's (the same other tags) at their largest; and ``at_best_peer``: the
     peer (a config not named ``dsx*``; not ``none_copies``, a diagnostic) that trained the largest (the faster
     one on a tie), and each dsx config's median tokens/s at that size against the peer's, and at every size both
-    trained (``..._by_<key>``). ``limit_found``: a larger size of the config failed (else its largest is only the
-    largest it was given)."""
+    trained (``..._by_<key>``). ``limit_found``: a larger size of the config did not fit (out of memory, or no
+    plan under its budget; else its largest is only the largest it was given); ``failed_otherwise_at``: the
+    smallest larger size that failed for another reason (out of time: its limit is not known there)."""
     runs: dict[tuple[str, int], list[float]] = {}
-    failed: dict[str, int] = {}  # per config, its smallest size that failed
+    failed: dict[str, int] = {}  # per config, its smallest size that did not fit
+    other: dict[str, int] = {}  # and that failed otherwise
     for r in results:
         if f"@{tag}" not in r["config"]:
             continue
         name = re.sub(rf"@{tag}\d+", "", r["config"])
         if "error" in r:
             if r.get(key) is not None and not r.get("not_run"):  # (it ran and failed)
-                failed[name] = min(failed.get(name, r[key]), r[key])
+                into = failed if _does_not_fit(r["error"]) else other
+                into[name] = min(into.get(name, r[key]), r[key])
             continue
         runs.setdefault((name, r[key]), []).append(r["tokens_per_s"])
     tps = {k: statistics.median(v) for k, v in runs.items()}
@@ -991,6 +1001,8 @@ def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any
     for (name, size), t in sorted(tps.items()):
         # (ascending sizes: the last is the largest)
         best[name] = {key: size, "tokens_per_s": t, "limit_found": failed.get(name, 0) > size}
+        if other.get(name, 0) > size:
+            best[name]["failed_otherwise_at"] = other[name]
     out: dict[str, Any] = {"largest": best}
     for name, b in best.items():
         base = "none" + name[len(name.split("@")[0]) :]

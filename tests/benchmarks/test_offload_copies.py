@@ -126,14 +126,21 @@ def test_the_longest_sequence_and_the_speed_at_the_best_peers() -> None:
         {"config": "dsx_auto_budget@seq32", "seq_len": 32, "tokens_per_s": 91.0},
         {"config": "dsx_auto_budget@seq64", "seq_len": 64, "tokens_per_s": 84.0},
         {"config": "dsx_auto_budget@seq16", "seq_len": 16, "tokens_per_s": 120.0},
+        {"config": "dsx_auto_budget@seq128", "seq_len": 128, "error": "timed out after 300 s"},
         {"config": "recompute@mb2", "micro_batch": 2, "tokens_per_s": 1e9},  # another sweep's row
     ]
     out = bench_offload._largest(rows, "seq_len", "seq")
-    # (no offload's longest is a limit: a longer one failed; the others' are only the longest they were given)
+    # (no offload's longest is a limit: a longer one did not fit; the others' are only the longest they were
+    # given, or, out of time at a longer one, the longest known)
     assert out["largest"] == {"none": {"seq_len": 8, "tokens_per_s": 100.0, "limit_found": True},
                               "recompute": {"seq_len": 32, "tokens_per_s": 70.0, "limit_found": False},
                               "ds_cpu_ckpt": {"seq_len": 32, "tokens_per_s": 60.0, "limit_found": False},
-                              "dsx_auto_budget": {"seq_len": 64, "tokens_per_s": 84.0, "limit_found": False}}  # fmt: skip
+                              "dsx_auto_budget": {"seq_len": 64, "tokens_per_s": 84.0, "limit_found": False,
+                                                  "failed_otherwise_at": 128}}  # fmt: skip
+    plan_error = {"config": "dsx_auto_budget@seq128", "seq_len": 128,
+                  "error": "PlanError: memory_budget_gb=70.0 cannot be met: the most frugal plan found keeps 80 GiB"}  # fmt: skip
+    assert bench_offload._largest([*rows[:-2], plan_error], "seq_len", "seq")["largest"]["dsx_auto_budget"] == {
+        "seq_len": 64, "tokens_per_s": 84.0, "limit_found": True}  # fmt: skip
     # recompute and cpu_checkpointing both reach 32: the faster of the two is the peer
     at = out["at_best_peer"]
     assert at["peer"] == "recompute" and at["seq_len"] == 32 and at["peer_tokens_per_s"] == 70.0
