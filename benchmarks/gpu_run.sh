@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | hetero | hetero-scale | hetero-large |
 #                                         offload | offload-hide | offload-8b | offload-8b-peers |
 #                                         offload-8b-sweep [1|2|3] | offload-8b-megatron |
-#                                         offload-8b-capacity [1-6|7 ROUND] | offload-8b-pool ROUND |
+#                                         offload-8b-capacity [1-6|3 LEN|7 ROUND] | offload-8b-pool ROUND |
+#                                         offload-8b-pool-capacity host|ssd LEN |
 #                                         offload-8b-2gpu | offload-long |
 #                                         offload-ssd | main | wheel
 # Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
@@ -11,7 +12,7 @@
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-6|7 ROUND]|offload-8b-pool ROUND|offload-8b-2gpu|offload-long|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-6|3 LEN|7 ROUND]|offload-8b-pool ROUND|offload-8b-pool-capacity host|ssd LEN|offload-8b-2gpu|offload-long|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -138,7 +139,7 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
     case $part in
       1) sizes=(none=40960,49152,57344 recompute=98304,131072,163840) ;;
       2) sizes=(dsx_auto_budget_sel=98304,131072) ;;
-      3) sizes=(dsx_auto_budget_sel=163840) ;;
+      3) sizes=(dsx_auto_budget_sel=${3:-163840}) ;;  # one length a command: 3 196608 for the next
       4) sizes=(recompute=196608,229376) ;;
       5) sizes=(ds_cpu_ckpt=98304,131072,163840) ;;
       6) sizes=(megatron_offload_all=49152,57344,65536 hooks_offload=32768,40960) ;;
@@ -163,13 +164,14 @@ else:
          read -r peer len <<< "$at"; sizes=("$peer=$len" "dsx_auto_budget_sel=$len") ;;
       *) log "offload-8b-capacity: part 1 to 7, not $part"; exit 2 ;;
     esac
-    configs=("${sizes[@]%%=*}") merge=(--merge)
+    configs=("${sizes[@]%%=*}") merge=(--merge) child=300
     [ "$part" = 1 ] && merge=()
+    [ "$part" = 3 ] && child=540  # dsx alone at one length may take the whole command
     # dsx's budget leaves 5 GB: the CUDA context, cuBLAS and NCCL hold over 2 GB outside torch, and a plan may
     # peak a few percent over its prediction. The SSD tier stays within the lent machine's 64 GB disk.
     run bench-offload-8b-capacity 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --warmup 2 --steps 3 \
-      --pool-gb 48 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 --child-timeout 300 \
+      --pool-gb 48 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 --child-timeout "$child" \
       --configs "${configs[@]}" --seq-lens "${sizes[@]}" "${merge[@]}" "${repeat[@]}" --name bench_offload_8b_capacity \
       --out "$RES"
     keep bench_offload_8b_capacity ;;
@@ -189,6 +191,23 @@ else:
       --configs recompute dsx_auto_budget_host_sel dsx_auto_budget_sel "${merge[@]}" --name bench_offload_8b_pool \
       --out "$RES"
     keep bench_offload_8b_pool ;;
+  offload-8b-pool-capacity)  # the longest sequence dsx trains with the host pool capped at 12 GB, with the host tier
+                             # alone (host) or the SSD tier beside it (ssd), one config and LEN a command, merged into
+                             # bench_offload_8b_pool_capacity.json: where the pool cannot hold what recomputed layers
+                             # start from, the drive does (the first command also measures full recompute at a short
+                             # length, whose static memory sets dsx's budget)
+    case ${2:-} in
+      host) cfg=dsx_auto_budget_host_sel ;;
+      ssd) cfg=dsx_auto_budget_sel ;;
+      *) log "offload-8b-pool-capacity host|ssd LEN, not '${2:-}'"; exit 2 ;;
+    esac
+    sizes=("$cfg=${3:?offload-8b-pool-capacity host|ssd LEN}")
+    [ -f "$RES/bench_offload_8b_pool_capacity.json" ] || sizes=(recompute=16384 "${sizes[@]}")
+    run bench-offload-8b-pool-capacity 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
+      --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --warmup 2 --steps 3 \
+      --pool-gb 12 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 --child-timeout 540 \
+      --configs "${sizes[@]%%=*}" --seq-lens "${sizes[@]}" --merge --name bench_offload_8b_pool_capacity --out "$RES"
+    keep bench_offload_8b_pool_capacity ;;
   offload-8b-2gpu)  # on 2+ GPUs: the 8B layer at sequence 65536, one rank a GPU through the deepspeed launcher,
                     # ZeRO-2 with the optimizer on the CPU and dsx's budget plan over host and SSD
                     # (configs/gpt_llama8b_zero2_actoffload.json): the node's first rank logs each rank's share of the
