@@ -4,7 +4,8 @@ Each rank profiles its own step, and timings differ between ranks (clocks, the h
 straggler). Planned separately, two ranks could recompute different layers, and a recomputed layer re-runs
 its forward in backward, with ZeRO-3's parameter gathers and any tensor-parallel collectives in it: ranks
 that disagree would issue those in different orders and hang. So the ranks gather their profiles and take,
-per layer and field, the largest (the slowest layer, the most bytes): every rank then plans from the same
+per layer and field, the largest (the slowest layer, the most bytes; the shortest gap after a layer's forward,
+the writes' time there): every rank then plans from the same
 numbers, and the planner is deterministic. Budget calibration agrees on the largest measured peak the same
 way. Ranks with another number of layers (pipeline stages) agree among themselves.
 """
@@ -30,9 +31,12 @@ def _merge(rows: list[Any]) -> Any:
             kw[f.name] = getattr(max(rows, key=lambda r: getattr(r, total) or 0), f.name)
         elif f.name in ("index", "name"):
             kw[f.name] = values[0]
-        elif f.name == "sel_saved_bytes":
+        elif f.name in ("sel_saved_bytes", "gap_s"):
             present = [v for v in values if v is not None]
-            kw[f.name] = max(present) if present else None
+            # a gap is time the link has for writes: the shortest, as the most bytes and the slowest layer are
+            # the cautious values of the others
+            pick = min if f.name == "gap_s" else max
+            kw[f.name] = pick(present) if present else None
         elif f.name == "recompute_only":
             kw[f.name] = any(values)
         else:

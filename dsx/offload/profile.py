@@ -21,6 +21,9 @@ the allocated memory when the model's forward starts (``root``; without one, whe
 what the embedding allocates counts, and gradients freed between steps do not. The step resets CUDA's
 peak-memory statistics.
 
+The gap after each layer's forward (``gap_s``: to the next layer's forward or, after the last layer, to its own
+backward: the head, the loss and their backward) is timed the same way; writes cross the link through it.
+
 The step's time outside the layers (``Profiler.outside_s``: embedding, head, loss, optimizer) is a step's wall
 time from the model's forward start to the optimizer step's end less the layers' intervals; the printed prediction
 adds it. The wall time is the last warm-up step's, which runs as the profiled step does but is synchronized only
@@ -113,6 +116,10 @@ class Profiler:
         self.micro_batches = 1  # forwards in the profiled step (gradient accumulation); times are per one
         self._fwd_start = 0
         self._gap: int | None = None  # the layer whose after-forward gap is being measured
+        # the gap after each layer's forward (LayerProfile.gap_s): (layer, when its forward ended), open until
+        # the next layer's forward or, for the last layer, its own backward starts
+        self.gap_t = [0.0] * n
+        self._gap_from: tuple[int, float] | None = None
         self._open: dict[int, int] = {}  # layers whose backward runs: memory allocated at its start
         self.has_sub = [False] * n
         self.enabled = True  # off during warm-up steps
@@ -168,6 +175,13 @@ class Profiler:
         if not self.enabled:
             return
         self._t[(kind, i)] = self._now()
+        if kind in ("f", "b") and self._gap_from is not None:
+            # a gap is what lies between a layer's forward and the next layer's (its own backward, for the last
+            # layer); not what follows a forward run again in backward
+            j, t0 = self._gap_from
+            if (kind, i) in (("f", j + 1), ("b", j)):
+                self.gap_t[j] += self._t[(kind, i)] - t0
+            self._gap_from = None
         if self._step_start is None:
             self._step_start = self._t[(kind, i)]
         if self.device.type != "cuda":
@@ -196,7 +210,10 @@ class Profiler:
     def _stop(self, kind: str, i: int, into: list[float]) -> None:
         t0 = self._t.pop((kind, i), None)
         if t0 is not None:
-            into[i] += self._now() - t0
+            now = self._now()
+            into[i] += now - t0
+            if kind == "f":
+                self._gap_from = (i, now)
         if kind == "f" and t0 is not None and self.device.type == "cuda":
             self.fwd_peak[i] = torch.cuda.max_memory_allocated(self.device) - self._fwd_start
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -330,7 +347,7 @@ class Profiler:
             if self.warm_step_s is not None:  # (it ran as this step does, without the synchronizations)
                 wall = self.warm_step_s
             self.outside_s = max(0.0, wall - sum(self.fwd) - sum(self.bwd)) / k
-        for times in (self.fwd, self.bwd, self.rc, self.sub):
+        for times in (self.fwd, self.bwd, self.rc, self.sub, self.gap_t):
             times[:] = [t / k for t in times]
         rc = self.under_recompute
         return [
@@ -342,6 +359,7 @@ class Profiler:
                 bwd_s=max(0.0, self.bwd[i] - self.rc[i]) if rc else self.bwd[i],
                 input_bytes=self.in_bytes[i],
                 recompute_only=rc and not self._rc_counted[i],
+                gap_s=self.gap_t[i],
                 saved_sizes=list(self.hooks.profile_sizes[i]),
                 sel_saved_bytes=self.hooks.sel_saved_bytes(i) if self.has_sub[i] else None,
                 sel_saved_sizes=self.hooks.sel_saved_sizes(i) if self.has_sub[i] else [],

@@ -90,6 +90,7 @@ def test_outside_time_comes_from_the_last_warm_up_step(tmp_path, warmup):
     try:
         _steps(model, batches, off, after=slow_profiled_step)
         outside = off.plan.outside_s
+        gaps = [p.gap_s for p in off.plan.profiles]
     finally:
         off.close()
         sched.close()
@@ -97,6 +98,8 @@ def test_outside_time_comes_from_the_last_warm_up_step(tmp_path, warmup):
         assert outside >= 3.0
     else:
         assert 0.5 < outside < 2.0
+    # the head runs in the gap after the last layer's forward, timed in the profiled step itself
+    assert gaps[-1] >= 3.0 and all(g < 0.5 for g in gaps[:-1]), gaps
 
 
 @pytest.mark.parametrize("floored", [False, True])
@@ -550,3 +553,18 @@ def test_the_host_pool_goes_back_only_when_nothing_in_it_is_in_use():
     assert pool.release() and pool._buf is None and not pool.release()
     pool.allocate()  # taken again by the next plan that moves bytes
     assert pool.alloc(5000) is not None
+
+
+def test_ranks_agree_on_the_slowest_layer_and_the_shortest_gap() -> None:
+    """Every rank plans from the same profiles: per field the largest (bytes, times), but the gap after a
+    layer's forward is the time writes have there, so the shortest; a gap one rank did not measure is left to
+    the others."""
+    from dsx.offload.agree import _merge
+    from dsx.offload.plan import LayerProfile
+
+    a = LayerProfile(0, "L0", 100, 0.010, 0.020, gap_s=0.004, sel_saved_bytes=None)
+    b = LayerProfile(0, "L0", 120, 0.012, 0.018, gap_s=0.003, sel_saved_bytes=60)
+    merged = _merge([a, b])
+    assert (merged.saved_bytes, merged.fwd_s, merged.bwd_s) == (120, 0.012, 0.020)
+    assert merged.gap_s == 0.003 and merged.sel_saved_bytes == 60
+    assert _merge([a, LayerProfile(0, "L0", 100, 0.01, 0.02)]).gap_s == 0.004

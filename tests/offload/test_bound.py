@@ -77,6 +77,32 @@ def test_timeline_bound_by_hand() -> None:
     assert bound_step_s(out, "timeline", 9.0) == 0.3
 
 
+def test_measured_gaps_replace_the_step_outside_the_layers() -> None:
+    """The timeline bound's hand case with the gaps profiled: 10 ms after layer 0's forward, 20 ms after
+    layer 1's (the head, the loss and their backward; the rest of the 40 ms outside the layers comes after
+    the backward). Layer 1's forward then ends at 0.11 s: 1.1 GB writable, A = 8.3 - 1.1 = 7.2; its
+    backward ends at 0.21 s: 2.1 GB writable, 9.0 - 2.1 = 6.9. Unmeasured gaps (None) give the case above."""
+    kw = {"input_bytes": 10**8, "fwd_peak_bytes": 45 * 10**8, "bwd_workspace_bytes": 10**9}
+
+    def profiles(gaps: tuple[float | None, float | None]) -> list[LayerProfile]:
+        return [
+            LayerProfile(0, "L0", 4 * 10**9, 0.05, 0.08, bwd_background_bytes=10**9, gap_s=gaps[0], **kw),
+            LayerProfile(1, "L1", 4 * 10**9, 0.05, 0.08, gap_background_bytes=5 * 10**8,
+                         bwd_background_bytes=2 * 10**8, gap_s=gaps[1], **kw),
+        ]  # fmt: skip
+
+    bw = [TierBandwidth("host", 10e9, 10e9)]
+    none = {"none": {"step_s": 0.3, "activation_peak_gb": 9.0}}
+    tl = lower_bound(none, profiles((0.01, 0.02)), bw)["timeline"]
+    assert abs(tl["write_need_gb"] - 7.2) < 1e-9, tl
+    assert abs(tl["backward_write_need_gb"] - 6.9) < 1e-9, tl
+    unmeasured = lower_bound(none, profiles((None, None)), bw)["timeline"]
+    assert (
+        abs(unmeasured["write_need_gb"] - 7.3) < 1e-9
+        and abs(unmeasured["backward_write_need_gb"] - 6.8) < 1e-9
+    )
+
+
 def test_measured_runs_lie_on_or_above_their_lower_bound() -> None:
     """The bound on two measured GPU runs of bench_offload (megatron-core GPT, hidden 2048 and 4096: their rows
     and profiles in tests/offload/data): no measured strategy is faster than it allows at its peak (a bound that

@@ -39,6 +39,28 @@ def test_simulate_hand_case() -> None:
     assert t == pytest.approx(10.0) and peak == GiB  # layer 0 rematerialises only after layer 1's backward
 
 
+def test_writes_run_on_through_the_gap_after_the_last_forward() -> None:
+    # Layer 0's 1 GiB write (1 GiB/s) starts when its forward ends (0.5 s) and ends at 1.5 s; the forward
+    # ends at 1.25 s, with all three layers on the device (the gap's footprint is taken at its start). Without
+    # a gap the last layer's backward starts then, with layer 0 still there (its read is not yet issued at
+    # depth 1) and half a GiB of workspace on top; with the head's 0.5 s gap it starts at 1.75 s, layer 0
+    # gone. The gap is outside the layers' time either way, and the write barrier at the start of backward
+    # moves with it.
+    def profiles(gap: float | None) -> list[LayerProfile]:
+        return [LayerProfile(0, "a", GiB, 0.5, 1.0), LayerProfile(1, "b", GiB, 0.5, 1.0),
+                LayerProfile(2, "c", GiB, 0.25, 1.0, bwd_workspace_bytes=GiB // 2, gap_s=gap)]  # fmt: skip
+
+    bw = {"host": TierBandwidth("host", GiB, GiB)}
+    plan = [Action.HOST, Action.KEEP, Action.KEEP]
+    t0, stall0, peak0 = simulate(profiles(None), plan, bw, 1)
+    t1, stall1, peak1 = simulate(profiles(0.5), plan, bw, 1)
+    assert peak0 == 3 * GiB + GiB // 2 and peak1 == 3 * GiB
+    assert t0 == t1 == pytest.approx(4.25) and stall0 == stall1 == 0.0
+    assert simulate(profiles(0.0), plan, bw, 1) == (t0, stall0, peak0)
+    assert write_barrier(profiles(None), plan, bw)[0][3] == -1
+    assert write_barrier(profiles(0.5), plan, bw)[0][3] == 2
+
+
 def test_selective_actions_account_bytes_and_time() -> None:
     p = LayerProfile(0, "a", 10 * GiB, 1.0, 2.0, sel_saved_bytes=3 * GiB, sel_recompute_s=0.25)
     assert (p.stored(Action.HOST_SEL), p.transient(Action.HOST_SEL), p.extra_bwd_s(Action.HOST_SEL)) == (
@@ -191,6 +213,7 @@ def _timeline_reference(profiles, actions, bw, depth, caps=None):
         feet.append(
             p.gap_background_bytes + sum(held(j, clock, i == n - 1 and j >= i - depth) for j in range(i + 1))
         )
+        clock += p.gap_s or 0.0
     for k in free:
         free[k] = max(free[k], t)
     read_done, nxt = {}, n - 1
@@ -211,6 +234,7 @@ def _timeline_reference(profiles, actions, bw, depth, caps=None):
             + p.bwd_own(actions[i])
         )
         t += p.bwd_s + p.extra_bwd_s(actions[i])
+    t -= sum(p.gap_s or 0.0 for p in profiles)  # outside the layers' time
     for j, a in enumerate(actions):  # each moved tensor's host time
         if not a.moved:
             continue
@@ -236,6 +260,7 @@ def test_timeline_matches_the_plain_reference(n: int, seed: int, depth: int) -> 
     for p in prof:
         p.sel_saved_bytes, p.sel_recompute_s = p.saved_bytes // 4, 0.003
         p.input_bytes = p.saved_bytes // 16
+        p.gap_s = rng.choice([None, 0.0, rng.uniform(0, 0.05)])
         if rng.random() < 0.7:  # the storages, in save order (a floor and the tensor count need them)
             cuts = sorted(rng.sample(range(1, p.saved_bytes), min(6, p.saved_bytes - 1)))
             p.saved_sizes = [b - a for a, b in zip([0, *cuts], [*cuts, p.saved_bytes])]

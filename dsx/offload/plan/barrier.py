@@ -48,7 +48,7 @@ def write_barrier(
     for j in range(n + 1):
         forward.append(done_by(start, j))
         if j < n:
-            start += profiles[j].fwd_s
+            start += profiles[j].fwd_s + (profiles[j].gap_s or 0.0)
     backward = [0] * n
     for i in range(n - 1, -1, -1):
         backward[i] = done_by(start, n)

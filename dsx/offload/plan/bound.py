@@ -137,8 +137,9 @@ def timeline_bound(
     the device there. Of those, the layers from ``m`` on hold at least ``g - S_<m`` (``S_<m``: what the
     layers before ``m`` save). Each such byte was dropped (``D`` bytes in all, each costing at least ``c``
     when recomputed in the backward) or written since layer ``m``'s forward began: at most ``w x (tau_P -
-    start_m + Y)``, ``tau_P`` the time to the end of ``P``'s layer's forward or backward in no offload's step
-    (after all of the step outside the layers, for the head's gap and the backward: in the plan's favour) and
+    start_m + Y)``, ``tau_P`` the time to the end of ``P``'s layer's forward, the gap after it or its backward in
+    no offload's step (the gaps as profiled, ``gap_s``; where the last layer's is not, all of the step outside
+    the layers, for the head's gap and the backward: in the plan's favour) and
     ``Y`` what the plan adds before ``P``. At the forwards and the gaps that is the forward's stalls ``sigma``
     (recomputation runs in the backward): ``D + w sigma >= A_f - B``; in the backward it may be all the plan
     adds: ``D + w X >= A_b - B``; ``A`` the largest ``F_P - S_<m - w (tau_P - start_m)`` of each kind.
@@ -158,22 +159,26 @@ def timeline_bound(
     """
     feet = footprints(profiles)
     n = len(profiles)
-    # prefix sums: start[m], layer m's forward begins (start[n]: the forward ends); saved_before[m], what layers
-    # 0..m-1 save (GB); bwd_upto[m], the backward time of layers 0..m-1
-    start = list(itertools.accumulate((p.fwd_s for p in profiles), initial=0.0))
+    outside = max(0.0, t_none - sum(p.fwd_s + p.bwd_s for p in profiles))
+    # the gap after each layer's forward where measured (gap_s); else none, and after the last layer all of the
+    # step outside the layers
+    gaps = [
+        p.gap_s if p.gap_s is not None else (outside if i == n - 1 else 0.0) for i, p in enumerate(profiles)
+    ]
+    # prefix sums: start[m], layer m's forward begins (start[n]: the backward begins); saved_before[m], what
+    # layers 0..m-1 save (GB); bwd_upto[m], the backward time of layers 0..m-1
+    start = list(itertools.accumulate((p.fwd_s + g for p, g in zip(profiles, gaps)), initial=0.0))
     saved_before = [b / GB for b in itertools.accumulate((p.saved_bytes for p in profiles), initial=0)]
     bwd_upto = list(itertools.accumulate((p.bwd_s for p in profiles), initial=0.0))
-    outside = max(0.0, t_none - sum(p.fwd_s + p.bwd_s for p in profiles))
     model_peak = max(feet) / GB
     shift = max(0.0, model_peak - p_none / GB)
     # (name, footprint less the shift, write deadline tau, the layers whose bytes may be off: 0..top)
     points: list[tuple[str, float, float, int]] = []
     for i in range(n):
-        points.append((f"forward {i}", feet[2 * i] / GB - shift, start[i + 1], i))
-        gap = start[i + 1] + (outside if i == n - 1 else 0.0)
-        points.append((f"gap after {i}", feet[2 * i + 1] / GB - shift, gap, i))
+        points.append((f"forward {i}", feet[2 * i] / GB - shift, start[i] + profiles[i].fwd_s, i))
+        points.append((f"gap after {i}", feet[2 * i + 1] / GB - shift, start[i + 1], i))
     for k, j in enumerate(range(n - 1, -1, -1)):
-        tau = start[n] + outside + bwd_upto[n] - bwd_upto[j]
+        tau = start[n] + bwd_upto[n] - bwd_upto[j]
         points.append((f"backward {j}", feet[2 * n + k] / GB - shift, tau, j))
     w = sum(b.write_Bps for b in bandwidths) / GB
     r = sum(b.read_Bps for b in bandwidths) / GB

@@ -6,7 +6,9 @@ GPU memory until the copy is done); an SSD layer's copy lands in its staging slo
 write follows on the drive's channel (the pool holds it until then; without a host tier the link's rate is
 not measured, and the model holds an SSD layer on the device until its file write ends). Backward runs
 layers n-1..0 (times ``bwd_s``); when layer ``i``'s backward starts, reads are issued for the offloaded
-layers down to ``i - depth``; a layer whose read has not finished when its backward starts stalls. A
+layers down to ``i - depth``; a layer whose read has not finished when its backward starts stalls. The
+gaps after the layers' forwards (``gap_s``: for the last layer, the head, the loss and their backward)
+carry writes too; their time is part of the step outside the layers, which the model's step leaves out. A
 recomputed layer runs its forward again in backward. Reads of the two tiers are independent (host: PCIe,
 per-rank share; SSD: the drive, per-rank share). The hideable bytes per step are
 ``B_write x T_fwd`` and ``B_read x T_bwd``, B being the device's link (the host tier's rates; the SSD
@@ -137,17 +139,21 @@ def _forward(
     for i, p in enumerate(profiles):
         t += p.fwd_s
         a = actions[i]
-        if not a.moved:
-            continue
-        tier = a.tier.value
-        if link is not None:
-            link_free = off_device[i] = max(t, link_free) + moved[i] / link.write_Bps
-            if tier == "ssd":
-                free[tier] = write_done[i] = max(off_device[i], free[tier]) + moved[i] / bw[tier].write_Bps
+        if a.moved:
+            tier = a.tier.value
+            if link is not None:
+                link_free = off_device[i] = max(t, link_free) + moved[i] / link.write_Bps
+                if tier == "ssd":
+                    free[tier] = write_done[i] = (
+                        max(off_device[i], free[tier]) + moved[i] / bw[tier].write_Bps
+                    )
+                else:
+                    free[tier] = write_done[i] = off_device[i]
             else:
-                free[tier] = write_done[i] = off_device[i]
-        else:
-            free[tier] = write_done[i] = off_device[i] = max(t, free[tier]) + moved[i] / bw[tier].write_Bps
+                free[tier] = write_done[i] = off_device[i] = (
+                    max(t, free[tier]) + moved[i] / bw[tier].write_Bps
+                )
+        t += p.gap_s or 0.0
     if link is not None:
         free["host"] = max(free["host"], link_free)
     return t, free, write_done, off_device
@@ -183,6 +189,7 @@ def tier_usage(
         while pending and write_done[pending[0]] <= clock:
             staged -= moved[pending.popleft()]
         peak_host = max(peak_host, host + staged)
+        clock += p.gap_s or 0.0
     # after the forward the drive drains the backlog: the pool then holds the host layers only
     return {"host": peak_host, "ssd": ssd}
 
@@ -243,8 +250,10 @@ def _timeline(
     for i, p in enumerate(profiles):
         feet.append(p.fwd_background_bytes + on_device(i, clock, i) + p.fwd_own(actions[i]))
         clock += p.fwd_s
-        # after the last layer's forward, its reads and the next depth layers' are issued
+        # after the last layer's forward, its reads and the next depth layers' are issued; the gap's footprint
+        # is taken at its start (its peak may come at once), and writes run on through it
         feet.append(p.gap_background_bytes + on_device(i + 1, clock, i - depth if i == n - 1 else i + 1))
+        clock += p.gap_s or 0.0
     for k in free:
         free[k] = max(free[k], t)
     read_done: dict[int, float] = {}
@@ -267,6 +276,8 @@ def _timeline(
         p = profiles[i]
         feet.append(p.bwd_background_bytes + on_device(i + 1, t, i - depth) + p.bwd_own(actions[i]))
         t += p.bwd_s + p.extra_bwd_s(actions[i])
+    # the gaps are outside the layers, in the step's outside time (Profiler.outside_s) that the plan adds
+    t -= sum(p.gap_s or 0.0 for p in profiles)
     # the host time of the moved tensors' hooks, on the thread that queues the GPU's work: the step waits for it
     t += sum(
         bw[a.tier.value].per_tensor_s * _moved_tensors(p, a, caps.get(i) if caps else None)

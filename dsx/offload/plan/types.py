@@ -107,7 +107,10 @@ class LayerProfile:
     to start from: the storages of its tensor inputs (the hidden states; not parameters, not tensors under
     ``min_tensor_bytes``). ``recompute_only`` marks a layer the profiling step could only time, not see
     save (profiled under recomputation through the non-reentrant checkpoint); plans recompute it.
-    ``bwd_workspace_bytes`` is the peak its backward
+    ``gap_s`` is the time from the end of its forward to the next layer's forward or, for the last layer, to
+    its own backward (the head, the loss and their backward): writes cross the link through it. ``None``
+    where not measured: the cost model then puts no time there, and the lower bound, for the last layer's
+    gap, all of the step's time outside the layers. ``bwd_workspace_bytes`` is the peak its backward
     allocates above the level at its start. ``fwd_peak_bytes`` is the peak its forward allocates above its
     start (saved bytes included); the ``*_background_bytes`` are what is allocated beyond the saved bytes of
     the layers holding them at the start of its forward, in the gap after it (peak) and at the start of its
@@ -129,6 +132,7 @@ class LayerProfile:
     bwd_background_bytes: int = 0
     input_bytes: int = 0
     recompute_only: bool = False
+    gap_s: float | None = None
     # the storages it saves, in save order (what a partial move takes first); empty where not profiled
     saved_sizes: list[int] = field(default_factory=list)
     # the same when its recompute_modules are recomputed (the storages of sel_saved_bytes, in the runtime's
@@ -291,7 +295,7 @@ class Plan:
 _CAPACITY_KEY = {"host": "host_pool_gb", "ssd": "ssd_capacity_gb"}
 
 
-_TIME_FIELDS = ("fwd_s", "bwd_s", "sel_recompute_s")
+_TIME_FIELDS = ("fwd_s", "bwd_s", "sel_recompute_s", "gap_s")
 _BYTE_FIELDS = ("saved_bytes", "sel_saved_bytes", "bwd_workspace_bytes", "fwd_peak_bytes", "input_bytes")
 # differences between measured memory levels (what is allocated beyond the saved bytes): may be negative
 _SIGNED_FIELDS = ("fwd_background_bytes", "gap_background_bytes", "bwd_background_bytes")
@@ -306,7 +310,7 @@ def check_profiles(profiles: list[LayerProfile]) -> None:
             (f"{f}[{k}]", v) for f in ("saved_sizes", "sel_saved_sizes") for k, v in enumerate(getattr(p, f))
         ]
         for name, v in values:
-            if v is None and name == "sel_saved_bytes":
+            if v is None and name in ("sel_saved_bytes", "gap_s"):
                 continue
             if (
                 isinstance(v, bool)
