@@ -678,7 +678,9 @@ def _child(name: str, argv: list[str], budget: float | None, timeout_s: float) -
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
         # what it had printed, both streams (its plan and warnings go to stderr): how far it got
-        out = "".join(s.decode() if isinstance(s, bytes) else s or "" for s in (exc.stdout, exc.stderr))
+        out = "".join(
+            s.decode(errors="replace") if isinstance(s, bytes) else s or "" for s in (exc.stdout, exc.stderr)
+        )
         return {"config": name, "error": f"timed out after {timeout_s:g} s", "where": out[-3000:]}
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
@@ -969,9 +971,12 @@ def _hide_written_gb(results: list[dict[str, Any]], mb: int, seq: int | None = N
 
 
 def _does_not_fit(error: str) -> bool:
-    """Whether a run's error says that the size does not fit: CUDA out of memory, or no dsx plan under the
-    budget (``PlanError``); not a timeout or a crash."""
-    return "out of memory" in error.lower() or "cannot be met" in error
+    """Whether a run's error says that the size does not fit: CUDA out of memory, no dsx plan under the
+    budget (``PlanError``), or a process killed (SIGKILL: the kernel's out-of-memory killer, when pinned host
+    copies outgrow the host); not a timeout or another crash."""
+    return (
+        "out of memory" in error.lower() or "cannot be met" in error or error.startswith("child exited -9 ")
+    )
 
 
 def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any]:

@@ -139,7 +139,7 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
     case $part in
       1) sizes=(none=40960,49152,57344 recompute=98304,131072,163840) ;;
       2) sizes=(dsx_auto_budget_sel=98304,131072) ;;
-      3) sizes=(dsx_auto_budget_sel=${3:-163840}) ;;  # one length a command: 3 196608 for the next
+      3) sizes=(dsx_auto_budget_sel=${3:-163840}) ;;  # one length a command (LEN, default 163,840)
       4) sizes=(recompute=196608,229376) ;;
       5) sizes=(ds_cpu_ckpt=98304,131072,163840) ;;
       6) sizes=(megatron_offload_all=49152,57344,65536 hooks_offload=32768,40960) ;;
@@ -166,7 +166,7 @@ else:
     esac
     configs=("${sizes[@]%%=*}") merge=(--merge) child=300
     [ "$part" = 1 ] && merge=()
-    [ "$part" = 3 ] && child=540  # dsx alone at one length may take the whole command
+    [ "$part" = 3 ] && child=520  # dsx alone at one length may take the command, less the parent's own time
     # dsx's budget leaves 5 GB: the CUDA context, cuBLAS and NCCL hold over 2 GB outside torch, and a plan may
     # peak a few percent over its prediction. The SSD tier stays within the lent machine's 64 GB disk.
     run bench-offload-8b-capacity 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
@@ -205,7 +205,7 @@ else:
     [ -f "$RES/bench_offload_8b_pool_capacity.json" ] || sizes=(recompute=16384 "${sizes[@]}")
     run bench-offload-8b-pool-capacity 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --warmup 2 --steps 3 \
-      --pool-gb 12 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 --child-timeout 540 \
+      --pool-gb 12 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 --child-timeout 470 \
       --configs "${sizes[@]%%=*}" --seq-lens "${sizes[@]}" --merge --name bench_offload_8b_pool_capacity --out "$RES"
     keep bench_offload_8b_pool_capacity ;;
   offload-8b-2gpu)  # on 2+ GPUs: the 8B layer at sequence 65536, one rank a GPU through the deepspeed launcher,

@@ -21,7 +21,8 @@ __all__ = ["agree_peak", "agree_profiles"]
 
 
 def _merge(rows: list[Any]) -> Any:
-    """Per field the largest value; a size list comes with the byte count it sums to."""
+    """Per field the largest value (the gap after the last layer's forward: the shortest); a size list comes
+    with the byte count it sums to."""
     first = rows[0]
     kw: dict[str, Any] = {}
     for f in dataclasses.fields(first):

@@ -21,8 +21,9 @@ the allocated memory when the model's forward starts (``root``; without one, whe
 what the embedding allocates counts, and gradients freed between steps do not. The step resets CUDA's
 peak-memory statistics.
 
-The gap after each layer's forward (``gap_s``: to the next layer's forward or, after the last layer, to its own
-backward: the head, the loss and their backward) is timed the same way; writes cross the link through it.
+The gap after the last layer's forward (its ``gap_s``: to its own backward, through the head, the loss and their
+backward) is timed the same way; writes cross the link through it. The gaps between layers are not: in the
+synchronized profiled step they are host time that a normal step overlaps with the GPU's work.
 
 The step's time outside the layers (``Profiler.outside_s``: embedding, head, loss, optimizer) is a step's wall
 time from the model's forward start to the optimizer step's end less the layers' intervals; the printed prediction
@@ -116,10 +117,10 @@ class Profiler:
         self.micro_batches = 1  # forwards in the profiled step (gradient accumulation); times are per one
         self._fwd_start = 0
         self._gap: int | None = None  # the layer whose after-forward gap is being measured
-        # the gap after each layer's forward (LayerProfile.gap_s): (layer, when its forward ended), open until
-        # the next layer's forward or, for the last layer, its own backward starts
-        self.gap_t = [0.0] * n
-        self._gap_from: tuple[int, float] | None = None
+        # the gap after the last layer's forward (its LayerProfile.gap_s): when that forward ended, until its own
+        # backward starts; summed over micro-batches
+        self.head_t = 0.0
+        self._head_from: float | None = None
         self._open: dict[int, int] = {}  # layers whose backward runs: memory allocated at its start
         self.has_sub = [False] * n
         self.enabled = True  # off during warm-up steps
@@ -175,13 +176,12 @@ class Profiler:
         if not self.enabled:
             return
         self._t[(kind, i)] = self._now()
-        if kind in ("f", "b") and self._gap_from is not None:
-            # a gap is what lies between a layer's forward and the next layer's (its own backward, for the last
-            # layer); not what follows a forward run again in backward
-            j, t0 = self._gap_from
-            if (kind, i) in (("f", j + 1), ("b", j)):
-                self.gap_t[j] += self._t[(kind, i)] - t0
-            self._gap_from = None
+        if kind in ("f", "b") and self._head_from is not None:
+            # the last layer's own backward ends the gap; anything else first (another micro-batch's forward, as
+            # a pipeline schedule runs) leaves it unmeasured
+            if (kind, i) == ("b", len(self.layers) - 1):
+                self.head_t += self._t[(kind, i)] - self._head_from
+            self._head_from = None
         if self._step_start is None:
             self._step_start = self._t[(kind, i)]
         if self.device.type != "cuda":
@@ -212,8 +212,8 @@ class Profiler:
         if t0 is not None:
             now = self._now()
             into[i] += now - t0
-            if kind == "f":
-                self._gap_from = (i, now)
+            if kind == "f" and i == len(self.layers) - 1:
+                self._head_from = now
         if kind == "f" and t0 is not None and self.device.type == "cuda":
             self.fwd_peak[i] = torch.cuda.max_memory_allocated(self.device) - self._fwd_start
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -347,8 +347,9 @@ class Profiler:
             if self.warm_step_s is not None:  # (it ran as this step does, without the synchronizations)
                 wall = self.warm_step_s
             self.outside_s = max(0.0, wall - sum(self.fwd) - sum(self.bwd)) / k
-        for times in (self.fwd, self.bwd, self.rc, self.sub, self.gap_t):
+        for times in (self.fwd, self.bwd, self.rc, self.sub):
             times[:] = [t / k for t in times]
+        self.head_t /= k
         rc = self.under_recompute
         return [
             LayerProfile(
@@ -359,7 +360,7 @@ class Profiler:
                 bwd_s=max(0.0, self.bwd[i] - self.rc[i]) if rc else self.bwd[i],
                 input_bytes=self.in_bytes[i],
                 recompute_only=rc and not self._rc_counted[i],
-                gap_s=self.gap_t[i],
+                gap_s=self.head_t if i == len(self.layers) - 1 else None,
                 saved_sizes=list(self.hooks.profile_sizes[i]),
                 sel_saved_bytes=self.hooks.sel_saved_bytes(i) if self.has_sub[i] else None,
                 sel_saved_sizes=self.hooks.sel_saved_sizes(i) if self.has_sub[i] else [],

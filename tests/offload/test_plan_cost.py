@@ -44,8 +44,9 @@ def test_writes_run_on_through_the_gap_after_the_last_forward() -> None:
     # ends at 1.25 s, with all three layers on the device (the gap's footprint is taken at its start). Without
     # a gap the last layer's backward starts then, with layer 0 still there (its read is not yet issued at
     # depth 1) and half a GiB of workspace on top; with the head's 0.5 s gap it starts at 1.75 s, layer 0
-    # gone. The gap is outside the layers' time either way, and the write barrier at the start of backward
-    # moves with it.
+    # gone. The gap is outside the layers' time either way. The write barrier awaited when the model's forward
+    # returns (before the head's backward) stays where it was; the one at the last layer's backward start
+    # moves with the gap.
     def profiles(gap: float | None) -> list[LayerProfile]:
         return [LayerProfile(0, "a", GiB, 0.5, 1.0), LayerProfile(1, "b", GiB, 0.5, 1.0),
                 LayerProfile(2, "c", GiB, 0.25, 1.0, bwd_workspace_bytes=GiB // 2, gap_s=gap)]  # fmt: skip
@@ -57,8 +58,11 @@ def test_writes_run_on_through_the_gap_after_the_last_forward() -> None:
     assert peak0 == 3 * GiB + GiB // 2 and peak1 == 3 * GiB
     assert t0 == t1 == pytest.approx(4.25) and stall0 == stall1 == 0.0
     assert simulate(profiles(0.0), plan, bw, 1) == (t0, stall0, peak0)
-    assert write_barrier(profiles(None), plan, bw)[0][3] == -1
-    assert write_barrier(profiles(0.5), plan, bw)[0][3] == 2
+    (fwd0, bwd0), (fwd1, bwd1) = (
+        write_barrier(profiles(None), plan, bw),
+        write_barrier(profiles(0.5), plan, bw),
+    )
+    assert fwd0[3] == fwd1[3] == -1 and bwd0[2] == -1 and bwd1[2] == 2
 
 
 def test_selective_actions_account_bytes_and_time() -> None:

@@ -25,7 +25,7 @@ def write_barrier(
     caps: dict[int, int] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Where the runtime waits for writes: (forward, backward). ``forward[j]`` for layer ``j``'s forward
-    start and ``forward[n]`` for the start of backward, ``backward[i]`` for layer ``i``'s backward start: the
+    start and ``forward[n]`` for the end of the model's forward, ``backward[i]`` for layer ``i``'s backward start: the
     highest ``k`` such that the model has every moved layer ``<= k`` written off the device by then (-1 if
     none). Backward times leave out stalls, so they are never later than the model's.
 
@@ -47,8 +47,14 @@ def write_barrier(
     forward, start = [], 0.0
     for j in range(n + 1):
         forward.append(done_by(start, j))
-        if j < n:
+        if j < n - 1:
             start += profiles[j].fwd_s + (profiles[j].gap_s or 0.0)
+        elif j == n - 1:
+            start += profiles[j].fwd_s
+    # forward[n] is awaited when the model's forward returns, before the head's backward: the gap after the last
+    # layer (gap_s) counts for the backward's barriers only
+    if n:
+        start += profiles[-1].gap_s or 0.0
     backward = [0] * n
     for i in range(n - 1, -1, -1):
         backward[i] = done_by(start, n)

@@ -7,8 +7,10 @@ write follows on the drive's channel (the pool holds it until then; without a ho
 not measured, and the model holds an SSD layer on the device until its file write ends). Backward runs
 layers n-1..0 (times ``bwd_s``); when layer ``i``'s backward starts, reads are issued for the offloaded
 layers down to ``i - depth``; a layer whose read has not finished when its backward starts stalls. The
-gaps after the layers' forwards (``gap_s``: for the last layer, the head, the loss and their backward)
-carry writes too; their time is part of the step outside the layers, which the model's step leaves out. A
+gap after the last layer's forward (its ``gap_s``: the head, the loss and their backward) carries writes too;
+its time is part of the step outside the layers, which the model's step leaves out. The model issues the last
+layers' reads after that gap (the runtime issues them when the forward returns, earlier: the model is the more
+cautious about stalls). A
 recomputed layer runs its forward again in backward. Reads of the two tiers are independent (host: PCIe,
 per-rank share; SSD: the drive, per-rank share). The hideable bytes per step are
 ``B_write x T_fwd`` and ``B_read x T_bwd``, B being the device's link (the host tier's rates; the SSD
@@ -189,7 +191,6 @@ def tier_usage(
         while pending and write_done[pending[0]] <= clock:
             staged -= moved[pending.popleft()]
         peak_host = max(peak_host, host + staged)
-        clock += p.gap_s or 0.0
     # after the forward the drive drains the backlog: the pool then holds the host layers only
     return {"host": peak_host, "ssd": ssd}
 
