@@ -172,12 +172,9 @@ def test_profiler_times_backward_of_keyword_called_layers(tmp_path, monkeypatch)
     assert [p.bwd_s for p in profiles] == pytest.approx([0.1, 0.1, 0.1])
 
 
-@pytest.mark.parametrize("mode", ["keep", "recompute"])
-def test_profile_measures_the_step_outside_the_layers(tmp_path, mode, monkeypatch):
-    """The printed prediction covers the whole step: the profiling step's time outside the layers (here 0.2 s
-    where the optimizer runs) is measured and added; the layers' own time, their recomputation under
-    profile_mode recompute included (0.25 s in each attention, which the recomputation runs again), is not
-    counted outside. Time is a clock the test advances, so the figures are exact on any machine."""
+def _test_clock(monkeypatch):
+    """The profiler's clock as a list the test advances (``clock[0] += s``), and ``advance(s)``: a module hook
+    that advances it by ``s``; the profiled times are then exact on any machine."""
     import dsx.offload.profile as profile
 
     clock = [1000.0]
@@ -189,6 +186,16 @@ def test_profile_measures_the_step_outside_the_layers(tmp_path, mode, monkeypatc
 
         return hook
 
+    return clock, advance
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_profile_measures_the_step_outside_the_layers(tmp_path, mode, monkeypatch):
+    """The printed prediction covers the whole step: the profiling step's time outside the layers (here 0.2 s
+    where the optimizer runs) is measured and added; the layers' own time, their recomputation under
+    profile_mode recompute included (0.25 s in each attention, which the recomputation runs again), is not
+    counted outside. Time is a clock the test advances, so the figures are exact on any machine."""
+    clock, advance = _test_clock(monkeypatch)
     torch.manual_seed(11)
     model = TinyGPT(by_keyword=True)
     for b in model.blocks:
@@ -221,17 +228,7 @@ def test_profile_times_the_gap_after_the_last_forward(tmp_path, mode, monkeypatc
     """The last layer's gap_s is the time from its forward's end to its own backward: the head's 0.3 s here,
     per micro-batch over the two of a step with gradient accumulation, exactly (the clock is the test's); the
     0.05 s before each layer's forward (host time in a synchronized step) is no gap."""
-    import dsx.offload.profile as profile
-
-    clock = [1000.0]
-    monkeypatch.setattr(profile.Profiler, "_now", lambda self: clock[0])
-
-    def advance(s: float):
-        def hook(*_):
-            clock[0] += s
-
-        return hook
-
+    _, advance = _test_clock(monkeypatch)
     torch.manual_seed(12)
     model = TinyGPT(by_keyword=True)
     model.head.register_forward_hook(advance(0.3))
