@@ -30,7 +30,8 @@ of megatron-core layers was seen to keep ~3.8 GB per layer allocated between ste
 Capacity: ``--micro-batches`` and ``--seq-lens`` run configs at several sizes (rows ``config@mbN``,
 ``config@seqN``; a run out of memory, without a plan under its budget or out of time is an error row, and the
 config's larger sizes in that round are not run), and the JSON gives the largest each trained (``limit_found``:
-a larger one did not fit; ``failed_otherwise_at``: one ran out of time) and each dsx config's tokens/s at the largest the best of the others trained.
+a larger one did not fit; ``failed_otherwise_at``: one ran out of time) and each dsx config's tokens/s at the
+largest the best of the others trained.
 ``--gpu-memory-gb`` caps the process's use of the GPU, so that a larger card answers for a smaller one, and
 ``--fit-budget`` gives dsx the whole capped card: the cap less the static memory the rows before it measured (the
 least of them) and less ``--fit-reserve-gb``:

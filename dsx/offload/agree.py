@@ -4,10 +4,10 @@ Each rank profiles its own step, and timings differ between ranks (clocks, the h
 straggler). Planned separately, two ranks could recompute different layers, and a recomputed layer re-runs
 its forward in backward, with ZeRO-3's parameter gathers and any tensor-parallel collectives in it: ranks
 that disagree would issue those in different orders and hang. So the ranks gather their profiles and take,
-per layer and field, the largest (the slowest layer, the most bytes; the shortest gap after a layer's forward,
-the writes' time there): every rank then plans from the same
-numbers, and the planner is deterministic. Budget calibration agrees on the largest measured peak the same
-way. Ranks with another number of layers (pipeline stages) agree among themselves.
+per layer and field, the largest (the slowest layer, the most bytes; but the shortest gap after the last
+layer's forward, the writes' time there): every rank then plans from the same numbers, and the planner is
+deterministic. Budget calibration agrees on the largest measured peak the same way. Ranks with another number
+of layers (pipeline stages) agree among themselves.
 """
 
 from __future__ import annotations

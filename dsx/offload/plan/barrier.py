@@ -25,8 +25,8 @@ def write_barrier(
     caps: dict[int, int] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Where the runtime waits for writes: (forward, backward). ``forward[j]`` for layer ``j``'s forward
-    start and ``forward[n]`` for the end of the model's forward, ``backward[i]`` for layer ``i``'s backward start: the
-    highest ``k`` such that the model has every moved layer ``<= k`` written off the device by then (-1 if
+    start and ``forward[n]`` for the end of the model's forward, ``backward[i]`` for layer ``i``'s backward
+    start: the highest ``k`` such that the model has every moved layer ``<= k`` written off the device by then (-1 if
     none). Backward times leave out stalls, so they are never later than the model's.
 
     The runtime waits for those writes there (:meth:`LayerHooks.await_writes`). The model frees a layer's

@@ -110,8 +110,8 @@ class LayerProfile:
     ``gap_s``, on the last layer, is the time from the end of its forward to its own backward (the head, the
     loss and their backward): writes cross the link through it. ``None`` on the other layers (what lies between
     two layers is host time a normal step overlaps) and where not measured: the cost model then puts no time
-    there, and the lower bound, after the last layer, all of the step's time outside the layers. ``bwd_workspace_bytes`` is the peak its backward
-    allocates above the level at its start. ``fwd_peak_bytes`` is the peak its forward allocates above its
+    there, and the lower bound, after the last layer, all of the step's time outside the layers.
+    ``bwd_workspace_bytes`` is the peak its backward allocates above the level at its start. ``fwd_peak_bytes`` is the peak its forward allocates above its
     start (saved bytes included); the ``*_background_bytes`` are what is allocated beyond the saved bytes of
     the layers holding them at the start of its forward, in the gap after it (peak) and at the start of its
     backward (the points :mod:`dsx.offload.plan.cost` lists). All memory fields are measured on CUDA only
