@@ -118,8 +118,9 @@ class Profiler:
         self._fwd_start = 0
         self._gap: int | None = None  # the layer whose after-forward gap is being measured
         # the gap after the last layer's forward (its LayerProfile.gap_s): when that forward ended, until its own
-        # backward starts; summed over micro-batches
+        # backward starts; summed over the micro-batches where it was seen, and their count
         self.head_t = 0.0
+        self._heads = 0
         self._head_from: float | None = None
         self._open: dict[int, int] = {}  # layers whose backward runs: memory allocated at its start
         self.has_sub = [False] * n
@@ -181,6 +182,7 @@ class Profiler:
             # a pipeline schedule runs) leaves it unmeasured
             if (kind, i) == ("b", len(self.layers) - 1):
                 self.head_t += self._t[(kind, i)] - self._head_from
+                self._heads += 1
             self._head_from = None
         if self._step_start is None:
             self._step_start = self._t[(kind, i)]
@@ -349,7 +351,9 @@ class Profiler:
             self.outside_s = max(0.0, wall - sum(self.fwd) - sum(self.bwd)) / k
         for times in (self.fwd, self.bwd, self.rc, self.sub):
             times[:] = [t / k for t in times]
-        self.head_t /= k
+        # (None where no gap was seen, as where the last layer's backward start is not hooked: not measured, so
+        # that the bound takes all of the outside time rather than none)
+        head = self.head_t / self._heads if self._heads else None
         rc = self.under_recompute
         return [
             LayerProfile(
@@ -360,7 +364,7 @@ class Profiler:
                 bwd_s=max(0.0, self.bwd[i] - self.rc[i]) if rc else self.bwd[i],
                 input_bytes=self.in_bytes[i],
                 recompute_only=rc and not self._rc_counted[i],
-                gap_s=self.head_t if i == len(self.layers) - 1 else None,
+                gap_s=head if i == len(self.layers) - 1 else None,
                 saved_sizes=list(self.hooks.profile_sizes[i]),
                 sel_saved_bytes=self.hooks.sel_saved_bytes(i) if self.has_sub[i] else None,
                 sel_saved_sizes=self.hooks.sel_saved_sizes(i) if self.has_sub[i] else [],
