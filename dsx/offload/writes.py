@@ -42,6 +42,8 @@ class WritePath:
             tier = "host"
         slot = self.host.alloc(nbytes)  # the host slot is the tier (host) or the aligned staging (ssd)
         if slot is None:
+            slot = self._alloc_after_staged_writes(nbytes, layer)
+        if slot is None:
             self._warn_once(
                 "host-full",
                 f"dsx activation offload: host pool full ({self.host.arena.capacity} "
@@ -96,6 +98,36 @@ class WritePath:
         with self._lock:
             self._entries.setdefault(layer, []).append(e)
         return e
+
+    def _alloc_after_staged_writes(self, nbytes: int, layer: int) -> tuple[int, torch.Tensor] | None:
+        """A host slot once SSD writes still waiting on the drive give their staging back, the oldest first
+        (None if none is left and the pool is still full). The wait is a stall (``pool-full`` in the
+        telemetry), where keeping the tensor on the device instead would break the plan's memory budget: the
+        plan counts each staging slot free once the drive, at its measured rate, has its bytes, and a drive
+        slower than that (or paused for DeepSpeed's optimizer swap) leaves it full."""
+        t0, slot, waited = time.perf_counter(), None, False
+        while slot is None:
+            with self._lock:
+                staged = [
+                    e.written
+                    for lst in self._entries.values()
+                    for e in lst
+                    if e.tier == "ssd"
+                    and e.host is not None
+                    and e.written is not None
+                    and not e.written.done()
+                ]
+            if not staged:
+                break
+            waited = True
+            try:
+                staged[0].result()
+            except Exception:  # (a failed write re-raises where it is awaited: drain)
+                break
+            slot = self.host.alloc(nbytes)
+        if waited:
+            self.sched.telemetry.add_stall(t0, time.perf_counter(), f"pool-full:layer{layer}")
+        return slot
 
     def _submit_write(self, e: Entry, copied: Any) -> Future[Any]:
         return self._writes.add(self.sched.submit(self._finish_write, e, copied))

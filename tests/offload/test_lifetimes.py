@@ -377,3 +377,56 @@ def test_a_tensor_moved_off_its_storage_by_data_is_not_matched_at_the_address_it
         off.close()
         sched.close()
     assert seen["reused"] >= 1, "the allocator never gave the address back: the test checked nothing"
+
+
+def test_a_full_pool_waits_for_staged_ssd_writes_to_give_their_slots_back(tmp_path):
+    """SSD writes stage in the host pool until the drive has them. With the drive's gate shut (as during
+    DeepSpeed's optimizer swap) a small pool fills with staging; the next tensor then waits for a write to
+    give its slot back (a ``pool-full`` stall) instead of staying on the device, where it would break the
+    plan's memory budget: every tensor still reaches the SSD, and the gradients match a run that kept all."""
+    from dsx.offload.align import align_up
+
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    x = torch.randint(0, 64, (2, 16))
+    ref(x).float().pow(2).mean().backward()
+    want = [p.grad.clone() for p in ref.parameters()]
+    # the storages one forward moves, with a roomy pool
+    (tmp_path / "roomy").mkdir()
+    (tmp_path / "tight").mkdir()
+    model = copy.deepcopy(ref)
+    model.zero_grad()
+    off, sched = _off(model, tmp_path / "roomy", ["ssd"], verify=False, write_barrier="off")
+    try:
+        y = model(x)
+        sizes = [e.nbytes for layer in range(len(model.blocks)) for e in off.mover.entries_of(layer)]
+        del y
+    finally:
+        off.close()
+        sched.close()
+    assert len(sizes) > 4
+    # a pool of three of the largest slots, the drive shut for the first half second
+    model = copy.deepcopy(ref)
+    model.zero_grad()
+    pool_gb = 3 * align_up(max(sizes)) / 2**30
+    off, sched = _off(
+        model, tmp_path / "tight", ["ssd"], verify=False, write_barrier="off", host_pool_gb=pool_gb
+    )
+    gate = sched.gate("ssd")
+    opener = threading.Timer(0.5, gate.set)
+    try:
+        gate.clear()
+        opener.start()
+        loss = model(x).float().pow(2).mean()
+        moved = [e for layer in range(len(model.blocks)) for e in off.mover.entries_of(layer)]
+        assert len(moved) == len(sizes) and all(e.tier == "ssd" for e in moved)
+        loss.backward()
+        stalls = dict(sched.telemetry.current.stall_by)
+    finally:
+        opener.cancel()
+        gate.set()
+        off.close()
+        sched.close()
+    assert stalls.get("pool-full", 0) > 0, stalls
+    for p, w in zip(model.parameters(), want):
+        assert torch.equal(p.grad, w)
