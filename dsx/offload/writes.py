@@ -100,16 +100,19 @@ class WritePath:
         return e
 
     def _alloc_after_staged_writes(self, nbytes: int, layer: int) -> tuple[int, torch.Tensor] | None:
-        """A host slot once SSD writes still waiting on the drive give their staging back, the oldest first
-        (None if none is left and the pool is still full). The wait is a stall (``pool-full`` in the
-        telemetry), where keeping the tensor on the device instead would break the plan's memory budget: the
-        plan counts each staging slot free once the drive, at its measured rate, has its bytes, and a drive
-        slower than that (or paused for DeepSpeed's optimizer swap) leaves it full."""
-        t0, slot, waited = time.perf_counter(), None, False
-        while slot is None:
+        """A host slot once SSD writes still holding their staging give it back, the first staged first (None if
+        waiting for all of them could not make the room, and the pool is still full). The wait is a stall
+        (``pool-full`` in the telemetry), where keeping the tensor on the device instead would break the plan's
+        memory budget: the plan counts each staging slot free once its copy and file write end at the rates it
+        measured, and writes that end later leave the pool full."""
+        if self.ssd is None:
+            return None
+        size = align_up(max(nbytes, 1))
+        t0, waited = time.perf_counter(), False
+        while True:
             with self._lock:
                 staged = [
-                    e.written
+                    (e.written, e.nbytes)
                     for lst in self._entries.values()
                     for e in lst
                     if e.tier == "ssd"
@@ -117,14 +120,18 @@ class WritePath:
                     and e.written is not None
                     and not e.written.done()
                 ]
-            if not staged:
+            arena = self.host.arena
+            if not staged or arena.capacity - arena.used + sum(align_up(n) for _, n in staged) < size:
+                slot = self.host.alloc(nbytes)  # (a write may have ended since the first try)
                 break
             waited = True
             try:
-                staged[0].result()
-            except Exception:  # (a failed write re-raises where it is awaited: drain)
-                break
+                staged[0][0].result()
+            except Exception:  # (a failed write re-raises where its entry is read, or at drain)
+                pass
             slot = self.host.alloc(nbytes)
+            if slot is not None:
+                break
         if waited:
             self.sched.telemetry.add_stall(t0, time.perf_counter(), f"pool-full:layer{layer}")
         return slot

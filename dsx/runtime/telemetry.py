@@ -21,7 +21,7 @@ class StepRecord:
     compute_s: float = 0.0
     transfer_s: float = 0.0
     stall_s: float = 0.0
-    # exposed stall by what waited: the stall name's part before ":" ("write-barrier", "unpack", a gate)
+    # exposed stall by what waited: the stall name's part before ":" ("write-barrier", "unpack", "pool-full", a gate)
     stall_by: dict[str, float] = field(default_factory=dict)
     # how long the compute stream itself waited, by the same kind of name: for a read's copy ("unpack"), or
     # idle while the host waited at the write barrier; timed with CUDA events, so known only once the GPU

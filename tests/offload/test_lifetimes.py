@@ -380,10 +380,11 @@ def test_a_tensor_moved_off_its_storage_by_data_is_not_matched_at_the_address_it
 
 
 def test_a_full_pool_waits_for_staged_ssd_writes_to_give_their_slots_back(tmp_path):
-    """SSD writes stage in the host pool until the drive has them. With the drive's gate shut (as during
-    DeepSpeed's optimizer swap) a small pool fills with staging; the next tensor then waits for a write to
-    give its slot back (a ``pool-full`` stall) instead of staying on the device, where it would break the
-    plan's memory budget: every tensor still reaches the SSD, and the gradients match a run that kept all."""
+    """SSD writes stage in the host pool until the drive has them. With the drive's gate shut (writes later
+    than the plan's rates give) a small pool fills with staging; the next tensor then waits for a write to give
+    its slot back (a ``pool-full`` stall; the gate opens 0.2 s after that wait begins) instead of staying on the
+    device, where it would break the plan's memory budget: every tensor still reaches the SSD, and the
+    gradients match a run that kept all."""
     from dsx.offload.align import align_up
 
     torch.manual_seed(0)
@@ -413,7 +414,16 @@ def test_a_full_pool_waits_for_staged_ssd_writes_to_give_their_slots_back(tmp_pa
         model, tmp_path / "tight", ["ssd"], verify=False, write_barrier="off", host_pool_gb=pool_gb
     )
     gate = sched.gate("ssd")
-    opener = threading.Timer(0.5, gate.set)
+    wait = off.mover._alloc_after_staged_writes
+
+    def open_and_wait(*args):
+        threading.Timer(
+            0.2, gate.set
+        ).start()  # (the writes staged so far stay until then: the wait sees them)
+        return wait(*args)
+
+    off.mover._alloc_after_staged_writes = open_and_wait
+    opener = threading.Timer(10.0, gate.set)  # (if nothing waits, the backward's reads need the writes)
     try:
         gate.clear()
         opener.start()
