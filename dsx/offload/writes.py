@@ -105,7 +105,9 @@ class WritePath:
         (``pool-full`` in the telemetry), where keeping the tensor on the device instead would break the plan's
         memory budget: the plan counts each staging slot free once its copy and file write end at the rates it
         measured, and writes that end later leave the pool full."""
-        if self.ssd is None:
+        # (not while the drive's gate is shut, as for DeepSpeed's optimizer swap: the writes wait for it, and the
+        # thread that shut it may be this one)
+        if self.ssd is None or not self.sched.gate(self.ssd_gate).is_set():
             return None
         size = align_up(max(nbytes, 1))
         t0, waited = time.perf_counter(), False

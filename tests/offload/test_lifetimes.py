@@ -380,11 +380,11 @@ def test_a_tensor_moved_off_its_storage_by_data_is_not_matched_at_the_address_it
 
 
 def test_a_full_pool_waits_for_staged_ssd_writes_to_give_their_slots_back(tmp_path):
-    """SSD writes stage in the host pool until the drive has them. With the drive's gate shut (writes later
-    than the plan's rates give) a small pool fills with staging; the next tensor then waits for a write to give
-    its slot back (a ``pool-full`` stall; the gate opens 0.2 s after that wait begins) instead of staying on the
-    device, where it would break the plan's memory budget: every tensor still reaches the SSD, and the
-    gradients match a run that kept all."""
+    """SSD writes stage in the host pool until the drive has them. With a slow drive (each file write 0.2 s,
+    later than a plan's rates would give) a small pool fills with staging; the next tensor then waits for a
+    write to give its slot back (a ``pool-full`` stall) instead of staying on the device, where it would break
+    the plan's memory budget: every tensor still reaches the SSD, and the gradients match a run that kept all.
+    With the drive's gate shut (DeepSpeed's optimizer swap, maybe on this very thread) nothing waits."""
     from dsx.offload.align import align_up
 
     torch.manual_seed(0)
@@ -406,37 +406,41 @@ def test_a_full_pool_waits_for_staged_ssd_writes_to_give_their_slots_back(tmp_pa
         off.close()
         sched.close()
     assert len(sizes) > 4
-    # a pool of three of the largest slots, the drive shut for the first half second
+    # a pool of three of the largest slots, a slow drive
     model = copy.deepcopy(ref)
     model.zero_grad()
     pool_gb = 3 * align_up(max(sizes)) / 2**30
     off, sched = _off(
         model, tmp_path / "tight", ["ssd"], verify=False, write_barrier="off", host_pool_gb=pool_gb
     )
-    gate = sched.gate("ssd")
-    wait = off.mover._alloc_after_staged_writes
+    pwrite = off.mover.ssd.io.pwrite
 
-    def open_and_wait(*args):
-        threading.Timer(
-            0.2, gate.set
-        ).start()  # (the writes staged so far stay until then: the wait sees them)
-        return wait(*args)
+    def slow_pwrite(*args, **kw):
+        time.sleep(0.2)
+        return pwrite(*args, **kw)
 
-    off.mover._alloc_after_staged_writes = open_and_wait
-    opener = threading.Timer(10.0, gate.set)  # (if nothing waits, the backward's reads need the writes)
+    off.mover.ssd.io.pwrite = slow_pwrite
+    safety = threading.Timer(10.0, sched.gate("ssd").set)
     try:
-        gate.clear()
-        opener.start()
         loss = model(x).float().pow(2).mean()
         moved = [e for layer in range(len(model.blocks)) for e in off.mover.entries_of(layer)]
         assert len(moved) == len(sizes) and all(e.tier == "ssd" for e in moved)
         loss.backward()
         stalls = dict(sched.telemetry.current.stall_by)
+        off.end_step()
+        # the drive's gate shut: the tensors the pool cannot take stay on the device, nothing waits (a timer opens
+        # the gate if something does, so that a regression fails here rather than hangs)
+        with sched.paused("ssd"):
+            safety.start()
+            y = model(x)
+            held = sum(len(off.mover.entries_of(layer)) for layer in range(len(model.blocks)))
+            paused_stalls = dict(sched.telemetry.current.stall_by)
+        del y
     finally:
-        opener.cancel()
-        gate.set()
+        safety.cancel()
         off.close()
         sched.close()
     assert stalls.get("pool-full", 0) > 0, stalls
+    assert held < len(sizes) and "pool-full" not in paused_stalls, (held, paused_stalls)
     for p, w in zip(model.parameters(), want):
         assert torch.equal(p.grad, w)
