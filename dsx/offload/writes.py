@@ -127,10 +127,8 @@ class WritePath:
                 slot = self.host.alloc(nbytes)  # (a write may have ended since the first try)
                 break
             waited = True
-            try:
-                staged[0][0].result()
-            except Exception:  # (a failed write re-raises where its entry is read, or at drain)
-                pass
+            # (waits without raising: a failed write re-raises where its entry is read, or at drain)
+            staged[0][0].exception()
             slot = self.host.alloc(nbytes)
             if slot is not None:
                 break
