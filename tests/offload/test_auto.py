@@ -173,8 +173,8 @@ def test_profiler_times_backward_of_keyword_called_layers(tmp_path, monkeypatch)
 
 
 def _test_clock(monkeypatch):
-    """The profiler's clock as a list the test advances (``clock[0] += s``), and ``advance(s)``: a module hook
-    that advances it by ``s``; the profiled times are then exact on any machine."""
+    """The profiler's clock made the test's: ``advance(s)`` is a module hook (or a call) that moves it on by ``s``,
+    so that the profiled times are exact on any machine."""
     import dsx.offload.profile as profile
 
     clock = [1000.0]
@@ -186,7 +186,29 @@ def _test_clock(monkeypatch):
 
         return hook
 
-    return clock, advance
+    return advance
+
+
+def _two_profiled_steps(model, tmp_path, mode, micro_batches, after_backward=lambda: None):
+    """Policy ``auto`` profiling the first of two steps (``profile_mode`` ``mode``), each of ``micro_batches``
+    forwards and backwards, then ``after_backward()`` and the optimizer step: the plan it made."""
+    sched = Scheduler()
+    cfg = _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0, profile_mode=mode)
+    off = ActivationOffload(model, cfg, sched)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        batches = _batches("gpt", 2 * micro_batches)
+        for step in range(2):
+            opt.zero_grad()
+            for x in batches[step * micro_batches : (step + 1) * micro_batches]:
+                model(x).float().pow(2).mean().backward()
+            after_backward()
+            opt.step()
+            off.end_step()
+        return off.plan
+    finally:
+        off.close()
+        sched.close()
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute"])
@@ -195,26 +217,12 @@ def test_profile_measures_the_step_outside_the_layers(tmp_path, mode, monkeypatc
     where the optimizer runs) is measured and added; the layers' own time, their recomputation under
     profile_mode recompute included (0.25 s in each attention, which the recomputation runs again), is not
     counted outside. Time is a clock the test advances, so the figures are exact on any machine."""
-    clock, advance = _test_clock(monkeypatch)
+    advance = _test_clock(monkeypatch)
     torch.manual_seed(11)
     model = TinyGPT(by_keyword=True)
     for b in model.blocks:
         b.attn.register_forward_pre_hook(advance(0.25))
-    sched = Scheduler()
-    cfg = _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0, profile_mode=mode)
-    off = ActivationOffload(model, cfg, sched)
-    try:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for x in _batches("gpt", 2):
-            opt.zero_grad()
-            model(x).float().pow(2).mean().backward()
-            clock[0] += 0.2  # the optimizer's part of the step, outside every layer
-            opt.step()
-            off.end_step()
-        plan = off.plan
-    finally:
-        off.close()
-        sched.close()
+    plan = _two_profiled_steps(model, tmp_path, mode, micro_batches=1, after_backward=advance(0.2))
     assert plan.outside_s == pytest.approx(0.2)
     assert plan.predicted_total_step_s == pytest.approx(plan.predicted_step_s + plan.outside_s)
     assert plan.predicted_step_s >= 0.25 * len(model.blocks)  # each layer's forward, once
@@ -228,29 +236,14 @@ def test_profile_times_the_gap_after_the_last_forward(tmp_path, mode, monkeypatc
     """The last layer's gap_s is the time from its forward's end to its own backward: the head's 0.3 s here,
     per micro-batch over the two of a step with gradient accumulation, exactly (the clock is the test's); the
     0.05 s before each layer's forward (host time in a synchronized step) is no gap."""
-    _, advance = _test_clock(monkeypatch)
+    advance = _test_clock(monkeypatch)
     torch.manual_seed(12)
     model = TinyGPT(by_keyword=True)
     model.head.register_forward_hook(advance(0.3))
     for b in model.blocks:
         b.register_forward_pre_hook(advance(0.05))
         b.attn.register_forward_pre_hook(advance(0.25))
-    sched = Scheduler()
-    cfg = _cfg(tmp_path, ["host"], policy="auto", profile_warmup_steps=0, profile_mode=mode)
-    off = ActivationOffload(model, cfg, sched)
-    try:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        batches = _batches("gpt", 4)
-        for step in range(2):
-            opt.zero_grad()
-            for x in batches[2 * step : 2 * step + 2]:  # two micro-batches a step
-                model(x).float().pow(2).mean().backward()
-            opt.step()
-            off.end_step()
-        gaps = [p.gap_s for p in off.plan.profiles]
-    finally:
-        off.close()
-        sched.close()
+    gaps = [p.gap_s for p in _two_profiled_steps(model, tmp_path, mode, micro_batches=2).profiles]
     assert gaps[-1] == pytest.approx(0.3) and all(g is None for g in gaps[:-1]), gaps
 
 
