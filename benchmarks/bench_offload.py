@@ -54,6 +54,7 @@ import gc
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -692,7 +693,8 @@ def _child(name: str, argv: list[str], budget: float | None, timeout_s: float) -
                 res["plan_log"] = proc.stderr[plan_at : plan_at + 8000]
             return res
     tail = (proc.stdout + proc.stderr)[-800:]
-    return {"config": name, "error": f"child exited {proc.returncode} without a result", "where": tail}
+    return {"config": name, "error": f"child exited {proc.returncode} without a result", "where": tail,
+            "returncode": proc.returncode}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -971,12 +973,15 @@ def _hide_written_gb(results: list[dict[str, Any]], mb: int, seq: int | None = N
     return None
 
 
-def _does_not_fit(error: str) -> bool:
-    """Whether a run's error says that the size does not fit: CUDA out of memory, no dsx plan under the
-    budget (``PlanError``), or a process killed (SIGKILL: the kernel's out-of-memory killer, when pinned host
-    copies outgrow the host); not a timeout or another crash."""
+def _does_not_fit(row: dict[str, Any]) -> bool:
+    """Whether a failed run says that its size does not fit: CUDA out of memory, no dsx plan under the budget
+    (``PlanError``), or its process killed (SIGKILL: the kernel's out-of-memory killer, when pinned host copies
+    outgrow the host); not a timeout or another crash."""
+    error = row["error"]
     return (
-        "out of memory" in error.lower() or "cannot be met" in error or error.startswith("child exited -9 ")
+        "out of memory" in error.lower()
+        or error.startswith("PlanError")
+        or row.get("returncode") == -signal.SIGKILL
     )
 
 
@@ -998,7 +1003,7 @@ def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any
         name = re.sub(rf"@{tag}\d+", "", r["config"])
         if "error" in r:
             if r.get(key) is not None and not r.get("not_run"):  # (it ran and failed)
-                into = failed if _does_not_fit(r["error"]) else other
+                into = failed if _does_not_fit(r) else other
                 into[name] = min(into.get(name, r[key]), r[key])
             continue
         runs.setdefault((name, r[key]), []).append(r["tokens_per_s"])

@@ -139,7 +139,8 @@ def test_the_longest_sequence_and_the_speed_at_the_best_peers() -> None:
                                                   "failed_otherwise_at": 128}}  # fmt: skip
     plan_error = {"config": "dsx_auto_budget@seq128", "seq_len": 128,
                   "error": "PlanError: memory_budget_gb=70.0 cannot be met: the most frugal plan found keeps 80 GiB"}  # fmt: skip
-    killed = {**plan_error, "error": "child exited -9 without a result"}  # the host's out-of-memory killer
+    # the host's out-of-memory killer
+    killed = {**plan_error, "error": "child exited -9 without a result", "returncode": -9}
     for row in (plan_error, killed):
         assert bench_offload._largest([*rows[:-2], row], "seq_len", "seq")["largest"]["dsx_auto_budget"] == {
             "seq_len": 64, "tokens_per_s": 84.0, "limit_found": True}  # fmt: skip
