@@ -47,14 +47,11 @@ def write_barrier(
     forward, start = [], 0.0
     for j in range(n + 1):
         forward.append(done_by(start, j))
-        if j < n - 1:
-            start += profiles[j].fwd_s + (profiles[j].gap_s or 0.0)
-        elif j == n - 1:
-            start += profiles[j].fwd_s
+        if j < n:
+            start += profiles[j].fwd_s + ((profiles[j].gap_s or 0.0) if j < n - 1 else 0.0)
     # forward[n] is awaited when the model's forward returns, before the head's backward: the gap after the last
     # layer (gap_s) counts for the backward's barriers only
-    if n:
-        start += profiles[-1].gap_s or 0.0
+    start += (profiles[-1].gap_s or 0.0) if n else 0.0
     backward = [0] * n
     for i in range(n - 1, -1, -1):
         backward[i] = done_by(start, n)
