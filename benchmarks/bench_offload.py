@@ -613,10 +613,11 @@ RESULT_TAG = "BENCH_OFFLOAD_RESULT "
 
 def _cap_device_memory(dev: torch.device, gb: float) -> None:
     """Let this process use at most ``gb`` (10^9 bytes) of ``dev``'s memory: a larger card runs as a smaller one
-    (an H200 as an H100 80GB: 85 GB, its 79.2 GiB), so that what fits is the smaller card's. What the process
-    already holds outside torch's allocator (the CUDA context, libraries' handles) comes out of the smaller
-    card's memory too, so torch's share is ``gb`` less that; what libraries allocate later outside torch's
-    allocator (NCCL's buffers) is not counted, a small bias toward fitting."""
+    (an H200 as an H100 80GB: 85 GB, its 79.2 GiB), so that what fits is the smaller card's. Whatever already
+    holds the device's memory outside this process's allocator (its CUDA context, libraries' handles, other
+    processes on the device) comes out of the smaller card's memory too, so torch's share is ``gb`` less that;
+    what libraries allocate later outside torch's allocator (NCCL's buffers) is not counted, a small bias
+    toward fitting."""
     # (the fraction's setter needs an index)
     index = torch.cuda.current_device() if dev.index is None else dev.index
     free, total = torch.cuda.mem_get_info(index)
