@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dsx.direct.gather import host_empty
+
 if TYPE_CHECKING:
     from torch_geometric.data import HeteroData
 
@@ -102,7 +104,8 @@ def synthetic_mag(
     p = n["paper"]
     y = torch.arange(p) % num_classes
     emb = torch.randn(num_classes, paper_features, generator=gen, device=dev)
-    x = torch.empty(p, paper_features, dtype=feature_dtype)
+    # page-aligned: a GPU gather reads each row in whole 128-byte lines
+    x = host_empty((p, paper_features), feature_dtype)
     rows = max(1, _CHUNK_BYTES // (4 * paper_features))
     for lo in range(0, p, rows):  # in slices: the table may be most of host memory and not fit on the device
         hi = min(p, lo + rows)

@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from dsx.direct.gather import host_empty
+
 __all__ = ["rmat_edges", "rmat_graph"]
 
 
@@ -86,7 +88,8 @@ def rmat_graph(
     y_new = torch.empty_like(y)
     y_new[perm] = y
     centroids = torch.randn(num_classes, num_features, generator=g, device=device)
-    x = torch.empty(num_nodes, num_features, dtype=feature_dtype)
+    # page-aligned: a GPU gather reads each row in whole 128-byte lines
+    x = host_empty((num_nodes, num_features), feature_dtype)
     for lo in range(0, num_nodes, chunk):
         hi = min(num_nodes, lo + chunk)
         xc = centroids[y_new[lo:hi]] + noise * torch.randn(hi - lo, num_features, generator=g, device=device)

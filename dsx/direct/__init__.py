@@ -3,7 +3,7 @@
 Re-exports only. The DeepSpeed glue of the ``"dsx"."unified"`` section is :mod:`dsx.direct.deepspeed`.
 """
 
-from dsx.direct.gather import IndexOutOfRangeError
+from dsx.direct.gather import IndexOutOfRangeError, host_empty
 from dsx.direct.hetero_loader import DistributedHeteroNeighborLoader, HeteroNeighborLoader
 from dsx.direct.hetero_sampler import HeteroNeighborSampler, HeteroSampledSubgraph
 from dsx.direct.loader import DistributedNeighborLoader, NeighborLoader
@@ -25,6 +25,7 @@ __all__ = [
     "SampledSubgraph",
     "SharedMemoryError",
     "UnifiedTensor",
+    "host_empty",
     "to_csr",
     "unified",
 ]

@@ -24,6 +24,7 @@ __all__ = [
     "bad_index_message",
     "check_index",
     "cuda_gather",
+    "host_empty",
     "padded_row_stride",
     "row_bytes_of",
     "row_stride_of",
@@ -80,6 +81,22 @@ def rows_contiguous(table: torch.Tensor) -> bool:
             return False
         expect *= size
     return table.shape[0] <= 1 or table.stride(0) >= expect
+
+
+PAGE_BYTES = 4096
+
+
+def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor whose first byte starts a page (4096 bytes), as a feature table
+    for :func:`dsx.direct.unified` should: torch's own host allocations start on 64-byte boundaries, often
+    half-way into a 128-byte line, and then every row of a multiple of 128 bytes costs the GPU gather one line
+    read more than it needs (docs/unified.md, "Where the table starts"). At most one page more than
+    ``torch.empty``."""
+    shape = tuple(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
+    start = -buf.data_ptr() % PAGE_BYTES
+    return buf[start : start + nbytes].view(dtype).view(shape)
 
 
 def padded_row_stride(row_bytes: int, align: int) -> int:

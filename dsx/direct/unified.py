@@ -233,29 +233,45 @@ def _span(t: torch.Tensor) -> int:
     return (t.shape[0] - 1) * _g.row_stride_of(t) + _g.row_bytes_of(t.shape, t.dtype)
 
 
-# torch's host allocations start on 64-byte boundaries: a table that does, with rows a multiple of the alignment
-# apart, is taken as it is (requiring a 128-byte start would copy every table torch allocated)
-_ALLOC_ALIGN = 64
+# Zero-copy reads cross PCIe as requests for 128-byte lines: a row that starts off a line boundary touches one line
+# more than its size needs (a 256-byte row three instead of two), and a gather of such rows reads that much more.
+_LINE = 128
+_hinted = False
 
 
 def _needs_copy(align: int, tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` must be copied for its rows to lie a multiple of ``align`` bytes apart from an aligned
-    start (a 1-d table, one element a row, is never padded)."""
+    """Whether ``tensor`` must be copied for its rows to lie a multiple of ``align`` bytes apart from a start on
+    a multiple of ``align`` (a 1-d table, one element a row, is never padded)."""
     if tensor.dim() < 2 or not align:
         return False
     stride = _g.row_stride_of(tensor) if tensor.shape[0] > 1 else 0
-    return bool(stride % align or tensor.data_ptr() % min(align, _ALLOC_ALIGN))
+    return bool(stride % align or tensor.data_ptr() % align)
 
 
 def _padded_copy(tensor: torch.Tensor, align: int) -> torch.Tensor:
-    """A copy of ``tensor`` whose rows start at multiples of ``align`` bytes."""
+    """A copy of ``tensor`` whose rows start at multiples of ``align`` bytes, the first on a page."""
     stride = _g.padded_row_stride(_g.row_bytes_of(tensor.shape, tensor.dtype), align)
-    nbytes = tensor.shape[0] * stride
-    buf = torch.empty(nbytes + align, dtype=torch.uint8)  # room to start on an aligned address
-    start = -buf.data_ptr() % align
-    table = _g.strided_rows(buf[start : start + nbytes], tensor.dtype, tuple(tensor.shape), stride)
+    buf = _g.host_empty((tensor.shape[0] * stride,), torch.uint8)
+    table = _g.strided_rows(buf, tensor.dtype, tuple(tensor.shape), stride)
     table.copy_(tensor)
     return table
+
+
+def _hint_line_offset(tensor: torch.Tensor, name: str | None) -> None:
+    """Say once per process that a table pinned in place starts off a 128-byte line (its rows of a multiple of
+    128 bytes then each cost one line read more), and what avoids it."""
+    global _hinted
+    row_bytes = _g.row_bytes_of(tensor.shape, tensor.dtype)
+    if _hinted or tensor.dim() < 2 or row_bytes < _LINE or not tensor.data_ptr() % _LINE:
+        return
+    _hinted = True
+    logger.info(
+        "dsx.unified%s: the table starts %d bytes into a 128-byte line, so a GPU gather reads up to one line a "
+        "row more than an aligned table: allocate it with dsx.direct.host_empty, or set unified.row_alignment "
+        "to 128 for an aligned copy (docs/unified.md, 'Where the table starts')",
+        f" {name}" if name else "",
+        tensor.data_ptr() % _LINE,
+    )
 
 
 def unified(
@@ -325,4 +341,6 @@ def unified(
             align,
         )
         tensor = _padded_copy(tensor, align)
+    else:
+        _hint_line_offset(tensor, name)
     return UnifiedTensor(tensor, shared=False, group=None, config=config, name=name)

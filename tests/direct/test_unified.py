@@ -114,7 +114,8 @@ def test_row_alignment_lays_rows_out_in_whole_sectors(tmp_path, row_shape, dtype
     if stride == row:  # already whole sectors: pinned in place
         assert ut.tensor.data_ptr() == t.data_ptr()
     else:
-        assert ut.tensor.data_ptr() != t.data_ptr() and ut.tensor.data_ptr() % 32 == 0
+        # the copy starts on a page, as every table dsx allocates
+        assert ut.tensor.data_ptr() != t.data_ptr() and ut.tensor.data_ptr() % 4096 == 0
         assert not ut.tensor.is_contiguous()
         # a table already laid out so is taken as it is
         assert unified(
@@ -134,11 +135,56 @@ def test_row_alignment_also_aligns_where_rows_start(tmp_path, align) -> None:
     ut = unified(t, shared="off", config=_cfg(tmp_path, row_alignment=align))
     assert ut.tensor.data_ptr() != t.data_ptr() and ut.tensor.data_ptr() % align == 0
     assert ut.row_stride == align * -(-60 // align) and torch.equal(ut.tensor, t)
-    # 128-byte rows of a table torch allocated (64-byte aligned): pinned in place at either alignment
-    packed = torch.randn(50, 32)
+    # 128-byte rows starting on a page: pinned in place at either alignment
+    packed = dsx_direct.host_empty((50, 32))
+    packed.copy_(torch.randn(50, 32))
     assert unified(packed, shared="off", config=_cfg(tmp_path, row_alignment=align)).tensor.data_ptr() == (
         packed.data_ptr()
     )
+    # the same rows 64 bytes into a 128-byte line (as a table torch allocated may start): pinned in place at 32,
+    # copied to a page at 128
+    buf = dsx_direct.host_empty((51 * 32,))
+    off = buf[16 : 16 + 50 * 32].view(50, 32)
+    off.copy_(packed)
+    ut = unified(off, shared="off", config=_cfg(tmp_path, row_alignment=align))
+    assert torch.equal(ut.tensor, packed)
+    if align == 32:
+        assert ut.tensor.data_ptr() == off.data_ptr()
+    else:
+        assert ut.tensor.data_ptr() % 4096 == 0 and ut.row_stride == 128
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [((1000, 75), torch.float32), ((7, 3, 5), torch.bfloat16), ((4097,), torch.uint8), ((0, 8), torch.int64)]
+)  # fmt: skip
+def test_host_empty_starts_a_page_and_holds_what_is_written(shape, dtype) -> None:
+    t = dsx_direct.host_empty(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+    assert t.numel() == 0 or t.data_ptr() % 4096 == 0
+    src = torch.randint(-100, 100, shape, generator=torch.Generator().manual_seed(len(shape))).to(dtype)
+    t.copy_(src)
+    assert torch.equal(t, src)
+
+
+def test_a_table_pinned_off_a_line_is_named_once(tmp_path, caplog, monkeypatch) -> None:
+    monkeypatch.setattr(unified_module, "_hinted", False)
+    buf = dsx_direct.host_empty((41 * 64,))
+    aligned, off = buf[: 40 * 64].view(40, 64), buf[16 : 16 + 40 * 64].view(40, 64)
+    with caplog.at_level("INFO", logger="dsx"):
+        unified(aligned, shared="off", config=_cfg(tmp_path))
+        assert "128-byte line" not in caplog.text
+        unified(off, shared="off", config=_cfg(tmp_path))
+        unified(off, shared="off", config=_cfg(tmp_path))
+    assert caplog.text.count("starts 64 bytes into a 128-byte line") == 1
+    assert "host_empty" in caplog.text and "row_alignment" in caplog.text
+
+
+def test_dsx_feature_tables_start_on_a_page() -> None:
+    from dsx.data.mag import synthetic_mag
+    from dsx.data.rmat import rmat_graph
+
+    assert synthetic_mag(0.001, paper_features=16, num_classes=20)["paper"].x.data_ptr() % 4096 == 0
+    assert rmat_graph(300, 2000, num_features=32, num_classes=4).x.data_ptr() % 4096 == 0
 
 
 def test_a_column_is_a_table_of_rows_a_row_apart(tmp_path) -> None:
