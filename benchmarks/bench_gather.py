@@ -21,6 +21,10 @@ One process, one pinned table (default ~4 GB), 1M random row ids (with repeats, 
                      more than 8 SMs, so N > 8 is not run for them)
 * ``dsx_padded``     ``dsx`` from a copy of the table with rows 32 bytes apart (``row_alignment=32``), for row
                      sizes that are not a multiple of 32; ``dsx_padded_queued`` timed as ``dsx_queued``
+* ``dsx_queued_off64`` ``dsx_queued`` from the same buffer 64 bytes in (rows of 128 bytes or more): where a
+                     table torch allocated often starts, half-way into a 128-byte line
+
+The table starts on a page (``dsx.direct.host_empty``), as dsx's own tables and copies do.
 
 A row size that is not a multiple of 32 bytes gets a ``sector_bound``: the queued fraction of the row size
 rounded up to 32 (320 for 300, 1024 for 1000), scaled by the row's share of those bytes and by the distinct rows
@@ -51,7 +55,7 @@ import torch
 
 import dsx
 from dsx.config import UnifiedConfig
-from dsx.direct import unified
+from dsx.direct import host_empty, unified
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import save_png
@@ -86,6 +90,7 @@ def _env() -> dict[str, Any]:
 # GPU cycles of the busy kernel that ``queued`` timing puts before ``fn``: a few ms at H100 clocks, longer
 # than the host takes to queue a gather's launches
 _QUEUE_CYCLES = 8_000_000
+_OFF = 64  # bytes into a 128-byte line: where torch's 64-byte aligned allocations often start
 
 
 def _time(fn, repeats: int, cuda: bool, queued: bool = False) -> float:
@@ -150,7 +155,7 @@ def _measure(
 ) -> dict[str, Any]:
     """Every method for one row size."""
     table_bytes = base.numel()
-    rows = table_bytes // rb
+    rows = (table_bytes - _OFF) // rb  # (the same ids fit the table moved _OFF bytes in)
     table = base[: rows * rb].view(rows, rb)
     n = args.num_indices
     gidx = torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(rb))
@@ -232,6 +237,9 @@ def _measure(
 
         with dsx.defaults.set("unified", UnifiedConfig(backend="cuda")):
             record_queued("dsx_queued", ut_view)
+            if rb >= 128:
+                with unified(base[_OFF : _OFF + rows * rb].view(rows, rb), shared="off") as ut_off:
+                    record_queued("dsx_queued_off64", ut_off)
         ut_view.close()
         if rb % 32:
             # rows in whole 32-byte sectors: the same rows, read from a padded copy of the table
@@ -293,7 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cuda = torch.cuda.is_available() and not args.quick
     dev = torch.device("cuda" if cuda else "cpu")
     table_bytes = args.table_mb << 20
-    base = torch.empty(table_bytes, dtype=torch.uint8)
+    base = host_empty((table_bytes,), torch.uint8)
     _fill(base, 0)
     t0 = time.perf_counter()
     base_ut = unified(base, shared="off")  # registers the pages once; views below share the registration
