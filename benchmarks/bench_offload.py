@@ -1185,6 +1185,9 @@ def _plot(
     ok = [r for r in results if "error" not in r]
     if not ok:
         return
+    if all("@seq" in r["config"] for r in results) and len({r["seq_len"] for r in results}) > 1:
+        _plot_lengths(results, out, name, plt)
+        return
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.2, 1]})
     # the trade-off: lower left is better; dsx points in one colour, baselines in another; every repeat a
     # point, each config named once, at its median
@@ -1218,6 +1221,38 @@ def _plot(
         runs = "one run"
     fig.suptitle(
         f"Activation offload strategies: same model, same data, {runs} (each config in its own process)"
+    )
+    fig.tight_layout()
+    save_png(fig, out, name)
+
+
+def _plot_lengths(results: list[dict[str, Any]], out: str | os.PathLike[str], name: str, plt: Any) -> None:
+    """A sequence-length sweep (``--seq-lens``): tokens/s against length, a line per config, and a cross where a
+    config first failed (out of memory, or otherwise, as the cross's label says) at the length it failed."""
+    fig, a = plt.subplots(figsize=(9, 4.8))
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        if not r.get("not_run"):
+            by.setdefault(r["config"].split("@")[0], []).append(r)
+    for i, (cfg, rows) in enumerate(sorted(by.items())):
+        color = f"C{i}"
+        good = sorted((r for r in rows if "error" not in r), key=lambda r: r["seq_len"])
+        if good:
+            a.plot([r["seq_len"] for r in good], [r["tokens_per_s"] / 1e3 for r in good], "o-", color=color,
+                   label=f"{cfg} (longest {good[-1]['seq_len']:,})")  # fmt: skip
+        for r in rows:
+            if "error" in r:
+                why = "out of memory" if _does_not_fit(r) else "failed otherwise"
+                a.plot(r["seq_len"], 0, "x", color=color, markersize=10, mew=2)
+                a.annotate(f"{cfg}: {why}", (r["seq_len"], 0), fontsize=7, rotation=90, xytext=(3, 6),
+                           textcoords="offset points", color=color)  # fmt: skip
+    a.set_xlabel("sequence length (tokens, micro-batch 1)")
+    a.set_ylabel("throughput (k tokens/s)")
+    a.set_ylim(bottom=0)
+    a.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    a.set_title(
+        "Longest sequence: throughput at each length each config trained; x: its first failure", fontsize=10
     )
     fig.tight_layout()
     save_png(fig, out, name)

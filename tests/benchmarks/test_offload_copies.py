@@ -170,6 +170,21 @@ def test_a_sequence_sweep_runs_every_length_and_names_its_rows(tmp_path) -> None
         assert r["tokens_per_s"] == r["micro_batch"] * r["seq_len"] / r["step_s"]
     assert "sequence 16" in rows["dsx_auto_budget@seq16"]["error"]  # recompute ran at 32 only
     assert saved["ratios"]["longest_sequence"]["largest"]["none"]["seq_len"] == 32
+    assert (tmp_path / "cap.png").stat().st_size > 0
+
+
+def test_a_length_sweep_draws_throughput_against_length_with_each_first_failure(tmp_path) -> None:
+    rows = [{"config": f"recompute@seq{n}", "seq_len": n, "tokens_per_s": 9e3 - n / 100, "step_s": 1.0,
+             "activation_peak_gb": 1.0, "step_s_runs": [1.0]} for n in (1000, 2000)]  # fmt: skip
+    rows += [{"config": "none@seq1000", "seq_len": 1000, "tokens_per_s": 1e4, "step_s": 1.0,
+              "activation_peak_gb": 2.0, "step_s_runs": [1.0]},
+             {"config": "none@seq2000", "seq_len": 2000, "error": "OutOfMemoryError: CUDA out of memory"},
+             {"config": "recompute@seq3000", "seq_len": 3000, "error": "timed out after 300 s"}]  # fmt: skip
+    bench_offload._plot(rows, tmp_path, "lengths")
+    assert (tmp_path / "lengths.png").stat().st_size > 0
+    # one length only: the strategies' chart
+    bench_offload._plot(rows[:1], tmp_path, "one")
+    assert (tmp_path / "one.png").stat().st_size > 0
 
 
 def test_a_capped_host_pool_runs_with_the_ssd_tier_and_without(tmp_path) -> None:
