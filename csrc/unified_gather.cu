@@ -298,9 +298,8 @@ cudaError_t launch_gather(const GatherArgs& a, int max_sms, cudaStream_t stream)
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (err != cudaSuccess) return err;
   int use_sms = (max_sms > 0 && max_sms < sms) ? max_sms : sms;
-  // Rows under 512 bytes: fewer requests in flight read faster (H100, PCIe Gen5, 1M sorted ids: 256-byte
-  // rows 44.7 GB/s on 8 SMs' worth, 42.2 on 16, 37.7 on 132; 128 B 35.3 / 33.0 / 28.3; 64 B 30.0 / 26.5 /
-  // 25.9; 512-byte rows and longer are as fast or faster on 16). max_sms stays an upper bound.
+  // Rows under 512 bytes: fewer requests in flight read faster (measured on an H100: docs/unified.md, "Bounded
+  // SMs"); 512-byte rows and longer are as fast or faster on 16. max_sms stays an upper bound.
   if (a.row_bytes < kShortRowBytes && use_sms > kShortRowSms) use_sms = kShortRowSms;
   const Plan shape = plan_gather(a, 0);
   with_index(a.index_is_int64, [&](auto idx_tag) {
