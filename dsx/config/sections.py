@@ -150,8 +150,9 @@ class UnifiedConfig(_Section):
     backend: Literal["auto", "cuda", "torch"] = "auto"
     # "sync": a GPU gather waits for its out-of-range flag; "deferred": checked at the next gather/check().
     check_indices: Literal["sync", "deferred"] = "sync"
-    # Rows start at multiples of this many bytes (a padded copy of the table), so that each row crosses PCIe in
-    # whole 32-byte sectors (docs/unified.md, "Padded rows"). 0: rows as given, pinned in place.
+    # Rows start at multiples of this many bytes, the first on a page (a padded copy of the table where they do
+    # not), so that each row crosses PCIe in whole 32-byte sectors, or at 128 in whole lines (docs/unified.md,
+    # "Padded rows", "Where the table starts"). 0: rows as given, pinned in place.
     row_alignment: int = 0
 
     @field_validator("row_alignment")

@@ -104,7 +104,7 @@ def synthetic_mag(
     p = n["paper"]
     y = torch.arange(p) % num_classes
     emb = torch.randn(num_classes, paper_features, generator=gen, device=dev)
-    # page-aligned: a GPU gather reads each row in whole 128-byte lines
+    # page-aligned, so rows of a multiple of 128 bytes start on a line (docs/unified.md, 'Where the table starts')
     x = host_empty((p, paper_features), feature_dtype)
     rows = max(1, _CHUNK_BYTES // (4 * paper_features))
     for lo in range(0, p, rows):  # in slices: the table may be most of host memory and not fit on the device

@@ -88,7 +88,7 @@ def rmat_graph(
     y_new = torch.empty_like(y)
     y_new[perm] = y
     centroids = torch.randn(num_classes, num_features, generator=g, device=device)
-    # page-aligned: a GPU gather reads each row in whole 128-byte lines
+    # page-aligned, so rows of a multiple of 128 bytes start on a line (docs/unified.md, 'Where the table starts')
     x = host_empty((num_nodes, num_features), feature_dtype)
     for lo in range(0, num_nodes, chunk):
         hi = min(num_nodes, lo + chunk)

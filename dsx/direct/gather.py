@@ -86,13 +86,15 @@ def rows_contiguous(table: torch.Tensor) -> bool:
 PAGE_BYTES = 4096
 
 
-def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def host_empty(shape: int | tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor whose first byte starts a page (4096 bytes), as a feature table
     for :func:`dsx.direct.unified` should: torch's own host allocations start on 64-byte boundaries, often
     half-way into a 128-byte line, and then every row of a multiple of 128 bytes costs the GPU gather one line
     read more than it needs (docs/unified.md, "Where the table starts"). At most one page more than
     ``torch.empty``."""
-    shape = tuple(shape)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"host_empty: negative dimension in shape {shape}")
     nbytes = math.prod(shape) * dtype.itemsize
     buf = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
     start = -buf.data_ptr() % PAGE_BYTES

@@ -258,17 +258,20 @@ def _padded_copy(tensor: torch.Tensor, align: int) -> torch.Tensor:
 
 
 def _hint_line_offset(tensor: torch.Tensor, name: str | None) -> None:
-    """Say once per process that a table pinned in place starts off a 128-byte line (its rows of a multiple of
-    128 bytes then each cost one line read more), and what avoids it."""
+    """Say once per process that a table pinned in place starts off a 128-byte line while its rows lie a
+    multiple of 128 bytes apart (every row then sits at that same offset and costs one line read more), and
+    what avoids it. Rows at other strides start at every offset within a line whatever the table's start."""
     global _hinted
-    row_bytes = _g.row_bytes_of(tensor.shape, tensor.dtype)
-    if _hinted or tensor.dim() < 2 or row_bytes < _LINE or not tensor.data_ptr() % _LINE:
+    if _hinted or tensor.dim() < 2 or tensor.shape[0] < 2 or not tensor.data_ptr() % _LINE:
+        return
+    if _g.row_stride_of(tensor) % _LINE:
         return
     _hinted = True
     logger.info(
-        "dsx.unified%s: the table starts %d bytes into a 128-byte line, so a GPU gather reads up to one line a "
-        "row more than an aligned table: allocate it with dsx.direct.host_empty, or set unified.row_alignment "
-        "to 128 for an aligned copy (docs/unified.md, 'Where the table starts')",
+        "dsx.unified%s: the table starts %d bytes into a 128-byte line and its rows lie a multiple of 128 bytes "
+        "apart, so a GPU gather reads one line a row more than from an aligned table: allocate it with "
+        "dsx.direct.host_empty, or set unified.row_alignment to 128 for an aligned copy (docs/unified.md, "
+        "'Where the table starts')",
         f" {name}" if name else "",
         tensor.data_ptr() % _LINE,
     )
@@ -334,11 +337,14 @@ def unified(
     align = cfg.row_alignment
     if _needs_copy(align, tensor):
         logger.info(
-            "dsx.unified%s: rows of %d bytes copied %d bytes apart (row_alignment=%d)",
+            "dsx.unified%s: rows of %d bytes copied %d bytes apart, from a page (row_alignment=%d; the table's "
+            "rows lay %d bytes apart from a start %d bytes past a multiple of the alignment)",
             f" {name}" if name else "",
             _g.row_bytes_of(tensor.shape, tensor.dtype),
             _g.padded_row_stride(_g.row_bytes_of(tensor.shape, tensor.dtype), align),
             align,
+            _g.row_stride_of(tensor) if tensor.shape[0] > 1 else _g.row_bytes_of(tensor.shape, tensor.dtype),
+            tensor.data_ptr() % align,
         )
         tensor = _padded_copy(tensor, align)
     else:

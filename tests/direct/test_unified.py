@@ -166,12 +166,22 @@ def test_host_empty_starts_a_page_and_holds_what_is_written(shape, dtype) -> Non
     assert torch.equal(t, src)
 
 
+def test_host_empty_takes_a_length_and_refuses_a_negative_one() -> None:
+    assert dsx_direct.host_empty(5, torch.int16).shape == (5,)
+    for bad in ((2, -1), (-1,), -3):
+        with pytest.raises(ValueError, match="negative dimension"):
+            dsx_direct.host_empty(bad)
+
+
 def test_a_table_pinned_off_a_line_is_named_once(tmp_path, caplog, monkeypatch) -> None:
     monkeypatch.setattr(unified_module, "_hinted", False)
     buf = dsx_direct.host_empty((41 * 64,))
     aligned, off = buf[: 40 * 64].view(40, 64), buf[16 : 16 + 40 * 64].view(40, 64)
+    # rows 300 bytes apart start at every offset within a line whatever the table's start: nothing to say
+    rows300 = buf[16 : 16 + 8 * 75].view(8, 75)
     with caplog.at_level("INFO", logger="dsx"):
         unified(aligned, shared="off", config=_cfg(tmp_path))
+        unified(rows300, shared="off", config=_cfg(tmp_path))
         assert "128-byte line" not in caplog.text
         unified(off, shared="off", config=_cfg(tmp_path))
         unified(off, shared="off", config=_cfg(tmp_path))
