@@ -1227,16 +1227,17 @@ def _plot(
 
 
 def _plot_lengths(results: list[dict[str, Any]], out: str | os.PathLike[str], name: str, plt: Any) -> None:
-    """A sequence-length sweep (``--seq-lens``): tokens/s against length, a line per config, and a cross where a
-    config first failed (out of memory, or otherwise, as the cross's label says) at the length it failed."""
+    """A sequence-length sweep (``--seq-lens``): tokens/s against length, a line per config (its median run at
+    each length), and a cross where a config first failed (out of memory, or otherwise, as the cross's label
+    says) at the length it failed."""
     fig, a = plt.subplots(figsize=(9, 4.8))
     by: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         if not r.get("not_run"):
-            by.setdefault(r["config"].split("@")[0], []).append(r)
+            by.setdefault(r["config"].rsplit("@seq", 1)[0], []).append(r)
     for i, (cfg, rows) in enumerate(sorted(by.items())):
         color = f"C{i}"
-        good = sorted((r for r in rows if "error" not in r), key=lambda r: r["seq_len"])
+        good = sorted(median_runs([r for r in rows if "error" not in r]).values(), key=lambda r: r["seq_len"])
         if good:
             a.plot([r["seq_len"] for r in good], [r["tokens_per_s"] / 1e3 for r in good], "o-", color=color,
                    label=f"{cfg} (longest {good[-1]['seq_len']:,})")  # fmt: skip

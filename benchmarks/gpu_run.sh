@@ -168,8 +168,10 @@ else:
     [ "$part" = 1 ] && merge=()
     [ "$part" = 3 ] && child=520  # dsx alone at one length may take the command, less the parent's own time
     # dsx's budget leaves 5 GB: the CUDA context, cuBLAS and NCCL hold over 2 GB outside torch, and a plan may
-    # peak a few percent over its prediction. The SSD tier stays within the lent machine's 64 GB disk.
-    run bench-offload-8b-capacity 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
+    # peak a few percent over its prediction. The SSD tier stays within the lent machine's 64 GB disk. Every
+    # config runs with expandable allocator segments (dsx turns them on for itself; a peer at its best setting
+    # has them too: without them a long sequence can fail on fragmentation with memory to spare).
+    run bench-offload-8b-capacity 560 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --warmup 2 --steps 3 \
       --pool-gb 48 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 --child-timeout "$child" \
       --configs "${configs[@]}" --seq-lens "${sizes[@]}" "${merge[@]}" "${repeat[@]}" --name bench_offload_8b_capacity \
@@ -203,7 +205,8 @@ else:
     esac
     sizes=("$cfg=${3:?offload-8b-pool-capacity host|ssd LEN}")
     [ -f "$RES/bench_offload_8b_pool_capacity.json" ] || sizes=(recompute=16384 "${sizes[@]}")
-    run bench-offload-8b-pool-capacity 560 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
+    # (expandable allocator segments for every config, as in offload-8b-capacity)
+    run bench-offload-8b-pool-capacity 560 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --warmup 2 --steps 3 \
       --pool-gb 12 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 --child-timeout 470 \
       --configs "${sizes[@]%%=*}" --seq-lens "${sizes[@]}" --merge --name bench_offload_8b_pool_capacity --out "$RES"
