@@ -175,7 +175,7 @@ def _measure(
     # queued methods: the median of their per-repeat fractions of the queued copy
     paired: dict[str, float] = {}
 
-    def record(key: str, fn, out_fn, queued: bool = False) -> None:
+    def record(key: str, fn, out_fn, queued: bool = False, ref: torch.Tensor = ref_rows) -> None:
         if queued:
             secs, paired[key] = _time_paired(fn, lambda: dst.copy_(src, non_blocking=True), args.repeats)
         else:
@@ -183,7 +183,7 @@ def _measure(
         gbs[key] = gathered / secs / 1e9
         out_fn().zero_()  # buffers are shared between methods: make a stale result impossible to pass
         fn()
-        check[key] = bool(torch.equal(out_fn()[:4096].cpu(), ref_rows))
+        check[key] = bool(torch.equal(out_fn()[:4096].cpu(), ref))
 
     # Copy ceiling: one pinned (or plain, on CPU) buffer of the gathered size.
     src = torch.empty(gathered, dtype=torch.uint8, pin_memory=cuda)
@@ -229,17 +229,20 @@ def _measure(
             ):  # (ut_view has no config of its own: it follows the defaults)
                 record(key, lambda: ut_view.gather(didx, out=dst2), lambda: dst2)
 
-        def record_queued(key: str, ut: Any) -> None:
+        def record_queued(key: str, ut: Any, ref: torch.Tensor = ref_rows) -> None:
             # with the index check deferred, as a loader's gathers run ("sync", dsx's figure, makes the host wait
             # for the check inside the timed span)
-            record(key, lambda: ut.gather(didx, out=dst2, check="deferred"), lambda: dst2, queued=True)
+            record(
+                key, lambda: ut.gather(didx, out=dst2, check="deferred"), lambda: dst2, queued=True, ref=ref
+            )
             ut.check()
 
         with dsx.defaults.set("unified", UnifiedConfig(backend="cuda")):
             record_queued("dsx_queued", ut_view)
             if rb >= 128:
-                with unified(base[_OFF : _OFF + rows * rb].view(rows, rb), shared="off") as ut_off:
-                    record_queued("dsx_queued_off64", ut_off)
+                shifted = base[_OFF : _OFF + rows * rb].view(rows, rb)
+                with unified(shifted, shared="off") as ut_off:  # (other bytes: its own reference)
+                    record_queued("dsx_queued_off64", ut_off, shifted.index_select(0, gidx[:4096]))
         ut_view.close()
         if rb % 32:
             # rows in whole 32-byte sectors: the same rows, read from a padded copy of the table

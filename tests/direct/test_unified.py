@@ -432,18 +432,26 @@ def test_op_builder_says_why_it_cannot_build_here() -> None:
         load_unified_gather()
 
 
-def test_bench_gather_quick_smoke(tmp_path) -> None:
+def run_bench_gather_quick(out: Path, sizes: tuple[str, ...] = ("--quick",)) -> list[dict]:
+    """``bench_gather`` at tiny ``sizes`` into ``out`` (``--quick``: the CPU paths only); its results, each
+    method's output checked against ``index_select``."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import bench_gather
     finally:
         sys.path.pop(0)
-    report = bench_gather.main(["--quick", "--out", str(tmp_path)])
-    assert (tmp_path / "bench_gather.json").is_file() and (tmp_path / "bench_gather.png").is_file()
-    saved = json.loads((tmp_path / "bench_gather.json").read_text())
+    report = bench_gather.main([*sizes, "--out", str(out)])
+    assert (out / "bench_gather.json").is_file() and (out / "bench_gather.png").is_file()
+    saved = json.loads((out / "bench_gather.json").read_text())
     assert saved["env"]["torch"] == torch.__version__ and len(saved["results"]) == len(report["results"]) == 2
     for rec in saved["results"]:
-        assert all(rec["correct"].values()) and rec["gb_per_s"]["dsx"] > 0
+        assert all(rec["correct"].values()), rec["correct"]
+        assert rec["gb_per_s"]["dsx"] > 0
+    return saved["results"]
+
+
+def test_bench_gather_quick_smoke(tmp_path) -> None:
+    run_bench_gather_quick(tmp_path)
 
 
 def test_a_row_off_whole_sectors_is_bounded_by_the_row_rounded_up_to_them() -> None:

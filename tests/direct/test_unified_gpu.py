@@ -9,7 +9,7 @@ import torch
 import dsx
 from dsx.config import UnifiedConfig
 from dsx.direct import IndexOutOfRangeError, unified
-from tests.direct.test_unified import _table
+from tests.direct.test_unified import _table, run_bench_gather_quick
 
 ROW_BYTES = [4, 5, 12, 16, 31, 64, 100, 128, 130, 256, 300, 512, 1000, 1001, 1024, 2052, 4096]
 
@@ -17,6 +17,27 @@ ROW_BYTES = [4, 5, 12, 16, 31, 64, 100, 128, 130, 256, 300, 512, 1000, 1001, 102
 def _gpu_table(rows: int, row_bytes: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (rows, row_bytes), generator=g, dtype=torch.uint8)
+
+
+@pytest.mark.gpu
+def test_gpu_bench_gather_checks_every_method_against_its_own_table(tmp_path) -> None:
+    """Every method the benchmark times on a GPU returns the rows ``index_select`` gives from the table it read:
+    the one 64 bytes into the buffer (other bytes than the page-aligned table's) against its own rows."""
+    tiny = (
+        "--table-mb",
+        "8",
+        "--num-indices",
+        "4096",
+        "--row-bytes",
+        "64",
+        "516",
+        "--repeats",
+        "2",
+        "--rounds",
+        "1",
+    )
+    results = run_bench_gather_quick(tmp_path, (*tiny, "--sweep-sms"))
+    assert "dsx_queued_off64" in results[-1]["correct"]
 
 
 @pytest.mark.gpu
