@@ -1235,18 +1235,21 @@ def _plot_lengths(results: list[dict[str, Any]], out: str | os.PathLike[str], na
     for r in results:
         if not r.get("not_run"):
             by.setdefault(r["config"].rsplit("@seq", 1)[0], []).append(r)
+    crosses: dict[int, int] = {}  # labels already at a length: the next one is drawn beside them
     for i, (cfg, rows) in enumerate(sorted(by.items())):
         color = f"C{i}"
         good = sorted(median_runs([r for r in rows if "error" not in r]).values(), key=lambda r: r["seq_len"])
         if good:
             a.plot([r["seq_len"] for r in good], [r["tokens_per_s"] / 1e3 for r in good], "o-", color=color,
                    label=f"{cfg} (longest {good[-1]['seq_len']:,})")  # fmt: skip
-        for r in rows:
-            if "error" in r:
-                why = "out of memory" if _does_not_fit(r) else "failed otherwise"
-                a.plot(r["seq_len"], 0, "x", color=color, markersize=10, mew=2)
-                a.annotate(f"{cfg}: {why}", (r["seq_len"], 0), fontsize=7, rotation=90, xytext=(3, 6),
-                           textcoords="offset points", color=color)  # fmt: skip
+        failed = [r for r in rows if "error" in r]
+        if failed:  # (a longer length tried in another part failed too: only the shortest is the limit)
+            r = min(failed, key=lambda r: r["seq_len"])
+            why = "out of memory" if _does_not_fit(r) else "failed otherwise"
+            k = crosses[r["seq_len"]] = crosses.get(r["seq_len"], -1) + 1
+            a.plot(r["seq_len"], 0, "x", color=color, markersize=10, mew=2)
+            a.annotate(f"{cfg}: {why}", (r["seq_len"], 0), fontsize=7, rotation=90, xytext=(3 + 9 * k, 6),
+                       textcoords="offset points", color=color)  # fmt: skip
     a.set_xlabel("sequence length (tokens, micro-batch 1)")
     a.set_ylabel("throughput (k tokens/s)")
     a.set_ylim(bottom=0)

@@ -140,8 +140,8 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
       1) sizes=(none=40960,49152,57344 recompute=98304,131072,163840) ;;
       2) sizes=(dsx_auto_budget_sel=98304,131072) ;;
       3) sizes=(dsx_auto_budget_sel=${3:-163840}) ;;  # one length a command (LEN, default 163,840)
-      4) sizes=(recompute=196608,229376) ;;
-      5) sizes=(ds_cpu_ckpt=98304,131072,163840) ;;
+      4) sizes=(recompute=229376,262144) ;;
+      5) sizes=(ds_cpu_ckpt=163840,196608) ;;
       6) sizes=(megatron_offload_all=49152,57344,65536 hooks_offload=32768,40960) ;;
       7) case ${3:-1} in
            1) ;;

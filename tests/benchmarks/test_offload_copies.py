@@ -192,6 +192,24 @@ def test_a_length_sweep_draws_throughput_against_length_with_each_first_failure(
     assert (tmp_path / "one.png").stat().st_size > 0 and drawn == [tmp_path]
 
 
+def test_a_length_sweep_marks_each_config_once_where_it_first_failed(tmp_path, monkeypatch) -> None:
+    """A longer length that failed in another part is not a second limit; two configs failing at one length get
+    labels side by side, not on top of each other."""
+    ok = {"tokens_per_s": 1e4, "step_s": 1.0, "activation_peak_gb": 1.0, "step_s_runs": [1.0]}
+    oom = {"error": "OutOfMemoryError: CUDA out of memory"}
+    rows = [{"config": f"{c}@seq1000", "seq_len": 1000, **ok} for c in ("recompute", "none", "dsx")]
+    rows += [{"config": f"{c}@seq{n}", "seq_len": n, **oom} for c, n in
+             (("recompute", 4000), ("recompute", 3000), ("none", 2000), ("dsx", 2000))]  # fmt: skip
+    figs = []
+    monkeypatch.setattr(bench_offload, "save_png", lambda fig, *a: figs.append(fig))
+    bench_offload._plot(rows, tmp_path, "lengths")
+    marks = {t.get_text(): (t.xy[0], t.xyann[0]) for t in figs[0].axes[0].texts}
+    assert set(marks) == {"recompute: out of memory", "none: out of memory", "dsx: out of memory"}
+    assert marks["recompute: out of memory"][0] == 3000
+    assert marks["none: out of memory"][0] == marks["dsx: out of memory"][0] == 2000
+    assert marks["none: out of memory"][1] != marks["dsx: out of memory"][1]
+
+
 def test_a_capped_host_pool_runs_with_the_ssd_tier_and_without(tmp_path) -> None:
     """--ssd-gb sizes the SSD tier apart from the host pool; dsx_auto_budget_host plans over the host tier
     alone, so that the two rows side by side say what the SSD adds beside a capped pool. Real engines and a
