@@ -105,13 +105,22 @@ CONFIGS = [
 # megatron-core's fine-grained activation offloading of one set of sub-modules (llama model, megatron on a GPU;
 # _megatron_offload.py): asked for by name, not in the default list
 MEGATRON_OFFLOAD = [f"megatron_offload_{k}" for k in OFFLOAD_SETS]
-ALL_CONFIGS = CONFIGS + MEGATRON_OFFLOAD
+# dsx_auto_budget profiled with the layers' inputs on the host (profile_mode "recompute+host"): for lengths whose
+# profiling under full recompute does not fit; asked for by name
+PROFILE_HOST = ["dsx_auto_budget_hp", "dsx_auto_budget_hp_sel"]
+ALL_CONFIGS = CONFIGS + MEGATRON_OFFLOAD + PROFILE_HOST
 # configs whose only offload tier is the SSD (staged through the host pool): each run also measures the drive,
 # and the JSON sets the tier's rates against the drive's
 SSD_ONLY = ("dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel")
 # configs whose steps take seconds (bandwidth-bound copies): fewer steps, same warm-up rule
 SLOW = ("save_on_cpu", "hooks_offload", "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_host")
-NEEDS_BUDGET = ("dsx_auto_budget", "dsx_auto_budget_sel", "dsx_auto_budget_host", "dsx_auto_budget_host_sel")
+NEEDS_BUDGET = (
+    "dsx_auto_budget",
+    "dsx_auto_budget_sel",
+    "dsx_auto_budget_host",
+    "dsx_auto_budget_host_sel",
+    *PROFILE_HOST,
+)
 
 
 def _ds_config(
@@ -226,6 +235,8 @@ def _section(
                             "memory_budget_gb": budget_gb},
         # the same with the host tier alone: what the SSD tier adds beside a capped host pool
         "dsx_auto_budget_host": {**base, **auto, "tiers": ["host"], "memory_budget_gb": budget_gb},
+        "dsx_auto_budget_hp": {**base, **auto, "tiers": ["host", "ssd"], "ssd_path": ssd_dir,
+                               "memory_budget_gb": budget_gb, "profile_mode": "recompute+host"},
         "dsx_auto_hide": {**base, **auto, "tiers": ["host", "ssd"], "ssd_path": ssd_dir},
     }.get(name)  # fmt: skip
 

@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | hetero | hetero-scale | hetero-large |
 #                                         offload | offload-hide | offload-8b | offload-8b-peers |
 #                                         offload-8b-sweep [1|2|3] | offload-8b-megatron |
-#                                         offload-8b-capacity [1-6|3 LEN|7 ROUND] | offload-8b-pool ROUND |
+#                                         offload-8b-capacity [1-6|3 LEN|7 ROUND|8 LEN] | offload-8b-pool ROUND |
 #                                         offload-8b-pool-capacity host|ssd LEN |
 #                                         offload-8b-2gpu | offload-long |
 #                                         offload-ssd | main | wheel
@@ -12,7 +12,7 @@
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-6|3 LEN|7 ROUND]|offload-8b-pool ROUND|offload-8b-pool-capacity host|ssd LEN|offload-8b-2gpu|offload-long|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-6|3 LEN|7 ROUND|8 LEN]|offload-8b-pool ROUND|offload-8b-pool-capacity host|ssd LEN|offload-8b-2gpu|offload-long|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -133,7 +133,9 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
                         # lengths, 5 DeepSpeed's cpu_checkpointing, 6 megatron's offload of every module and the
                         # saved-tensor-hook offload (its pinned copies, 1.8 MB a token, make host memory its limit);
                         # part 7 ROUND (1, 2, 3): one round of the best peer and dsx at the longest the peer trained,
-                        # the three parts interleaved (a round at these lengths takes minutes). A config that trains
+                        # the three parts interleaved (a round at these lengths takes minutes); part 8 LEN: dsx
+                        # profiled with the layers' inputs on the host (profile_mode "recompute+host"), at LEN
+                        # (default 262,144, where full recompute's memory does not fit). A config that trains
                         # its longest listed length has no limit found (limit_found in the JSON): extend it
     part=${2:-1} repeat=()
     case $part in
@@ -142,6 +144,7 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
       3) sizes=(dsx_auto_budget_sel=${3:-163840}) ;;  # one length a command (LEN, default 163,840)
       4) sizes=(recompute=229376,262144) ;;
       5) sizes=(ds_cpu_ckpt=163840,196608) ;;
+      8) sizes=(dsx_auto_budget_hp_sel=${3:-262144}) ;;  # dsx profiled with the layers' inputs on the host
       6) sizes=(megatron_offload_all=49152,57344,65536 hooks_offload=32768,40960) ;;
       7) case ${3:-1} in
            1) ;;
@@ -162,11 +165,11 @@ else:
     print(d['parts'][last]['configs'][0], row['seq_len'])") \
            || { log "offload-8b-capacity 7: run parts 1-6 (and round 1) first"; exit 1; }
          read -r peer len <<< "$at"; sizes=("$peer=$len" "dsx_auto_budget_sel=$len") ;;
-      *) log "offload-8b-capacity: part 1 to 7, not $part"; exit 2 ;;
+      *) log "offload-8b-capacity: part 1 to 8, not $part"; exit 2 ;;
     esac
     configs=("${sizes[@]%%=*}") merge=(--merge) child=300
     [ "$part" = 1 ] && merge=()
-    [ "$part" = 3 ] && child=520  # dsx alone at one length may take the command, less the parent's own time
+    [ "$part" = 3 ] || [ "$part" = 8 ] && child=520  # dsx alone at one length may take the command
     # dsx's budget leaves 5 GB: the CUDA context, cuBLAS and NCCL hold over 2 GB outside torch, and a plan may
     # peak a few percent over its prediction. The SSD tier stays within the lent machine's 64 GB disk. Every
     # config runs with expandable allocator segments (dsx turns them on for itself; a peer at its best setting

@@ -165,6 +165,23 @@ def test_ssd_tier_needs_path() -> None:
     )
 
 
+def test_profiling_with_inputs_on_the_host_needs_the_host_tier(tmp_path) -> None:
+    msg = _err({"activation_offload": {"enabled": True, "tiers": ["ssd"], "ssd_path": str(tmp_path),
+                                       "profile_mode": "recompute+host"}})  # fmt: skip
+    assert "profile_mode 'recompute+host' moves the layers' inputs to the host tier" in msg
+    assert "add 'host' to tiers, or profile with 'recompute'" in msg
+    ok = {
+        "enabled": True,
+        "tiers": ["host", "ssd"],
+        "ssd_path": str(tmp_path),
+        "profile_mode": "recompute+host",
+    }
+    assert (
+        DsxConfig.model_validate({"activation_offload": ok}).activation_offload.profile_mode
+        == "recompute+host"
+    )
+
+
 def test_section_not_an_object() -> None:
     assert "expected an object" in _err([1, 2])
 

@@ -34,7 +34,7 @@ _OFFLOAD: dict[str, list[Any]] = {
     "layer_classes": [None, ["Block"], ["NoSuchLayer"]],
     "recompute_modules": [[], ["CoreAttention"], ["NoSuchModule"]],
     "profile_warmup_steps": [0, 1, 2, 1000],
-    "profile_mode": ["auto", "keep", "recompute"],
+    "profile_mode": ["auto", "keep", "recompute", "recompute+host"],
     "write_barrier": ["auto", "on", "off"],
     "read_pool": ["auto", "compute", "prefetch"],
     "expandable_segments": ["auto", "on", "off"],

@@ -41,8 +41,11 @@ class ActivationOffloadConfig(_Section):
     profile_warmup_steps: int = Field(default=2, ge=0, le=1000)
     # policy auto: how the warm-up and profiling steps run. "keep" keeps everything (exact, but the
     # micro-batch must fit without dsx); "recompute" recomputes every layer and profiles the recomputation
-    # (a micro-batch that fits only with dsx); "auto": "recompute" when memory_budget_gb is set
-    profile_mode: Literal["auto", "keep", "recompute"] = "auto"
+    # (a micro-batch that fits only with dsx: those steps peak as full recompute does); "recompute+host" as
+    # "recompute", with each layer's inputs moved to the host tier, so that those steps peak below full
+    # recompute (a sequence full recompute cannot fit; docs/offload.md, "What the profile costs in memory");
+    # "auto": "recompute" when memory_budget_gb is set
+    profile_mode: Literal["auto", "keep", "recompute", "recompute+host"] = "auto"
     # policies auto and offload_all: hold the host until earlier layers' moved bytes have left the device (auto:
     # where the plan's model has their writes done; offload_all: two layers back, and all of them before
     # backward), so that they are freed before later layers allocate. "auto": on under memory_budget_gb and
@@ -132,6 +135,13 @@ class ActivationOffloadConfig(_Section):
             raise PydanticCustomError(
                 "dsx_missing",
                 "ssd_path is not set, and tiers contains 'ssd': give ssd_path, a directory on the SSD",
+            )
+        if self.profile_mode == "recompute+host" and "host" not in self.tiers:
+            raise PydanticCustomError(
+                "dsx_mismatch",
+                "profile_mode 'recompute+host' moves the layers' inputs to the host tier, and tiers {tiers} has "
+                "none: add 'host' to tiers, or profile with 'recompute'",
+                {"tiers": self.tiers},
             )
         return self
 

@@ -161,6 +161,7 @@ class ActivationOffload:
         self._outside_s = 0.0  # the step's time outside the layers (Profiler.outside_s)
         self._outside_peak = 0  # its peak after the layers' backward (Profiler.outside_peak)
         self._profile_rc = False  # policy auto profiles under recomputation (set below)
+        self._profile_host = False  # ... with the layers' inputs on the host tier
         if cfg.policy != "auto":
             _warn_unused_auto_settings(cfg)
         if cfg.policy == "offload_all":
@@ -175,7 +176,9 @@ class ActivationOffload:
             self._apply([Action.RECOMPUTE] * len(self.layers), 1)
         elif cfg.policy == "auto":
             # a budget means the micro-batch may fit only with dsx: profile under recomputation then
-            self._profile_rc = cfg.resolved("profile_mode") == "recompute"
+            mode = cfg.resolved("profile_mode")
+            self._profile_rc = mode in ("recompute", "recompute+host")
+            self._profile_host = mode == "recompute+host"
             self.profiler = Profiler(
                 self.layers,
                 self.hooks,
@@ -228,7 +231,16 @@ class ActivationOffload:
         if not self._profile_rc:
             self.hooks.actions = ["profile" if on else "keep"] * len(self.layers)
             return
-        self.hooks.actions = ["keep"] * len(self.layers)  # the profiler counts inside the recomputation
+        n = len(self.layers)
+        self.hooks.actions = ["keep"] * n  # the profiler counts inside the recomputation
+        if self._profile_host:
+            # what each checkpoint keeps (the layer's inputs) goes to the host as a recompute+host layer's does;
+            # the recomputation runs outside the layers' hooks, so what it saves stays. A layer waits for the
+            # writes of the layer two back (the warm-up steps are not synchronized per layer, and the host
+            # would otherwise queue later layers before the moved bytes are freed)
+            self.host.allocate()
+            self.hooks.actions = ["host"] * n
+            self.hooks.write_barrier, self.hooks.write_barrier_bwd = write_barrier_fixed(n)
         self._uncheckpoint_layers()
         for i, layer in enumerate(self.layers):
             wrap = (lambda fn, count_saved=True, i=i: profiler.wrap(i, fn, count_saved)) if on else None
@@ -324,6 +336,8 @@ class ActivationOffload:
         self.plan = plan
         if rank_and_world()[0] == 0:
             how = "every layer recomputed" if self._profile_rc else "everything kept"
+            if self._profile_host:
+                how += ", its inputs on the host"
             logger.warning(
                 "dsx activation offload plan (profiled with %s; reads into the %s stream's allocator pool%s):\n%s",
                 how,

@@ -162,15 +162,27 @@ class Profiler:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _saved_upto(self, i: int) -> int:
-        """What layers 0..i hold between their forward and backward: all they save, or their inputs."""
-        return sum((self.in_bytes if self.under_recompute else self.hooks.profile_bytes)[: i + 1])
+    def _saved_upto(self, i: int, at: str = "f") -> int:
+        """What layers 0..i hold on the device between their forward and backward: all they save, or their
+        inputs, less what of those inputs moved off it (``profile_mode`` ``"recompute+host"``). At a forward's
+        start (``at="f"``) the moved bytes are gone (the previous layer's end synchronized the device, and its
+        hooks then freed them); through the gap after layer ``i``'s forward (``"gap"``) its own are still
+        allocated, their copy out seen to end only at the next layer's start; at a backward's start (``"b"``)
+        those asked back are there again. In the gap after the last layer the reads the head's end asks for are
+        not counted: the background is then an upper bound."""
+        if not self.under_recompute:
+            return sum(self.hooks.profile_bytes[: i + 1])
+        held = 0
+        for j, b in enumerate(self.in_bytes[: i + 1]):
+            back = (at == "gap" and j == i) or (at == "b" and self.hooks.read_back(j))
+            held += b if back else b - self.hooks.moved_bytes(j)
+        return held
 
     def _close_gap(self) -> None:
         """End the gap after layer ``self._gap``'s forward: its peak beyond the saved bytes so far."""
         if self._gap is not None and self._base is not None:
             peak = torch.cuda.max_memory_allocated(self.device) - self._base
-            self.gap_bg[self._gap] = max(self.gap_bg[self._gap], peak - self._saved_upto(self._gap))
+            self.gap_bg[self._gap] = max(self.gap_bg[self._gap], peak - self._saved_upto(self._gap, "gap"))
         self._gap = None
 
     def _start(self, kind: str, i: int) -> None:
@@ -205,7 +217,7 @@ class Profiler:
             self._fold_peaks()
             now = torch.cuda.memory_allocated(self.device)
             if self._base is not None:
-                self.bwd_bg[i] = now - self._base - self._saved_upto(i)
+                self.bwd_bg[i] = now - self._base - self._saved_upto(i, "b")
             torch.cuda.reset_peak_memory_stats(self.device)
             self._open[i] = now
 

@@ -136,6 +136,15 @@ class SavedTensorHooks:
             if self.actions[j] in ("host", "ssd")
         ]
 
+    def moved_bytes(self, i: int) -> int:
+        """Bytes layer ``i`` moved off the device in the running forward."""
+        return self._moved_bytes.get(i, 0)
+
+    def read_back(self, i: int) -> bool:
+        """Whether layer ``i``'s moved bytes were asked back in the running backward (their buffers are
+        allocated on the device from then on)."""
+        return i in self._fetched_layers
+
     @property
     def profile_bytes(self) -> list[int]:
         """Per layer, the bytes of the storages it saved in the profiled step's first micro-batch."""

@@ -228,6 +228,22 @@ def test_a_capped_host_pool_runs_with_the_ssd_tier_and_without(tmp_path) -> None
     assert out["config"]["ssd_gb"] == 0.5
 
 
+def test_dsx_profiled_with_its_inputs_on_the_host_trains_as_a_capacity_config(tmp_path) -> None:
+    """dsx_auto_budget_hp: policy auto under a budget, profiled with the layers' inputs on the host
+    (profile_mode "recompute+host"); asked for by name, fitted to the card like dsx_auto_budget. A real engine
+    on the CPU."""
+    section = bench_offload._section("dsx_auto_budget_hp_sel", str(tmp_path), 1.0, 1.0, 1.0, "Attention")
+    assert section["profile_mode"] == "recompute+host" and section["recompute_modules"] == ["Attention"]
+    assert (
+        "dsx_auto_budget_hp" in bench_offload.NEEDS_BUDGET
+        and "dsx_auto_budget_hp" not in bench_offload.CONFIGS
+    )
+    out = bench_offload.main(["--quick", "--in-process", "--configs", "dsx_auto_budget_hp", "--auto-budget-gb",
+                              "0.0001", "--io-backend", "posix", "--out", str(tmp_path)])  # fmt: skip
+    (row,) = out["results"]
+    assert "error" not in row and row["plan"]["actions"], row
+
+
 def test_merged_repeats_keep_the_earlier_rows_and_the_capacity_takes_their_median(tmp_path) -> None:
     """--merge-repeat: interleaved rounds too long for one job run one a part; each part's rows join the earlier
     ones of the same name instead of replacing them, and the longest-sequence figures take the median."""

@@ -14,6 +14,7 @@ import torch
 from dsx.config import SchedulerConfig
 from dsx.offload import ActivationOffload
 from dsx.offload.plan import Action
+from dsx.offload.profile import Profiler
 from dsx.runtime.scheduler import Scheduler
 from tests.offload._offload_models import TinyGPT, assert_same_grads
 from tests.offload._runs import (
@@ -442,6 +443,63 @@ def test_profile_under_recompute_sees_what_keeping_sees(tmp_path, budget, mask):
         assert a.sel_saved_bytes == b.sel_saved_bytes and 0 < a.sel_saved_bytes < a.saved_bytes
         assert a.input_bytes == b.input_bytes == hidden
         assert a.fwd_s > 0 and a.bwd_s > 0 and a.sel_recompute_s > 0 and not a.recompute_only
+
+
+def test_profile_under_recompute_with_the_inputs_on_the_host(tmp_path):
+    """profile_mode recompute+host: the warm-up and profiling steps move each layer's input to the host tier (its
+    checkpoint's one saved tensor) and read it back for the recomputation, so that they hold no layer's input
+    on the device; the profile counts what profile_mode recompute counts, the plan made from it is the same,
+    and the gradients stay bitwise equal."""
+    runs = {}
+    for mode in ("recompute", "recompute+host"):
+        model, batches, want = _reference(9, 4, make=lambda: TinyGPT(by_keyword=True))
+        sched = Scheduler(SchedulerConfig(io_workers=2))
+        cfg = _cfg(tmp_path, ["host"], policy="auto", recompute_modules=["CoreAttention"],
+                   profile_warmup_steps=1, profile_mode=mode, memory_budget_gb=1.0)  # fmt: skip
+        off = ActivationOffload(model, cfg, sched)
+        got, plans, calls = _calls_per_step(model, batches, off, sched)
+        assert_same_grads(want, got)
+        hist = sched.telemetry.history
+        moved = [(r.bytes_by_tier.get("host", 0), r.bytes_by_tier.get("host_read", 0)) for r in hist]
+        runs[mode] = (plans, calls, moved, off.hooks.write_barrier)
+    (rp, rcalls, rmoved, _), (hp, hcalls, hmoved, barrier) = runs["recompute"], runs["recompute+host"]
+    n = len(rp[1].profiles)
+    hidden = 2 * 16 * 32 * 4  # one float32 hidden state: what each layer's checkpoint keeps
+    assert rcalls[:2] == hcalls[:2] == [2 * n, 2 * n]  # every layer recomputed in both
+    assert rmoved[:2] == [(0, 0), (0, 0)]
+    assert hmoved[:2] == [(n * hidden, n * hidden)] * 2, hmoved  # each input out and back, nothing else
+    assert hmoved[2:] == rmoved[2:] and hp[1].actions == rp[1].actions  # the same plan, run alike
+    for a, b in zip(hp[1].profiles, rp[1].profiles):
+        assert a.saved_bytes == b.saved_bytes > a.input_bytes == b.input_bytes == hidden
+        assert a.saved_sizes == b.saved_sizes and a.sel_saved_bytes == b.sel_saved_bytes > 0
+        assert a.fwd_s > 0 and a.bwd_s > 0 and not a.recompute_only
+    assert barrier == hp[1].write_barrier  # the plan's barrier replaced the profiling steps' fixed one
+
+
+def test_profile_memory_points_subtract_the_inputs_on_the_device_only():
+    """What the profiler subtracts from its memory points under recompute+host: at a forward's start no moved
+    input (the device was synchronized and the copies freed), in the gap after a layer that layer's own (its
+    copy out is still allocated), at a backward's start those asked back. Bytes that did not move (a full pool)
+    are always there. With nothing moved it is every input, as profile_mode recompute counts."""
+
+    class Moves:  # the two questions the profiler asks of the layer hooks
+        def __init__(self, moved: dict[int, int], back: set[int]) -> None:
+            self.moved, self.back = moved, back
+
+        def moved_bytes(self, i: int) -> int:
+            return self.moved.get(i, 0)
+
+        def read_back(self, i: int) -> bool:
+            return i in self.back
+
+    layers = [torch.nn.Linear(2, 2) for _ in range(3)]
+    prof = Profiler(layers, Moves({0: 100, 1: 100, 2: 60}, {1, 2}), torch.device("cpu"), under_recompute=True)
+    prof.in_bytes = [100, 100, 100]
+    assert prof._saved_upto(2) == 40  # only what layer 2 could not move
+    assert prof._saved_upto(1, "gap") == 100 and prof._saved_upto(2, "gap") == 100
+    assert prof._saved_upto(2, "b") == 200 and prof._saved_upto(0, "b") == 0
+    prof.hooks = Moves({}, set())
+    assert [prof._saved_upto(2, at) for at in ("f", "gap", "b")] == [300] * 3
 
 
 def test_profile_under_recompute_with_frozen_embeddings(tmp_path):

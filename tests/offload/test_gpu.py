@@ -504,7 +504,7 @@ def test_gpu_plan_counts_the_peak_after_the_layers_backward(tmp_path, caplog):
     assert plan.bound["budget_bytes"] == plan.outside_peak_bytes  # the layers planned against the tail
 
 
-@pytest.mark.parametrize("profile_mode", ["keep", "recompute"])
+@pytest.mark.parametrize("profile_mode", ["keep", "recompute", "recompute+host"])
 def test_gpu_auto_plan_stays_under_its_budget(tmp_path, profile_mode):
     """The budget is a promise about max_memory_allocated, not about saved bytes: the measured peak of the
     planned steps stays under it (the profiled background and workspace, then calibration, see to that),
@@ -521,6 +521,35 @@ def test_gpu_auto_plan_stays_under_its_budget(tmp_path, profile_mode):
         f"measured {peaks[-1] / 2**30:.3f} GiB > budget {budget:.3f} GiB (predicted {plan.peak_bytes / 2**30:.3f}, "
         f"keep-all {keep_peak / 2**30:.3f}); plan {[a.value for a in plan.actions]}; peaks {peaks}"
     )
+
+
+def test_gpu_profiling_with_the_inputs_on_the_host_peaks_lower_and_measures_alike(tmp_path):
+    """profile_mode recompute+host: the warm-up and profiling steps peak below profile_mode recompute's, by at
+    least half of the inputs of the layers outside the backward's read window, and the profile's memory points
+    are recompute's, within one layer's input (the gap's, an upper bound) and 5 % of the step's peak."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model, _, step = _gpt_step(16, 2)
+    step()
+    budget = 0.55 * step() / 2**30
+    (rc_peaks, rc_plan), (host_peaks, host_plan) = (
+        _auto_peaks(model, step, budget, profile_mode=mode) for mode in ("recompute", "recompute+host")
+    )
+    n, inputs = len(rc_plan.profiles), rc_plan.profiles[0].input_bytes
+    assert inputs > 0 and [p.input_bytes for p in host_plan.profiles] == [inputs] * n
+    for warm_or_profiled in (0, 1):
+        assert host_peaks[warm_or_profiled] <= rc_peaks[warm_or_profiled] - 0.5 * (n - 2) * inputs, (
+            rc_peaks, host_peaks, inputs)  # fmt: skip
+    slack = inputs + 0.05 * rc_peaks[1]
+    for a, b in zip(host_plan.profiles, rc_plan.profiles):
+        for key in ("fwd_background_bytes", "fwd_peak_bytes", "gap_background_bytes", "bwd_background_bytes",
+                    "bwd_workspace_bytes"):  # fmt: skip
+            assert abs(getattr(a, key) - getattr(b, key)) <= slack, (
+                a.index,
+                key,
+                getattr(a, key),
+                getattr(b, key),
+            )
 
 
 def test_gpu_auto_trains_a_micro_batch_that_fits_only_with_it(tmp_path):
