@@ -135,7 +135,7 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
                         # part 7 ROUND (1, 2, 3): one round of the best peer and dsx at the longest the peer trained,
                         # the three parts interleaved (a round at these lengths takes minutes); part 8 LEN: dsx
                         # profiled with the layers' inputs on the host (profile_mode "recompute+host"), at LEN
-                        # (default 262,144, where full recompute's memory does not fit). A config that trains
+                        # (default 262,144). A config that trains
                         # its longest listed length has no limit found (limit_found in the JSON): extend it
     part=${2:-1} repeat=()
     case $part in
@@ -160,7 +160,8 @@ if ${3:-1} == 1:
     at = d['ratios']['longest_sequence']['at_best_peer']
     print(at['peer'].split('@')[0], at['seq_len'])
 else:
-    last = len(d['parts']) - 1
+    # round 1's part: the last with a peer beside dsx (part 8 may have run since)
+    last = max(i for i, p in enumerate(d['parts']) if p['configs'][1:] == ['dsx_auto_budget_sel'])
     row = next(r for r in d['results'] if r.get('part') == last)
     print(d['parts'][last]['configs'][0], row['seq_len'])") \
            || { log "offload-8b-capacity 7: run parts 1-6 (and round 1) first"; exit 1; }

@@ -136,7 +136,7 @@ class ActivationOffloadConfig(_Section):
                 "dsx_missing",
                 "ssd_path is not set, and tiers contains 'ssd': give ssd_path, a directory on the SSD",
             )
-        if self.profile_mode == "recompute+host" and "host" not in self.tiers:
+        if self.enabled and self.profile_mode == "recompute+host" and "host" not in self.tiers:
             raise PydanticCustomError(
                 "dsx_mismatch",
                 "profile_mode 'recompute+host' moves the layers' inputs to the host tier, and tiers {tiers} has "

@@ -141,9 +141,12 @@ class SavedTensorHooks:
         return self._moved_bytes.get(i, 0)
 
     def read_back(self, i: int) -> bool:
-        """Whether layer ``i``'s moved bytes were asked back in the running backward (their buffers are
-        allocated on the device from then on)."""
-        return i in self._fetched_layers
+        """Whether layer ``i``'s moved bytes are on the device again in the running backward: asked back, and
+        every read's buffer allocated (a read queued on this thread allocates it when asked; an I/O thread's,
+        when it runs: until then this says no, and what is on the device is counted as background)."""
+        return i in self._fetched_layers and all(
+            e.fetched is not None and e.fetched.done() for e in self.mover.entries_of(i)
+        )
 
     @property
     def profile_bytes(self) -> list[int]:

@@ -3,6 +3,8 @@ every training step and only then; its byte count comes from the same invocation
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -203,8 +205,11 @@ def test_a_length_sweep_marks_each_config_once_where_it_first_failed(tmp_path, m
     figs = []
     monkeypatch.setattr(bench_offload, "save_png", lambda fig, *a: figs.append(fig))
     bench_offload._plot(rows, tmp_path, "lengths")
-    marks = {t.get_text(): (t.xy[0], t.xyann[0]) for t in figs[0].axes[0].texts}
-    assert set(marks) == {"recompute: out of memory", "none: out of memory", "dsx: out of memory"}
+    texts = figs[0].axes[0].texts
+    assert Counter(t.get_text() for t in texts) == Counter(
+        {"recompute: out of memory": 1, "none: out of memory": 1, "dsx: out of memory": 1}
+    )
+    marks = {t.get_text(): (t.xy[0], t.xyann[0]) for t in texts}
     assert marks["recompute: out of memory"][0] == 3000
     assert marks["none: out of memory"][0] == marks["dsx: out of memory"][0] == 2000
     assert marks["none: out of memory"][1] != marks["dsx: out of memory"][1]
@@ -228,7 +233,7 @@ def test_a_capped_host_pool_runs_with_the_ssd_tier_and_without(tmp_path) -> None
     assert out["config"]["ssd_gb"] == 0.5
 
 
-def test_dsx_profiled_with_its_inputs_on_the_host_trains_as_a_capacity_config(tmp_path) -> None:
+def test_dsx_profiled_with_its_inputs_on_the_host_trains_as_a_capacity_config(tmp_path, caplog) -> None:
     """dsx_auto_budget_hp: policy auto under a budget, profiled with the layers' inputs on the host
     (profile_mode "recompute+host"); asked for by name, fitted to the card like dsx_auto_budget. A real engine
     on the CPU."""
@@ -238,10 +243,12 @@ def test_dsx_profiled_with_its_inputs_on_the_host_trains_as_a_capacity_config(tm
         "dsx_auto_budget_hp" in bench_offload.NEEDS_BUDGET
         and "dsx_auto_budget_hp" not in bench_offload.CONFIGS
     )
+    caplog.set_level(logging.WARNING, logger="dsx.offload")
     out = bench_offload.main(["--quick", "--in-process", "--configs", "dsx_auto_budget_hp", "--auto-budget-gb",
                               "0.0001", "--io-backend", "posix", "--out", str(tmp_path)])  # fmt: skip
     (row,) = out["results"]
-    assert "error" not in row and row["plan"]["actions"], row
+    assert "error" not in row, row
+    assert "profiled with every layer recomputed, its inputs on the host" in caplog.text
 
 
 def test_merged_repeats_keep_the_earlier_rows_and_the_capacity_takes_their_median(tmp_path) -> None:

@@ -36,8 +36,8 @@ def test_gpu_bench_gather_checks_every_method_against_its_own_table(tmp_path) ->
         "--rounds",
         "1",
     )
-    results = run_bench_gather_quick(tmp_path, (*tiny, "--sweep-sms"))
-    assert "dsx_queued_off64" in results[-1]["correct"]
+    results = run_bench_gather_quick(tmp_path, (*tiny, "--sweep-sms", "4"))
+    assert "dsx_sms4" in results[0]["correct"] and "dsx_queued_off64" in results[-1]["correct"]
 
 
 @pytest.mark.gpu

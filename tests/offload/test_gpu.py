@@ -526,7 +526,8 @@ def test_gpu_auto_plan_stays_under_its_budget(tmp_path, profile_mode):
 def test_gpu_profiling_with_the_inputs_on_the_host_peaks_lower_and_measures_alike(tmp_path):
     """profile_mode recompute+host: the warm-up and profiling steps peak below profile_mode recompute's, by at
     least half of the inputs of the layers outside the backward's read window, and the profile's memory points
-    are recompute's, within one layer's input (the gap's, an upper bound) and 5 % of the step's peak."""
+    are recompute's to within the allocator's rounding; the last layer's gap, where the reads the head's end
+    asks for are not subtracted, up to the read window above it (an upper bound, never below)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     model, _, step = _gpt_step(16, 2)
@@ -540,16 +541,15 @@ def test_gpu_profiling_with_the_inputs_on_the_host_peaks_lower_and_measures_alik
     for warm_or_profiled in (0, 1):
         assert host_peaks[warm_or_profiled] <= rc_peaks[warm_or_profiled] - 0.5 * (n - 2) * inputs, (
             rc_peaks, host_peaks, inputs)  # fmt: skip
-    slack = inputs + 0.05 * rc_peaks[1]
+    slack = 2 << 20
     for a, b in zip(host_plan.profiles, rc_plan.profiles):
         for key in ("fwd_background_bytes", "fwd_peak_bytes", "gap_background_bytes", "bwd_background_bytes",
                     "bwd_workspace_bytes"):  # fmt: skip
-            assert abs(getattr(a, key) - getattr(b, key)) <= slack, (
-                a.index,
-                key,
-                getattr(a, key),
-                getattr(b, key),
-            )
+            got, want = getattr(a, key), getattr(b, key)
+            if key == "gap_background_bytes" and a.index == n - 1:
+                assert want - slack <= got <= want + 2 * inputs + slack, (a.index, key, got, want)
+            else:
+                assert abs(got - want) <= slack, (a.index, key, got, want)
 
 
 def test_gpu_auto_trains_a_micro_batch_that_fits_only_with_it(tmp_path):
