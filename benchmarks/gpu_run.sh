@@ -144,7 +144,6 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
       3) sizes=(dsx_auto_budget_sel=${3:-163840}) ;;  # one length a command (LEN, default 163,840)
       4) sizes=(recompute=229376,262144) ;;
       5) sizes=(ds_cpu_ckpt=163840,196608) ;;
-      8) sizes=(dsx_auto_budget_hp_sel=${3:-262144}) ;;  # dsx profiled with the layers' inputs on the host
       6) sizes=(megatron_offload_all=49152,57344,65536 hooks_offload=32768,40960) ;;
       7) case ${3:-1} in
            1) ;;
@@ -166,6 +165,7 @@ else:
     print(d['parts'][last]['configs'][0], row['seq_len'])") \
            || { log "offload-8b-capacity 7: run parts 1-6 (and round 1) first"; exit 1; }
          read -r peer len <<< "$at"; sizes=("$peer=$len" "dsx_auto_budget_sel=$len") ;;
+      8) sizes=(dsx_auto_budget_hp_sel=${3:-262144}) ;;  # dsx profiled with the layers' inputs on the host
       *) log "offload-8b-capacity: part 1 to 8, not $part"; exit 2 ;;
     esac
     configs=("${sizes[@]%%=*}") merge=(--merge) child=300
