@@ -20,7 +20,9 @@ import dsx
 from tests.offload._offload_models import TinyGPT
 
 
-def _config(nvme: str, stage: int, with_dsx: bool, ssd: str, policy: str = "offload_all") -> dict:
+def _config(
+    nvme: str, stage: int, with_dsx: bool, ssd: str, policy: str = "offload_all", profile_mode: str = "auto"
+) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
@@ -42,7 +44,7 @@ def _config(nvme: str, stage: int, with_dsx: bool, ssd: str, policy: str = "offl
             }
         }
         if policy == "auto":  # a budget: the warm-up and profiling steps recompute every layer
-            cfg["dsx"]["activation_offload"]["memory_budget_gb"] = 1.0
+            cfg["dsx"]["activation_offload"].update(memory_budget_gb=1.0, profile_mode=profile_mode)
     return cfg
 
 
@@ -62,6 +64,7 @@ def main() -> None:
     ap.add_argument("--ssd", required=True)
     ap.add_argument("--stage", type=int, default=2)
     ap.add_argument("--policy", choices=["offload_all", "auto"], default="offload_all")
+    ap.add_argument("--profile-mode", choices=["auto", "recompute+host"], default="auto")
     ap.add_argument("--local_rank", type=int, default=0)
     a = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -89,11 +92,13 @@ def main() -> None:
     e1, *_ = dsx.initialize(
         model=model,
         model_parameters=model.parameters(),
-        config=_config(os.path.join(a.nvme, "dsx"), a.stage, True, a.ssd, a.policy),
+        config=_config(os.path.join(a.nvme, "dsx"), a.stage, True, a.ssd, a.policy, a.profile_mode),
     )
     got = _train(e1, batches)
     sched = e1.dsx.scheduler
     ssd_bytes = sum(r.bytes_by_tier.get("ssd", 0) for r in sched.telemetry.history)
+    # (the warm-up and profiling steps: the first two; profile_mode recompute+host moves the layers' inputs there)
+    profiling_host_bytes = [r.bytes_by_tier.get("host", 0) for r in sched.telemetry.history[:2]]
     handle = e1.dsx.features["activation_offload"]
     shared, pauses = handle.offload.shared_ssd, sched.gate_pauses.get("ssd", 0)
     plan, under_rc = handle.offload.plan, handle.offload._profile_rc
@@ -101,6 +106,8 @@ def main() -> None:
     assert want == got, f"rank {rank}: losses differ with activation offload: {want} vs {got}"
     if a.policy == "auto":
         assert plan is not None and under_rc, f"rank {rank}: no plan, or not profiled under recomputation"
+        moved_inputs = all(b > 0 for b in profiling_host_bytes)
+        assert moved_inputs == (a.profile_mode == "recompute+host"), (a.profile_mode, profiling_host_bytes)
         assert all(p.saved_bytes > p.input_bytes > 0 and not p.recompute_only for p in plan.profiles), (
             plan.profiles
         )

@@ -31,16 +31,18 @@ def test_zero2_nvme_optimizer_plus_ssd_activations_two_ranks(tmp_path):
     assert not os.listdir(ssd), f"run dirs left behind: {os.listdir(ssd)}"
 
 
-def test_zero2_auto_with_a_budget_profiles_under_recomputation_two_ranks(tmp_path):
+@pytest.mark.parametrize("profile_mode", ["auto", "recompute+host"])
+def test_zero2_auto_with_a_budget_profiles_under_recomputation_two_ranks(tmp_path, profile_mode):
     """policy auto with memory_budget_gb through DeepSpeed's engine on two ranks: the warm-up and profiling
-    steps run every layer under the reentrant checkpoint beside ZeRO-2's gradient hooks, the plan comes from
-    that profile, and the losses stay bitwise equal to plain DeepSpeed's."""
+    steps run every layer under the reentrant checkpoint beside ZeRO-2's gradient hooks (with recompute+host,
+    their inputs on the host and read back, verified, by I/O threads), the plan comes from that profile, and the
+    losses stay bitwise equal to plain DeepSpeed's."""
     nvme, ssd = tmp_path / "nvme", tmp_path / "ssd"
     nvme.mkdir()
     ssd.mkdir()
     rc, out = _launch(
         REPO / "tests" / "_offload_zero_worker.py",
-        ["--nvme", str(nvme), "--ssd", str(ssd), "--policy", "auto"],
+        ["--nvme", str(nvme), "--ssd", str(ssd), "--policy", "auto", "--profile-mode", profile_mode],
     )
     tail = "\n".join(out.splitlines()[-60:])
     assert rc == 0, tail
