@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsx.runtime.host_memory import page_aligned_empty
+
 __all__ = [
     "IndexOutOfRangeError",
     "PendingCheck",
@@ -83,9 +85,6 @@ def rows_contiguous(table: torch.Tensor) -> bool:
     return table.shape[0] <= 1 or table.stride(0) >= expect
 
 
-PAGE_BYTES = 4096
-
-
 def host_empty(shape: int | tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor whose first byte starts a page (4096 bytes), as a feature table
     for :func:`dsx.direct.unified` should: torch's own host allocations start on 64-byte boundaries, often
@@ -95,10 +94,7 @@ def host_empty(shape: int | tuple[int, ...] | torch.Size, dtype: torch.dtype = t
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if any(d < 0 for d in shape):
         raise ValueError(f"host_empty: negative dimension in shape {shape}")
-    nbytes = math.prod(shape) * dtype.itemsize
-    buf = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
-    start = -buf.data_ptr() % PAGE_BYTES
-    return buf[start : start + nbytes].view(dtype).view(shape)
+    return page_aligned_empty(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 def padded_row_stride(row_bytes: int, align: int) -> int:

@@ -1,0 +1,19 @@
+"""Host buffers that start on a page (4 KiB): what O_DIRECT file I/O needs of its buffers, and where a table that
+the GPU reads in place should start, so that its rows sit on PCIe's 128-byte lines (docs/unified.md, "Where the
+table starts"). torch's own host allocations start on 64-byte boundaries."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PAGE", "page_aligned_empty"]
+
+PAGE = 4096
+
+
+def page_aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """An uninitialised uint8 host buffer of ``nbytes`` whose first byte starts a page, pinned when ``pin``; at
+    most one page more than ``torch.empty`` takes."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % PAGE
+    return raw[skip : skip + nbytes]
