@@ -524,13 +524,16 @@ def test_gpu_auto_plan_stays_under_its_budget(tmp_path, profile_mode):
 
 
 def test_gpu_profiling_with_the_inputs_on_the_host_peaks_lower_and_measures_alike(tmp_path):
-    """profile_mode recompute+host: the warm-up and profiling steps peak below profile_mode recompute's, by at
+    """profile_mode recompute+host: the warm-up step peaks below profile_mode recompute's, by at
     least half of the inputs of the layers outside the backward's read window, and the profile's memory points
     are recompute's to within the allocator's rounding; the last layer's gap, where the reads the head's end
-    asks for are not subtracted, up to the read window above it (an upper bound, never below)."""
+    asks for are not subtracted, up to the read window above it (an upper bound, never below). At batch 64 the
+    layers' inputs outweigh the gradients: with fewer tokens a recomputed step peaks in the first layer's
+    backward, where every gradient is held and no other layer's input, and both modes peak alike. The profiling
+    step runs as the warm-up step does, but resets the peak counter at each point it measures."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    model, _, step = _gpt_step(16, 2)
+    model, _, step = _gpt_step(64, 2)
     step()
     budget = 0.55 * step() / 2**30
     (rc_peaks, rc_plan), (host_peaks, host_plan) = (
@@ -538,9 +541,7 @@ def test_gpu_profiling_with_the_inputs_on_the_host_peaks_lower_and_measures_alik
     )
     n, inputs = len(rc_plan.profiles), rc_plan.profiles[0].input_bytes
     assert inputs > 0 and [p.input_bytes for p in host_plan.profiles] == [inputs] * n
-    for warm_or_profiled in (0, 1):
-        assert host_peaks[warm_or_profiled] <= rc_peaks[warm_or_profiled] - 0.5 * (n - 2) * inputs, (
-            rc_peaks, host_peaks, inputs)  # fmt: skip
+    assert host_peaks[0] <= rc_peaks[0] - 0.5 * (n - 2) * inputs, (rc_peaks, host_peaks, inputs)
     slack = 2 << 20
     for a, b in zip(host_plan.profiles, rc_plan.profiles):
         for key in ("fwd_background_bytes", "fwd_peak_bytes", "gap_background_bytes", "bwd_background_bytes",
