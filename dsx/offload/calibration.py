@@ -146,28 +146,40 @@ class Calibration:
         try:
             new = replan(cfg)
         except PlanError as exc:
+            every = None
             if self.left > 0 and any(not a.recomputed for a in plan.actions):
                 # the model has no plan with that margin, but its error runs both ways (a mixed plan can peak
                 # over its prediction while full recompute's is overestimated): fall back to recomputing every
-                # layer and measure that
+                # layer and measure that, unless it is predicted to peak no lower than the step that ran (when
+                # the profile moved the layers' inputs to the host, the plan can be below full recompute):
+                # that step fitted, full recompute may not
+                every = replan(
+                    self.cfg.model_copy(update={"policy": "recompute_all", "memory_budget_gb": bar / GB})
+                )
+            if every is not None and every.predicted_step_peak_bytes < measured:
                 logger.warning(
                     "dsx activation offload: the planned step peaked at %.2f GiB, over its bar of %.2f GiB, and "
-                    "the model has no plan with a margin for that (%s); trying recompute for every layer",
+                    "the model has no plan with a margin for that (%s); trying recompute for every layer "
+                    "(predicted %.2f GiB)",
                     measured / GB,
                     bar / GB,
                     exc,
+                    every.predicted_step_peak_bytes / GB,
                 )
-                every = {"policy": "recompute_all", "memory_budget_gb": bar / GB}
-                install(replan(self.cfg.model_copy(update=every)))
+                install(every)
                 self.meter.mark()
                 return
             self.left = 0
             logger.warning(
                 "dsx activation offload: the planned step peaked at %.2f GiB, over its bar of %.2f GiB, and no "
-                "plan with a margin for that exists (%s); keeping the current plan",
+                "plan with a margin for that exists (%s)%s; keeping the current plan",
                 measured / GB,
                 bar / GB,
                 exc,
+                ""
+                if every is None
+                else f", recompute for every layer is predicted at "
+                f"{every.predicted_step_peak_bytes / GB:.2f} GiB",
             )
             return
         if rank_and_world()[0] == 0:
