@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # dsx's checks on a GPU machine, as named suites; each fits one 10-minute command on one H100.
-#   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | gather | gnn | rgnn | hetero | hetero-scale | hetero-large |
+#   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | build-ops | gather | gnn | rgnn | hetero | hetero-scale | hetero-large |
 #                                         offload | offload-hide | offload-8b | offload-8b-peers |
 #                                         offload-8b-sweep [1|2|3] | offload-8b-megatron |
 #                                         offload-8b-capacity [1-6|3 LEN|7 ROUND|8 LEN] | offload-8b-pool ROUND |
@@ -12,7 +12,7 @@
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-6|3 LEN|7 ROUND|8 LEN]|offload-8b-pool ROUND|offload-8b-pool-capacity host|ssd LEN|offload-8b-2gpu|offload-long|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|build-ops|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-6|3 LEN|7 ROUND|8 LEN]|offload-8b-pool ROUND|offload-8b-pool-capacity host|ssd LEN|offload-8b-2gpu|offload-long|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -31,6 +31,11 @@ LLAMA_8B=(--model llama --hidden 4096 --layers 8 --heads 32 --kv-heads 8 --ffn-h
 case $suite in
   tests)  # every GPU test (multigpu ones skip with a reason on one GPU)
     run gpu-tests 570 python -m pytest -q -rs -m "gpu or multigpu" -p no:cacheprovider tests/ ;;
+  build-ops)  # every op the 8B offload jobs compile at their start (DeepSpeed's CPU Adam and async_io) and dsx's
+              # gather op, into the machine's extension cache: a suite run next on the same warm machine starts
+              # without minutes of compiling (offload-8b-capacity 3 and 8 need their whole command for the steps)
+    run build-ops 300 python -m dsx.cli build-ops --config configs/gpt_llama8b_zero2_actoffload.json
+    run build-dsx-ops 120 python -m dsx.cli build-ops ;;
   gather)  # the gather op's build, what the machine supports, the gather benchmark
     run build-ops 120 python -m dsx.cli build-ops
     run report 60 python -m dsx.cli report --io /tmp --io-mb 1024

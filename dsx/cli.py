@@ -26,6 +26,12 @@ def _report(p: argparse.ArgumentParser) -> None:
 
 
 def _build_ops(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        metavar="DS_CONFIG",
+        help="instead, build every op a job with this DeepSpeed config compiles at its start and is not cached "
+        "(DeepSpeed's CPU optimizer and async_io, dsx's gather kernel)",
+    )
     p.add_argument("--quiet", action="store_true", help="print only errors")
 
 
@@ -52,7 +58,7 @@ def _clean_shm(p: argparse.ArgumentParser) -> None:
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], str]] = {
     "report": ("what this machine supports and what dsx will use", _report, "dsx.report:main"),
     "build-ops": (
-        "build dsx's CUDA ops ahead of time (DeepSpeed OpBuilder)",
+        "build dsx's CUDA ops ahead of time (DeepSpeed OpBuilder); --config: every op a job would compile",
         _build_ops,
         "dsx.ops:cli_build",
     ),

@@ -8,6 +8,7 @@ module that only wants the Triton helpers (the relational layers, the sampler) s
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 _LAZY = {
@@ -33,8 +34,29 @@ def __getattr__(name: str) -> Any:
 
 
 def cli_build(args: object) -> int:
-    """``dsx build-ops``: build every dsx op now instead of on first use."""
-    from dsx.ops.unified_gather import build_ops
+    """``dsx build-ops``: build every dsx op now instead of on first use; with ``--config``, every op a job with
+    that DeepSpeed config would compile at its start (:mod:`dsx.ops.prebuild`)."""
+    verbose = not getattr(args, "quiet", False)
+    config = getattr(args, "config", None)
+    if config is None:
+        from dsx.ops.unified_gather import build_ops
 
-    build_ops(verbose=not getattr(args, "quiet", False))
+        build_ops(verbose=verbose)
+        return 0
+    from dsx.ops.prebuild import build_for_config, read_ds_config
+
+    try:
+        ds_config = read_ds_config(config)
+    except ValueError as exc:
+        print(f"dsx build-ops: {exc}", file=sys.stderr)
+        return 2
+    try:
+        built = build_for_config(ds_config, verbose=verbose)
+    except RuntimeError as exc:
+        print(f"dsx build-ops: {exc}", file=sys.stderr)
+        return 1
+    if verbose:
+        print(
+            f"built: {', '.join(built)}" if built else f"nothing to build: every op {config} needs is cached"
+        )
     return 0

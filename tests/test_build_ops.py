@@ -1,0 +1,78 @@
+"""`dsx build-ops --config`: every op the config's job would compile at its start is in the cache afterwards (a
+second run builds nothing); a missing or malformed config, or an op DeepSpeed cannot build here, is a clear
+error and no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsx.ops.aio import async_io_status
+from dsx.ops.notice import pending_builds
+from tests.harness import REPO, launcher_env
+
+CONFIG = REPO / "configs" / "gpt_offload_cpu.json"  # ZeRO-2 with the optimizer on the CPU: cpu_adam
+
+
+def _dsx(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dsx.cli", "build-ops", *args], cwd=REPO, env=env or launcher_env(),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def test_builds_what_the_config_needs_then_nothing() -> None:
+    """In the extension cache the other tests share (the ops are theirs too: built once for all). Whatever
+    the config's job would build before the run is built by it; after it, nothing is pending."""
+    config = json.loads(CONFIG.read_text())
+    before = {b.name for b in pending_builds(config)}
+    first = _dsx("--config", str(CONFIG))
+    assert first.returncode == 0, first.stderr
+    assert "Traceback" not in first.stdout + first.stderr
+    assert pending_builds(config) == [], "an op the config needs is still not cached"
+    lines = [line for line in first.stdout.splitlines() if line.startswith(("built: ", "nothing to build"))]
+    assert len(lines) == 1, first.stdout
+    built = set(lines[0].removeprefix("built: ").split(", ")) if lines[0].startswith("built: ") else set()
+    assert built <= before, (built, before)  # (a test beside this one may have built some meanwhile)
+    second = _dsx("--config", str(CONFIG))
+    assert second.returncode == 0, second.stderr
+    assert "nothing to build" in second.stdout and "built:" not in second.stdout
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [(None, "no DeepSpeed config at"), ("{not json", "is not valid JSON"), ("[1, 2]", "holds a JSON list")],
+)
+def test_a_bad_config_is_a_clear_error(tmp_path: Path, content: str | None, message: str) -> None:
+    path = tmp_path / "ds_config.json"
+    if content is not None:
+        path.write_text(content)
+    out = _dsx("--config", str(path))
+    assert out.returncode == 2 and message in out.stderr and str(path) in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_async_io_without_libaio_says_what_to_install(tmp_path: Path) -> None:
+    """A config that asks for DeepSpeed's aio backend by name on a machine without the libaio headers."""
+    ok, _ = async_io_status()
+    if ok:
+        pytest.skip(
+            "async_io can be built here (libaio-dev installed): the error path needs a machine without it"
+        )
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "dsx": {"activation_offload": {"enabled": True, "tiers": ["ssd"], "io_backend": "aio"}},
+    }
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    env = launcher_env()
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
+    out = _dsx("--config", str(path), env=env)
+    assert out.returncode == 1 and "cannot build async_io" in out.stderr and "libaio-dev" in out.stderr, (
+        out.stdout,
+        out.stderr,
+    )
