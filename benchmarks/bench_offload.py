@@ -370,6 +370,9 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             times.append(time.perf_counter() - t0)
             losses.append(float(loss.detach()))
             window[1] = time.time()
+        # on stderr, which a child that runs past its time limit leaves in its row: how far it got
+        print(f"{name}: step {step + 1}/{warmup + n_steps} ({'measured' if step >= warmup else 'warm-up'}) "
+              f"{time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
     gc_clock.stop()
     host_probe.append(host_probe_s())
     # what the peak is made of (CUDA): the weights, what else persists between steps (gradient buffers and
