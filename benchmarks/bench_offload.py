@@ -59,6 +59,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -331,9 +332,13 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
 
         # the planner's own warm-up steps, the profiled one, the re-plans
         warmup = max(warmup, ActivationOffloadConfig().profile_warmup_steps) + 1 + MAX_CALIBRATIONS
+    settled = None
+    if name.startswith("dsx_auto"):
+        settled = _plan_settled(dsx.runtime_of(engine).features["activation_offload"].offload)
     gc_clock = _GcClock()
     host_probe = [host_probe_s()]  # the host CPU's speed before and after the measured steps
-    for step in range(warmup + n_steps):
+    step = -1
+    while (step := step + 1) < warmup + n_steps:
         if step == warmup:
             gc_clock.start()
         if dev.type == "cuda":
@@ -373,6 +378,10 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         # on stderr, which a child that runs past its time limit leaves in its row: how far it got
         print(f"{name}: step {step + 1}/{warmup + n_steps} ({'measured' if step >= warmup else 'warm-up'}) "
               f"{time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
+        if settled is not None and settled() and args.warmup <= step + 1 < warmup:
+            # the plan the budget's calibration kept: measure from the next step on (each step at a long
+            # sequence takes tens of seconds, which the re-plans that did not happen would spend)
+            warmup = step + 1
     gc_clock.stop()
     host_probe.append(host_probe_s())
     # what the peak is made of (CUDA): the weights, what else persists between steps (gradient buffers and
@@ -463,7 +472,7 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
             "activation_peak_gb": peak / 1e9, "peak_allocated_gb": peak_total / 1e9, "peak_breakdown_gb": breakdown,
             "memory_per_step_gb": per_step, "losses": losses, "telemetry": telemetry, "plan": plan,
             "allocator_per_step": alloc_counts, "read_pool": read_pool, "write_barrier": barrier, "ssd_io_backend": ssd_io, "event_wait": waiter.mode if waiter else None,
-            "expandable_segments": expandable,
+            "expandable_segments": expandable, "warmup_steps": warmup,
             "measured_window_unix": window, "step_times_s": times, "gc_in_measured_steps": gc_clock.summary(),
             "host_probe_s": host_probe, "dsx_path": str(Path(dsx.__file__).parent),
             **({"copied_gb_per_step": copied_gb} if copied_gb is not None else {}),
@@ -661,6 +670,20 @@ def _fit_budget_gb(results: list[dict[str, Any]], args: argparse.Namespace, mb: 
     if budget <= 0:
         return f"--fit-budget: the static {static:.1f} GB and the reserve leave no room in {args.gpu_memory_gb:g} GB"
     return budget
+
+
+def _plan_settled(off: Any) -> Callable[[], bool]:
+    """Asked at each step's end: whether policy auto's plan (``off``: the ``ActivationOffload``) has settled
+    (planned, its calibration measuring no more steps) and has run a step since it was installed, so that the
+    next step is not its first."""
+    last: list[Any] = [None]  # the plan in force at the previous step's end
+
+    def settled() -> bool:
+        ran = off.plan is not None and off.plan is last[0]
+        last[0] = off.plan
+        return ran and not off.calibration.pending
+
+    return settled
 
 
 def _init_distributed() -> None:

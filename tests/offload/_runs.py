@@ -7,6 +7,8 @@ import copy
 import torch
 
 from dsx.config import ActivationOffloadConfig
+from dsx.offload import ActivationOffload
+from dsx.runtime.scheduler import Scheduler
 from tests.offload._offload_models import TinyGPT
 
 
@@ -121,3 +123,13 @@ def _calls_per_step(model, batches, off, sched):
     off.end_step = end_step  # type: ignore[method-assign]
     got, plans = _train_with_plans(model, batches, off, sched)
     return got, plans, per_step
+
+
+def _one_gib_budget_run(tmp_path):
+    """A model, its batches and reference gradients, and policy auto under a 1 GiB budget, profiled at once."""
+    model, batches, want = _reference(7, 5)
+    sched = Scheduler()
+    cfg = _cfg(
+        tmp_path, ["host"], policy="auto", profile_warmup_steps=0, memory_budget_gb=1.0, host_pool_gb=0.2
+    )
+    return model, batches, want, ActivationOffload(model, cfg, sched), sched

@@ -21,6 +21,7 @@ from tests.offload._runs import (
     _batches,
     _calls_per_step,
     _cfg,
+    _one_gib_budget_run,
     _reference,
     _steps,
     _train,
@@ -268,16 +269,6 @@ def test_auto_profiles_after_warmup_steps(tmp_path):
     assert len(plans[2].write_barrier) == len(plans[2].actions) + 1
     assert off.hooks.write_barrier == plans[2].write_barrier
     assert_same_grads(want, got)
-
-
-def _one_gib_budget_run(tmp_path):
-    """A model, its batches and reference gradients, and policy auto under a 1 GiB budget, profiled at once."""
-    model, batches, want = _reference(7, 5)
-    sched = Scheduler()
-    cfg = _cfg(
-        tmp_path, ["host"], policy="auto", profile_warmup_steps=0, memory_budget_gb=1.0, host_pool_gb=0.2
-    )
-    return model, batches, want, ActivationOffload(model, cfg, sched), sched
 
 
 def test_auto_replans_when_the_planned_step_peaks_over_the_budget(tmp_path):
