@@ -623,3 +623,42 @@ def test_the_host_time_of_each_moved_tensor_makes_the_plan_move_fewer_larger_one
     assert costly.predicted_step_s >= costly.bound["baseline_step_s"] + _tensors(costly) * 200e-6 - 1e-12
     assert costly.predicted_step_s <= costly.bound["baseline_step_s"] * 1.005 + 1e-12
     assert "tensors >= 1024Mi" in costly.describe()
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_ties_go_to_the_host(seed: int) -> None:
+    """Where the link hides both tiers' transfers, a layer sent to the SSD often ties with it sent to the host;
+    the planner then picks the host (no drive wear, no risk from a drive slower than measured). No SSD layer of
+    a plan, best effort (a budget nothing meets) or within its budget, exhaustive or local search, moves to the
+    host at the same or a better rank: peak then step time, or step time then peak, and the host within its
+    capacity."""
+    rng = random.Random(seed)
+    n = 4 if seed % 2 else 10
+    prof = _profiles(rng, n)
+    for p in prof:
+        p.input_bytes = p.saved_bytes // rng.choice([4, 8, 16])
+    bws = [
+        TierBandwidth("host", 50e9, 50e9),
+        TierBandwidth("ssd", rng.choice([1e9, 3e9]), rng.choice([1e9, 3e9])),
+    ]
+    bw = _bw(bws, budget=True)
+    keep = sum(p.saved_bytes for p in prof)
+    for budget_gb in (0.01, keep * rng.uniform(0.2, 0.5) / GiB):
+        cfg = _cfg(
+            policy="auto",
+            memory_budget_gb=budget_gb,
+            host_pool_gb=4,
+            ssd_capacity_gb=4,
+            ssd_path="/tmp",
+        )
+        plan = make_plan(prof, bws, cfg, best_effort=True)
+        t, _, peak = simulate(prof, plan.actions, bw, plan.prefetch_depth)
+        for i, a in enumerate(plan.actions):
+            if a.tier is not Action.SSD:
+                continue
+            near = [*plan.actions[:i], Action(a.value.replace("ssd", "host")), *plan.actions[i + 1 :]]
+            if tier_usage(prof, near, bw)["host"] > tier_capacity(cfg)["host"]:
+                continue
+            t2, _, peak2 = simulate(prof, near, bw, plan.prefetch_depth)
+            rank, rank2 = ((peak, t), (peak2, t2)) if plan.over_budget else ((t, peak), (t2, peak2))
+            assert rank2 > rank, (budget_gb, i, [x.value for x in plan.actions], rank, rank2)

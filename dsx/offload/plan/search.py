@@ -7,8 +7,8 @@ search from each uniform plan: passes that give each layer in turn its best acti
 until a pass changes nothing, ordered by (memory over budget, step time, peak memory) — so it first reaches
 the budget, then shortens the step. With no budget the order is (time over baseline, peak memory, step
 time). When no plan the search considers meets the budget, the best-effort plan is the one of them with the
-lowest peak (ranked by (over a tier's capacity, peak, step time)). Every prefetch depth 1..``MAX_DEPTH`` is
-searched. A hide-only plan is then filled up to the bound with parts of layers (``move_caps``), each of which
+lowest peak (then the shortest step). Ties in all of these go to the plan with the fewest bytes on the SSD.
+Every prefetch depth 1..``MAX_DEPTH`` is searched. A hide-only plan is then filled up to the bound with parts of layers (``move_caps``), each of which
 must lower the predicted peak.
 
 Plans come from :mod:`~dsx.offload.plan.cost`'s model; the search takes seconds for a few dozen layers and
@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dsx.config import ActivationOffloadConfig
@@ -406,10 +407,28 @@ def _part(
     return MoveCap(cap, floor), (t, peak)
 
 
+def _nearer(
+    actions: list[Action], score: Callable[[list[Action]], tuple[float, ...]], choices: list[Action]
+) -> list[Action]:
+    """``actions`` with each SSD layer moved to the host where that scores no worse (``score`` ranks the SSD's
+    bytes last, so a tie is a gain)."""
+    cur_plan, cur = list(actions), score(actions)
+    for i, a in enumerate(actions):
+        if a.tier is Action.SSD:
+            near = Action(a.value.replace("ssd", "host"))
+            if near in choices:
+                cand_plan = [*cur_plan[:i], near, *cur_plan[i + 1 :]]
+                cand = score(cand_plan)
+                if cand <= cur:
+                    cur_plan, cur = cand_plan, cand
+    return cur_plan
+
+
 @dataclass
 class _Found:
     """One depth's search: its best plan, that plan's score and peak, and the lowest-peak plan it considered,
-    ranked by (over a tier's capacity, peak, step time) (with a budget only; the best-effort plan)."""
+    ranked by (over a tier's capacity, peak, step time, bytes on the SSD) (with a budget only; the best-effort
+    plan)."""
 
     actions: list[Action]
     score: tuple[float, ...]
@@ -438,20 +457,25 @@ def _search(
         nonlocal lowest
         # first what no tier can hold (the mover would leave those bytes on the device, over the plan); a
         # tier never holds more than all moved bytes, so most plans skip the second forward pass
-        moved = 0
+        # last, among plans alike in everything else, the fewest bytes on the SSD: where the link hides both
+        # tiers' transfers, a layer sent to the SSD ties with it sent to the host, and the drive would take
+        # wear, and the risk of running slower than measured, for nothing
+        moved = on_ssd = 0
         for i, a in enumerate(actions):
             if a.moved:
                 if (i, a) not in held:
                     held[i, a] = _held(profiles[i], a, None)
                 moved += held[i, a]
+                if a.tier is Action.SSD:
+                    on_ssd += held[i, a]
         full = _over_capacity(tier_usage(profiles, actions, bw), capacity) if moved > roomy else 0
         if budget is None:  # hide only: no slower than baseline, then least memory, then least time
             t, _, peak = simulate(profiles, actions, bw, depth)
-            return (full, max(0.0, t - base_t * 1.005), peak, t)
+            return (full, max(0.0, t - base_t * 1.005), peak, t, on_ssd)
         t, over, peak = _overflow(profiles, actions, bw, depth, budget)
-        if lowest is None or (full, peak, t) < lowest[0]:
-            lowest = ((full, peak, t), list(actions))
-        return (full, over, t, peak)
+        if lowest is None or (full, peak, t, on_ssd) < lowest[0]:
+            lowest = ((full, peak, t, on_ssd), list(actions))
+        return (full, over, t, peak, on_ssd)
 
     exhaustive = len(choices) ** n <= exhaustive_limit
     if exhaustive:
@@ -482,5 +506,11 @@ def _search(
                             cur, cur_plan[i], changed = cand, a, True
             ends.append((cur, cur_plan))
         best = min(ends, key=lambda e: (e[0], [a.value for a in e[1]]))[1]
+        # the descent changes one layer at a time and only for a strictly better score, so an SSD layer whose
+        # host twin ties with it stays where the descent started it: offer each one the host (score() also
+        # ranks what it is given against the lowest-peak plan)
+        best = _nearer(best, score, choices)
+        if lowest is not None:
+            _nearer(lowest[1], score, choices)
     sc = score(best)
     return _Found(best, sc, int(sc[3] if budget is not None else sc[2]), lowest, exhaustive)
