@@ -18,7 +18,7 @@ copied to the host in forward and back in backward as the hide-only plan moved, 
 dsx (``_BackgroundCopies``): what moving those bytes alone costs the step. Each config runs in its own process (a fresh
 ``dsx.initialize`` engine; in one process, memory the earlier engines held made later configs run out);
 step time is the median over ``--steps`` after ``--warmup`` (``dsx_auto`` configs warm up longer: through their
-profiled step and the re-plans after a measured overshoot); activation peak is ``max_memory_allocated``
+profiled step, and then until their plan has settled and run a step); activation peak is ``max_memory_allocated``
 during the steps minus the memory held before the first measured forward, and ``peak_allocated_gb`` the
 absolute maximum (model, optimizer and whatever a strategy keeps between steps included: torch checkpointing
 of megatron-core layers was seen to keep ~3.8 GB per layer allocated between steps, see
@@ -59,7 +59,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -321,20 +320,21 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
     # the measured steps' wall-clock window (Unix time): to match samples taken beside the run (GPU clocks)
     window = [0.0, 0.0]
     n_steps = min(args.steps, 2) if name in SLOW else args.steps
-    # policy auto: the warm-up also covers the profiled step and the re-plans after a measured overshoot,
-    # so that the measured steps run the plan that settled
+    # policy auto: the warm-up also covers the profiled step and the plan's settling (_SettledWarmup), so that
+    # the measured steps run the plan that settled
     warmup = args.warmup
+    auto = None
     if megatron_offload:  # megatron's first step records its groups and offloads every one of them
         warmup = max(warmup, 1)
     if name.startswith("dsx_auto"):
         from dsx.config import ActivationOffloadConfig
         from dsx.offload import MAX_CALIBRATIONS
 
-        # the planner's own warm-up steps, the profiled one, the re-plans
+        # at most: the planner's own warm-up steps, the profiled one, the re-plans
         warmup = max(warmup, ActivationOffloadConfig().profile_warmup_steps) + 1 + MAX_CALIBRATIONS
-    settled = None
-    if name.startswith("dsx_auto"):
-        settled = _plan_settled(dsx.runtime_of(engine).features["activation_offload"].offload)
+        auto = _SettledWarmup(
+            dsx.runtime_of(engine).features["activation_offload"].offload, args.warmup, warmup
+        )
     gc_clock = _GcClock()
     host_probe = [host_probe_s()]  # the host CPU's speed before and after the measured steps
     step = -1
@@ -378,10 +378,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         # on stderr, which a child that runs past its time limit leaves in its row: how far it got
         print(f"{name}: step {step + 1}/{warmup + n_steps} ({'measured' if step >= warmup else 'warm-up'}) "
               f"{time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
-        if settled is not None and settled() and args.warmup <= step + 1 < warmup:
-            # the plan the budget's calibration kept: measure from the next step on (each step at a long
-            # sequence takes tens of seconds, which the re-plans that did not happen would spend)
-            warmup = step + 1
+        if auto is not None:
+            warmup = auto.step_ended(step)
     gc_clock.stop()
     host_probe.append(host_probe_s())
     # what the peak is made of (CUDA): the weights, what else persists between steps (gradient buffers and
@@ -672,18 +670,24 @@ def _fit_budget_gb(results: list[dict[str, Any]], args: argparse.Namespace, mb: 
     return budget
 
 
-def _plan_settled(off: Any) -> Callable[[], bool]:
-    """Asked at each step's end: whether policy auto's plan (``off``: the ``ActivationOffload``) has settled
-    (planned, its calibration measuring no more steps) and has run a step since it was installed, so that the
-    next step is not its first."""
-    last: list[Any] = [None]  # the plan in force at the previous step's end
+class _SettledWarmup:
+    """Policy auto's warm-up (``off``: its ``ActivationOffload``): at least ``floor`` steps (``--warmup``), at most
+    ``ceiling`` (its own warm-up, the profiled step and every re-plan its calibration may make). It ends after the
+    first step at whose end the plan has settled (planned, its calibration measuring no more steps) and has run
+    a step since it was installed: the measured steps run the plan that settled, and none is its first. A step
+    at a long sequence is long: the re-plans that did not happen should not cost the run their steps."""
 
-    def settled() -> bool:
-        ran = off.plan is not None and off.plan is last[0]
-        last[0] = off.plan
-        return ran and not off.calibration.pending
+    def __init__(self, off: Any, floor: int, ceiling: int) -> None:
+        self.off, self.floor, self.steps = off, floor, ceiling
+        self._last: Any = None  # the plan in force at the previous step's end
 
-    return settled
+    def step_ended(self, step: int) -> int:
+        """Step ``step`` (from 0) has ended: the warm-up's length in steps, now."""
+        plan = self.off.plan
+        ran, self._last = plan is not None and plan is self._last, plan
+        if ran and not self.off.calibration.pending and self.floor <= step + 1 < self.steps:
+            self.steps = step + 1
+        return self.steps
 
 
 def _init_distributed() -> None:

@@ -33,7 +33,7 @@ case $suite in
     run gpu-tests 570 python -m pytest -q -rs -m "gpu or multigpu" -p no:cacheprovider tests/ ;;
   build-ops)  # every op the 8B offload jobs compile at their start (DeepSpeed's CPU Adam and async_io) and dsx's
               # gather op, into the machine's extension cache: a suite run next on the same warm machine starts
-              # without minutes of compiling (offload-8b-capacity 3 and 8 need their whole command for the steps)
+              # without compiling (offload-8b-capacity 3 and 8 need their whole command for the steps)
     run build-ops 300 python -m dsx.cli build-ops --config configs/gpt_llama8b_zero2_actoffload.json
     run build-dsx-ops 120 python -m dsx.cli build-ops ;;
   gather)  # the gather op's build, what the machine supports, the gather benchmark

@@ -30,7 +30,8 @@ def _build_ops(p: argparse.ArgumentParser) -> None:
         "--config",
         metavar="DS_CONFIG",
         help="instead, build every op a job with this DeepSpeed config compiles at its start and is not cached "
-        "(DeepSpeed's CPU optimizer and async_io, dsx's gather kernel)",
+        "(DeepSpeed's CPU optimizer, async_io and CPU all-reduce; dsx's gather kernel where unified tensors are on "
+        "a GPU)",
     )
     p.add_argument("--quiet", action="store_true", help="print only errors")
 

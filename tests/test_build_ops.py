@@ -26,8 +26,9 @@ def _dsx(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 
 def test_builds_what_the_config_needs_then_nothing() -> None:
-    """In the extension cache the other tests share (the ops are theirs too: built once for all). Whatever
-    the config's job would build before the run is built by it; after it, nothing is pending."""
+    """In the extension cache the other tests share (the ops are theirs too: built once for all; a cold cache's
+    first run builds them here, a warm one checks only that nothing is built again). Whatever the config's job
+    would build before the run is built by it; after it, nothing is pending."""
     config = json.loads(CONFIG.read_text())
     before = {b.name for b in pending_builds(config)}
     first = _dsx("--config", str(CONFIG))
@@ -45,11 +46,21 @@ def test_builds_what_the_config_needs_then_nothing() -> None:
 
 @pytest.mark.parametrize(
     "content,message",
-    [(None, "no DeepSpeed config at"), ("{not json", "is not valid JSON"), ("[1, 2]", "holds a JSON list")],
+    [
+        (None, "no DeepSpeed config at"),
+        ("{not json", "is not valid JSON"),
+        (b"\xff\xfe{}", "is not valid JSON"),
+        ("[1, 2]", "holds a JSON list"),
+        ("dir", "cannot read the DeepSpeed config"),
+    ],
 )
-def test_a_bad_config_is_a_clear_error(tmp_path: Path, content: str | None, message: str) -> None:
+def test_a_bad_config_is_a_clear_error(tmp_path: Path, content: str | bytes | None, message: str) -> None:
     path = tmp_path / "ds_config.json"
-    if content is not None:
+    if content == "dir":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     out = _dsx("--config", str(path))
     assert out.returncode == 2 and message in out.stderr and str(path) in out.stderr, out.stderr

@@ -35,8 +35,10 @@ def read_ds_config(path: str | Path) -> dict[str, Any]:
         cfg = json.loads(p.read_text())
     except FileNotFoundError:
         raise ValueError(f"no DeepSpeed config at {p}") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"the DeepSpeed config {p} is not valid JSON: {exc}") from None
+    except OSError as exc:  # a directory, no permission
+        raise ValueError(f"cannot read the DeepSpeed config {p}: {exc.strerror or exc}") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"the DeepSpeed config {p} holds a JSON {type(cfg).__name__}, not an object")
     return cfg
@@ -73,5 +75,6 @@ def _load_deepspeed_op(name: str, verbose: bool) -> None:
         raise RuntimeError(
             f"DeepSpeed cannot build {name} on this machine"
             + (" (install libaio-dev for its headers)" if name == "async_io" else "")
+            + (f": {builder.error_log}" if getattr(builder, "error_log", None) else "")
         )
     builder.load(verbose=verbose)

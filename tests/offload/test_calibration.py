@@ -5,17 +5,19 @@ ran (and fitted) stays."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
+from dsx.config import ActivationOffloadConfig
 from dsx.offload.calibration import Calibration
 from dsx.offload.plan import Action, Plan, make_plan
 from tests.offload._plans import BW, GiB, _cfg, _profiles
 
 
-def _over_budget_case() -> tuple[Calibration, Plan, Plan, callable]:
+def _over_budget_case() -> tuple[Calibration, Plan, Plan, Callable[[ActivationOffloadConfig], Plan]]:
     """A plan that moves every layer to the host, installed under a budget half of full recompute's predicted
     peak (no plan meets it), its calibration started, and full recompute's plan."""
     prof = _profiles(random.Random(3), 6)
@@ -28,7 +30,7 @@ def _over_budget_case() -> tuple[Calibration, Plan, Plan, callable]:
     calibration = Calibration(cfg, nn.Linear(1, 1), torch.device("cpu"))
     calibration.start(plan)
 
-    def replan(c):
+    def replan(c: ActivationOffloadConfig) -> Plan:
         return make_plan(prof, BW, c)
 
     return calibration, plan, every, replan
