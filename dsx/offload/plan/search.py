@@ -8,8 +8,8 @@ until a pass changes nothing, ordered by (memory over budget, step time, peak me
 the budget, then shortens the step. With no budget the order is (time over baseline, peak memory, step
 time). When no plan the search considers meets the budget, the best-effort plan is the one of them with the
 lowest peak (then the shortest step). Ties in all of these go to the plan with the fewest bytes on the SSD.
-Every prefetch depth 1..``MAX_DEPTH`` is searched. A hide-only plan is then filled up to the bound with parts of layers (``move_caps``), each of which
-must lower the predicted peak.
+Every prefetch depth 1..``MAX_DEPTH`` is searched. A hide-only plan is then filled up to the bound with parts
+of layers (``move_caps``), each of which must lower the predicted peak.
 
 Plans come from :mod:`~dsx.offload.plan.cost`'s model; the search takes seconds for a few dozen layers and
 grows about as n^3 (``Plan.search_s`` records it; docs/performance.md).
