@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dsx.ops.aio import async_io_status
 from dsx.ops.notice import GATHER_OP, announce, pending_builds
 
 __all__ = ["build_for_config", "read_ds_config"]
@@ -68,13 +69,20 @@ def build_for_config(ds_config: Mapping[str, Any], verbose: bool = True) -> list
 def _load_deepspeed_op(name: str, verbose: bool) -> None:
     from deepspeed.accelerator import get_accelerator
 
+    if name == "async_io":
+        # DeepSpeed's own check passes with the libaio runtime alone, and the build then fails at link time
+        ok, why = async_io_status()
+        if not ok:
+            raise RuntimeError(f"DeepSpeed cannot build async_io on this machine: {why}")
     builder = get_accelerator().create_op_builder(_DS_BUILDERS[name])
     if builder is None:
         raise RuntimeError(f"DeepSpeed's {get_accelerator()._name} accelerator has no {name} op to build")
     if not builder.is_compatible(verbose=verbose):
         raise RuntimeError(
             f"DeepSpeed cannot build {name} on this machine"
-            + (" (install libaio-dev for its headers)" if name == "async_io" else "")
             + (f": {builder.error_log}" if getattr(builder, "error_log", None) else "")
         )
-    builder.load(verbose=verbose)
+    try:
+        builder.load(verbose=verbose)
+    except Exception as exc:  # a compiler or linker failure: its output is above (verbose) or in the message
+        raise RuntimeError(f"building {name} failed: {type(exc).__name__}: {exc}") from exc
