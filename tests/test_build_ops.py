@@ -71,11 +71,12 @@ def test_async_io_without_libaio_says_what_to_install(tmp_path: Path) -> None:
     fresh extension cache: a build cached by another run would make async_io usable without them)."""
     env = launcher_env()
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
-    probe = "from dsx.ops.aio import async_io_status; print(async_io_status()[0])"
+    probe = "import sys; from dsx.ops.aio import async_io_status; sys.exit(3 if async_io_status()[0] else 0)"
     usable = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
     )
-    if usable.stdout.strip() != "False":
+    assert usable.returncode in (0, 3), usable.stderr
+    if usable.returncode == 3:
         pytest.skip(
             "async_io can be built here (libaio-dev installed): the error path needs a machine without it"
         )
@@ -90,3 +91,16 @@ def test_async_io_without_libaio_says_what_to_install(tmp_path: Path) -> None:
         out.stdout,
         out.stderr,
     )
+
+
+def test_the_gather_op_without_cuda_is_a_clear_error() -> None:
+    """Plain `dsx build-ops` builds dsx's CUDA op: on a torch without CUDA, exit 1 with the reason."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch has CUDA: the gather op builds here (a GPU test builds it)")
+    out = _dsx()
+    assert out.returncode == 1 and "dsx build-ops: dsx unified gather kernel unavailable" in out.stderr, (
+        out.stderr
+    )
+    assert "Traceback" not in out.stderr

@@ -41,7 +41,11 @@ def cli_build(args: object) -> int:
     if config is None:
         from dsx.ops.unified_gather import build_ops
 
-        build_ops(verbose=verbose)
+        try:
+            build_ops(verbose=verbose)
+        except RuntimeError as exc:  # no CUDA, no compiler: the reason is in the message
+            print(f"dsx build-ops: {exc}", file=sys.stderr)
+            return 1
         return 0
     from dsx.ops.prebuild import build_for_config, read_ds_config
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import bench_offload
-from dsx.offload import ActivationOffload
+from dsx.offload import MAX_CALIBRATIONS, ActivationOffload
 from tests.offload._runs import _cfg, _one_gib_budget_run
 
 
@@ -32,7 +32,8 @@ def test_the_warm_up_ends_once_the_kept_plan_has_run_a_step(
         return measured[-1]
 
     off.calibration.meter.since_mark = fake_peak  # type: ignore[method-assign]
-    ceiling = 4  # as bench_offload's: no planner warm-up step, the profiled step, two re-plans
+    # as bench_offload's: the planner's warm-up steps (none here), the profiled step, the re-plans
+    ceiling = max(floor, off.cfg.profile_warmup_steps) + 1 + MAX_CALIBRATIONS
     warmup = bench_offload._SettledWarmup(off, floor, ceiling)
     seen, plans = [], []
     try:

@@ -625,13 +625,7 @@ def test_the_host_time_of_each_moved_tensor_makes_the_plan_move_fewer_larger_one
     assert "tensors >= 1024Mi" in costly.describe()
 
 
-@pytest.mark.parametrize("seed", range(16))
-def test_ties_go_to_the_host(seed: int) -> None:
-    """Where the link hides both tiers' transfers, a layer sent to the SSD often ties with it sent to the host;
-    the planner then picks the host (no drive wear, no risk from a drive slower than measured). No SSD layer of
-    a plan, best effort (a budget nothing meets) or within its budget, exhaustive or local search, moves to the
-    host at the same or a better rank: peak then step time, or step time then peak, and the host within its
-    capacity."""
+def _tie_case(seed: int) -> tuple[list[LayerProfile], list[TierBandwidth], int]:
     rng = random.Random(seed)
     n = 4 if seed % 2 else 10
     prof = _profiles(rng, n)
@@ -641,9 +635,38 @@ def test_ties_go_to_the_host(seed: int) -> None:
         TierBandwidth("host", 50e9, 50e9),
         TierBandwidth("ssd", rng.choice([1e9, 3e9]), rng.choice([1e9, 3e9])),
     ]
+    return prof, bws, sum(p.saved_bytes for p in prof)
+
+
+def test_a_tie_with_the_ssd_goes_to_the_host() -> None:
+    """A best-effort plan (seed 2's layers under a budget nothing meets) where a host layer's SSD twin ties with
+    it in peak and step time: the plan moves layers, none to the SSD."""
+    prof, bws, _ = _tie_case(2)
     bw = _bw(bws, budget=True)
-    keep = sum(p.saved_bytes for p in prof)
-    for budget_gb in (0.01, keep * rng.uniform(0.2, 0.5) / GiB):
+    cfg = _cfg(policy="auto", memory_budget_gb=0.01, host_pool_gb=4, ssd_capacity_gb=4, ssd_path="/tmp")
+    plan = make_plan(prof, bws, cfg, best_effort=True)
+    assert plan.over_budget and not any(a.tier is Action.SSD for a in plan.actions)
+    _, _, peak = simulate(prof, plan.actions, bw, plan.prefetch_depth)
+    t = simulate(prof, plan.actions, bw, plan.prefetch_depth)[0]
+    twins = [
+        [*plan.actions[:i], Action(a.value.replace("host", "ssd")), *plan.actions[i + 1 :]]
+        for i, a in enumerate(plan.actions)
+        if a.tier is Action.HOST
+    ]
+    tied = [tw for tw in twins if simulate(prof, tw, bw, plan.prefetch_depth)[::2] == (t, peak)]
+    assert tied, [a.value for a in plan.actions]
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_ties_go_to_the_host(seed: int) -> None:
+    """Where the link hides both tiers' transfers, a layer sent to the SSD often ties with it sent to the host;
+    the planner then picks the host (no drive wear, no risk from a drive slower than measured). No SSD layer of
+    a plan, best effort (a budget nothing meets) or within its budget, exhaustive or local search, moves to the
+    host at the same or a better rank: peak then step time, or step time then peak, and the host within its
+    capacity."""
+    prof, bws, keep = _tie_case(seed)
+    bw = _bw(bws, budget=True)
+    for budget_gb in (0.01, keep * random.Random(seed).uniform(0.2, 0.5) / GiB):
         cfg = _cfg(
             policy="auto",
             memory_budget_gb=budget_gb,

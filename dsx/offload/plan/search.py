@@ -63,6 +63,8 @@ def _choices(
 def _usable(a: Action, p: LayerProfile) -> bool:
     if p.recompute_only:  # its inputs cannot move either: the non-reentrant checkpoint holds them itself
         return a == Action.RECOMPUTE
+    if a.recomputed and a.moved and not p.input_bytes:  # no input to move: that is plain recompute
+        return False
     return not a.sel or p.sel_saved_bytes is not None
 
 
@@ -453,34 +455,41 @@ def _search(
     held: dict[tuple[int, Action], int] = {}
     lowest: tuple[tuple[float, ...], list[Action]] | None = None
 
+    def on_ssd(actions: list[Action]) -> int:
+        return sum(held[i, a] for i, a in enumerate(actions) if a.tier is Action.SSD)
+
     def score(actions: list[Action]) -> tuple[float, ...]:
         nonlocal lowest
         # first what no tier can hold (the mover would leave those bytes on the device, over the plan); a
         # tier never holds more than all moved bytes, so most plans skip the second forward pass
-        # last, among plans alike in everything else, the fewest bytes on the SSD: where the link hides both
-        # tiers' transfers, a layer sent to the SSD ties with it sent to the host, and the drive would take
-        # wear, and the risk of running slower than measured, for nothing
-        moved = on_ssd = 0
+        moved = 0
         for i, a in enumerate(actions):
             if a.moved:
                 if (i, a) not in held:
                     held[i, a] = _held(profiles[i], a, None)
                 moved += held[i, a]
-                if a.tier is Action.SSD:
-                    on_ssd += held[i, a]
         full = _over_capacity(tier_usage(profiles, actions, bw), capacity) if moved > roomy else 0
         if budget is None:  # hide only: no slower than baseline, then least memory, then least time
             t, _, peak = simulate(profiles, actions, bw, depth)
-            return (full, max(0.0, t - base_t * 1.005), peak, t, on_ssd)
+            return (full, max(0.0, t - base_t * 1.005), peak, t)
         t, over, peak = _overflow(profiles, actions, bw, depth, budget)
-        if lowest is None or (full, peak, t, on_ssd) < lowest[0]:
-            lowest = ((full, peak, t, on_ssd), list(actions))
-        return (full, over, t, peak, on_ssd)
+        if lowest is None or (full, peak, t) <= lowest[0][:3]:
+            rank = (full, peak, t, on_ssd(actions))
+            if lowest is None or rank < lowest[0]:
+                lowest = (rank, list(actions))
+        return (full, over, t, peak)
+
+    # Last, among plans alike in everything else, the fewest bytes on the SSD: where the link hides both tiers'
+    # transfers, a layer sent to the SSD ties with it sent to the host, and the drive would take wear, and the
+    # risk of running slower than measured, for nothing. (Not in the descent's score: there it would turn ties
+    # into steps and lengthen the search.)
+    def ranked(actions: list[Action]) -> tuple[float, ...]:
+        return (*score(actions), on_ssd(actions))
 
     exhaustive = len(choices) ** n <= exhaustive_limit
     if exhaustive:
         plans = (list(c) for c in itertools.product(choices, repeat=n))
-        best = min((c for c in plans if all(map(_usable, c, profiles))), key=score)
+        best = min((c for c in plans if all(map(_usable, c, profiles))), key=ranked)
     else:
         # Descend from every uniform plan (keep all, recompute all, all to one tier) and keep the best end
         # point: from "keep all" alone a tight budget can leave the descent in a local minimum. Each pass
@@ -505,12 +514,18 @@ def _search(
                         if cand < cur:
                             cur, cur_plan[i], changed = cand, a, True
             ends.append((cur, cur_plan))
-        best = min(ends, key=lambda e: (e[0], [a.value for a in e[1]]))[1]
+        best = min(ends, key=lambda e: (e[0], on_ssd(e[1]), [a.value for a in e[1]]))[1]
         # the descent changes one layer at a time and only for a strictly better score, so an SSD layer whose
-        # host twin ties with it stays where the descent started it: offer each one the host (score() also
-        # ranks what it is given against the lowest-peak plan)
-        best = _nearer(best, score, choices)
+        # host twin ties with it stays where the descent started it: offer each one the host, in the best plan
+        # and in the lowest-peak one
+        best = _nearer(best, ranked, choices)
         if lowest is not None:
-            _nearer(lowest[1], score, choices)
+
+            def low_rank(actions: list[Action]) -> tuple[float, ...]:  # the lowest-peak plan's order
+                full, _, t, peak = score(actions)
+                return (full, peak, t, on_ssd(actions))
+
+            near = _nearer(lowest[1], low_rank, choices)
+            lowest = min(lowest, (low_rank(near), near), key=lambda e: e[0])
     sc = score(best)
     return _Found(best, sc, int(sc[3] if budget is not None else sc[2]), lowest, exhaustive)
