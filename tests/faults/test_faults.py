@@ -5,6 +5,7 @@ job, and proof that the classification can fail (docs/faults.md)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -30,7 +31,8 @@ def session() -> Iterator[Session]:
 @pytest.mark.parametrize(("job", "kind"), CASES)
 def test_a_fault_ends_equal_or_in_a_clear_error(session: Session, job: str, kind: str) -> None:
     t = session.trial(CASES.index((job, kind)), job, kind)
-    record = t.to_json()
+    # the whole record, output tail included (pytest shortens a dict's repr to its first keys)
+    record = json.dumps(t.to_json(), indent=1, default=str)
     assert t.outcome not in ("wrong", "leak", "hang", "unclear"), record
     assert t.allowed, record
     if t.evidence["fired"]:
