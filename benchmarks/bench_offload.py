@@ -1227,7 +1227,7 @@ def _plot(
     if not ok:
         return
     if all("@seq" in r["config"] for r in results) and len({r["seq_len"] for r in results}) > 1:
-        _plot_lengths(results, out, name, plt)
+        _plot_lengths(results, out, name, plt, parts)
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.2, 1]})
     # the trade-off: lower left is better; dsx points in one colour, baselines in another; every repeat a
@@ -1267,11 +1267,26 @@ def _plot(
     save_png(fig, out, name)
 
 
-def _plot_lengths(results: list[dict[str, Any]], out: str | os.PathLike[str], name: str, plt: Any) -> None:
+def _gpu_kind(device: str) -> str:
+    """A GPU's model from its name as torch gives it: "NVIDIA H100 80GB HBM3" -> "H100"."""
+    words = device.removeprefix("NVIDIA ").split()
+    return words[0] if words else device
+
+
+def _plot_lengths(
+    results: list[dict[str, Any]],
+    out: str | os.PathLike[str],
+    name: str,
+    plt: Any,
+    parts: list[dict[str, Any]] = (),
+) -> None:
     """A sequence-length sweep (``--seq-lens``): tokens/s against length, a line per config (its median run at
-    each length), and a cross where a config first failed (out of memory, or otherwise, as the cross's label
-    says) at the length it failed."""
+    each length), and a cross where a config first failed (out of GPU memory, killed for host memory, or
+    otherwise, as the cross's label says) at the length it failed. Where the merged parts ran on more than one
+    kind of GPU, each config's label names the ones its rows came from."""
     fig, a = plt.subplots(figsize=(9, 4.8))
+    kind = {i: _gpu_kind(str(p.get("device"))) for i, p in enumerate(parts)}
+    mixed = len({kind[i] for i, p in enumerate(parts) if not p.get("superseded")}) > 1
     by: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         if not r.get("not_run"):
@@ -1281,12 +1296,17 @@ def _plot_lengths(results: list[dict[str, Any]], out: str | os.PathLike[str], na
         color = f"C{i}"
         good = sorted(median_runs([r for r in rows if "error" not in r]).values(), key=lambda r: r["seq_len"])
         if good:
+            on = sorted({kind[r["part"]] for r in rows if r.get("part") in kind})
+            where = f"; {', '.join(on)}" if mixed and on else ""
             a.plot([r["seq_len"] for r in good], [r["tokens_per_s"] / 1e3 for r in good], "o-", color=color,
-                   label=f"{cfg} (longest {good[-1]['seq_len']:,})")  # fmt: skip
+                   label=f"{cfg} (longest {good[-1]['seq_len']:,}{where})")  # fmt: skip
         failed = [r for r in rows if "error" in r]
         if failed:  # (a longer length tried in another part failed too: only the shortest is the limit)
             r = min(failed, key=lambda r: r["seq_len"])
-            why = "out of memory" if _does_not_fit(r) else "failed otherwise"
+            if r.get("returncode") == -signal.SIGKILL:
+                why = "killed (host memory)"
+            else:
+                why = "out of memory" if _does_not_fit(r) else "failed otherwise"
             k = crosses[r["seq_len"]] = crosses.get(r["seq_len"], -1) + 1
             a.plot(r["seq_len"], 0, "x", color=color, markersize=10, mew=2)
             a.annotate(f"{cfg}: {why}", (r["seq_len"], 0), fontsize=7, rotation=90, xytext=(3 + 9 * k, 6),

@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_run.sh SUITE     SUITE: tests | build-ops | gather | gnn | rgnn | hetero | hetero-scale | hetero-large |
 #                                         offload | offload-hide | offload-8b | offload-8b-peers |
 #                                         offload-8b-sweep [1|2|3] | offload-8b-megatron |
-#                                         offload-8b-capacity [1-6|3 LEN|7 ROUND|8 LEN] | offload-8b-pool ROUND |
+#                                         offload-8b-capacity [1-6|3 LEN|7 ROUND SIDE|8 LEN] | offload-8b-pool ROUND |
 #                                         offload-8b-pool-capacity host|ssd LEN |
 #                                         offload-8b-2gpu | offload-long |
 #                                         offload-ssd | main | wheel
@@ -12,7 +12,7 @@
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|build-ops|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-6|3 LEN|7 ROUND|8 LEN]|offload-8b-pool ROUND|offload-8b-pool-capacity host|ssd LEN|offload-8b-2gpu|offload-long|offload-ssd|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|build-ops|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-6|3 LEN|7 ROUND SIDE|8 LEN]|offload-8b-pool ROUND|offload-8b-pool-capacity host|ssd LEN|offload-8b-2gpu|offload-long|offload-ssd|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -137,8 +137,9 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
                         # each fits one command: steps take longer as the sequence grows), 4 full recompute at longer
                         # lengths, 5 DeepSpeed's cpu_checkpointing, 6 megatron's offload of every module and the
                         # saved-tensor-hook offload (its pinned copies, 1.8 MB a token, make host memory its limit);
-                        # part 7 ROUND (1, 2, 3): one round of the best peer and dsx at the longest the peer trained,
-                        # the three parts interleaved (a round at these lengths takes minutes); part 8 LEN: dsx
+                        # part 7 ROUND SIDE (ROUND 1, 2, 3; SIDE peer, then dsx): one side of a round of the best
+                        # peer and dsx at the longest the peer trained, the six commands interleaved on one machine
+                        # (round 1's rows replace the parts' rows at that length); part 8 LEN: dsx
                         # profiled with the layers' inputs on the host (profile_mode "recompute+host"), at LEN
                         # (default 262,144). A config that trains
                         # its longest listed length has no limit found (limit_found in the JSON): extend it
@@ -153,29 +154,27 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
       7) case ${3:-1} in
            1) ;;
            2|3) repeat=(--merge-repeat) ;;
-           *) log "offload-8b-capacity 7: round 1, 2 or 3"; exit 2 ;;
+           *) log "offload-8b-capacity 7: round 1, 2 or 3, then peer or dsx"; exit 2 ;;
          esac
-         # round 1 takes the best peer from the JSON; rounds 2 and 3 run round 1's pair again (the best peer of a
-         # tie in length is the faster, and one more run may swap them)
+         # the best peer and its longest length from the JSON (parts 1-6 first); one side of a round a command:
+         # at these lengths one side can take most of a command (docs/performance.md), so both do not fit
          at=$(python -c "
 import json
-d = json.load(open('$RES/bench_offload_8b_capacity.json'))
-if ${3:-1} == 1:
-    at = d['ratios']['longest_sequence']['at_best_peer']
-    print(at['peer'].split('@')[0], at['seq_len'])
-else:
-    # round 1's part: the last with a peer beside dsx (part 8 may have run since)
-    last = max(i for i, p in enumerate(d['parts']) if p['configs'][1:] == ['dsx_auto_budget_sel'])
-    row = next(r for r in d['results'] if r.get('part') == last)
-    print(d['parts'][last]['configs'][0], row['seq_len'])") \
-           || { log "offload-8b-capacity 7: run parts 1-6 (and round 1) first"; exit 1; }
-         read -r peer len <<< "$at"; sizes=("$peer=$len" "dsx_auto_budget_sel=$len") ;;
+at = json.load(open('$RES/bench_offload_8b_capacity.json'))['ratios']['longest_sequence']['at_best_peer']
+print(at['peer'].split('@')[0], at['seq_len'])") \
+           || { log "offload-8b-capacity 7: run parts 1-6 first"; exit 1; }
+         read -r peer len <<< "$at"
+         case ${4:-} in
+           peer) sizes=("$peer=$len") ;;
+           dsx) sizes=("dsx_auto_budget_sel=$len") ;;
+           *) log "offload-8b-capacity 7 ${3:-1}: peer or dsx, not '${4:-}'"; exit 2 ;;
+         esac ;;
       8) sizes=(dsx_auto_budget_hp_sel=${3:-262144}) ;;  # dsx profiled with the layers' inputs on the host
       *) log "offload-8b-capacity: part 1 to 8, not $part"; exit 2 ;;
     esac
     configs=("${sizes[@]%%=*}") merge=(--merge) child=300
     [ "$part" = 1 ] && merge=()
-    [ "$part" = 3 ] || [ "$part" = 8 ] && child=520  # dsx alone at one length may take the command
+    case $part in 3|7|8) child=520 ;; esac  # one config at one length may take the command
     # dsx's budget leaves 5 GB: the CUDA context, cuBLAS and NCCL hold over 2 GB outside torch, and a plan may
     # peak a few percent over its prediction. The SSD tier stays within the lent machine's 64 GB disk. Every
     # config runs with expandable allocator segments (dsx turns them on for itself; a peer at its best setting

@@ -488,3 +488,25 @@ def test_gpu_memory_cap_holds_the_process_to_it() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "capped" in out.stdout
+
+
+def test_a_length_sweep_from_two_kinds_of_gpu_names_each_configs_and_a_host_kill(
+    tmp_path, monkeypatch
+) -> None:
+    """Parts merged from two GPU kinds: each config's label says which its rows came from (one kind: no label
+    says it); a child killed by SIGKILL (the kernel's out-of-memory killer) is marked as host memory."""
+    ok = {"tokens_per_s": 1e4, "step_s": 1.0, "activation_peak_gb": 1.0, "step_s_runs": [1.0]}
+    parts = [{"device": "NVIDIA H100 80GB HBM3"}, {"device": "NVIDIA H200"}]
+    rows = [{"config": "recompute@seq1000", "seq_len": 1000, "part": 0, **ok},
+            {"config": "hooks@seq1000", "seq_len": 1000, "part": 1, **ok},
+            {"config": "hooks@seq2000", "seq_len": 2000, "part": 1, "error": "child exited -9 without a result",
+             "returncode": -9}]  # fmt: skip
+    figs = []
+    monkeypatch.setattr(bench_offload, "save_png", lambda fig, *a: figs.append(fig))
+    bench_offload._plot(rows, tmp_path, "lengths", parts)
+    labels = [t.get_text() for t in figs[0].axes[0].get_legend().get_texts()]
+    assert labels == ["hooks (longest 1,000; H200)", "recompute (longest 1,000; H100)"], labels
+    assert [t.get_text() for t in figs[0].axes[0].texts] == ["hooks: killed (host memory)"]
+    bench_offload._plot(rows, tmp_path, "lengths", parts[:1] * 2)
+    labels = [t.get_text() for t in figs[1].axes[0].get_legend().get_texts()]
+    assert labels == ["hooks (longest 1,000)", "recompute (longest 1,000)"], labels
