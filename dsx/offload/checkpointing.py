@@ -9,6 +9,8 @@ of storing (``+sel`` actions). A recomputed layer or sub-module runs under torch
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dsx.config import ActivationOffloadConfig, DsxConfigError
 
-__all__ = ["check_model", "checkpointed", "find_layers", "layers_and_subs", "recompute_modules"]
+__all__ = ["check_model", "checkpointed", "find_layers", "layers_and_subs", "noting_oom", "recompute_modules"]
 
 
 def find_layers(model: nn.Module, layer_classes: list[str] | None) -> list[nn.Module]:
@@ -98,6 +100,22 @@ def check_model(model: nn.Module, section: ActivationOffloadConfig) -> None:
         layers_and_subs(model, section)
     except ValueError as exc:
         raise DsxConfigError(str(exc)) from None
+
+
+def noting_oom(fn: Callable[..., Any], note: str) -> Callable[..., Any]:
+    """``fn``, whose :class:`torch.OutOfMemoryError` leaves with ``note`` added (once: a recomputation
+    raising inside the backward passes through the same note again)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            if note not in getattr(exc, "__notes__", ()):
+                exc.add_note(note)
+            raise
+
+    return run
 
 
 def _reentrant(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], wrap: Any = None) -> Any:

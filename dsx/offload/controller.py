@@ -19,7 +19,7 @@ from dsx import defaults
 from dsx.config import ActivationOffloadConfig
 from dsx.offload.agree import agree_peak, agree_profiles
 from dsx.offload.calibration import Calibration
-from dsx.offload.checkpointing import checkpointed, layers_and_subs
+from dsx.offload.checkpointing import checkpointed, layers_and_subs, noting_oom
 from dsx.offload.hooks import LayerHooks
 from dsx.offload.plan import Action, Plan, make_plan, write_barrier_fixed
 from dsx.offload.profile import Profiler
@@ -242,9 +242,35 @@ class ActivationOffload:
             self.hooks.actions = ["host"] * n
             self.hooks.write_barrier, self.hooks.write_barrier_bwd = write_barrier_fixed(n)
         self._uncheckpoint_layers()
+        note = self._profile_oom_note()
         for i, layer in enumerate(self.layers):
-            wrap = (lambda fn, count_saved=True, i=i: profiler.wrap(i, fn, count_saved)) if on else None
+
+            def wrap(fn: Any, count_saved: bool = True, i: int = i) -> Any:
+                return noting_oom(profiler.wrap(i, fn, count_saved) if on else fn, note)
+
             checkpointed(layer, True, i, self._orig_forward, reentrant=True, wrap=wrap)
+
+    def _profile_oom_note(self) -> str:
+        """What an out-of-memory error in a warm-up or profiling step under recomputation says to do: these
+        steps peak as full recompute does unless the layers' inputs go to the host, whatever the plan after
+        them would need."""
+        where = "dsx activation offload: out of memory in policy auto's warm-up or profiling steps"
+        if self._profile_host:
+            return (
+                f"{where}, which recompute every layer with its inputs on the host tier: one layer's forward, or "
+                "its recomputation and backward, do not fit beside what the step holds. Lower the micro-batch or "
+                "the sequence length"
+            )
+        fix = 'set activation_offload.profile_mode to "recompute+host"'
+        if "host" not in self.cfg.tiers:
+            fix = f'add "host" to activation_offload.tiers and {fix}'
+        mode = self.cfg.profile_mode
+        mode = "'auto', which is 'recompute' under memory_budget_gb" if mode == "auto" else repr(mode)
+        return (
+            f"{where}, which recompute every layer and keep its inputs on the device (profile_mode {mode}): "
+            "they peak as full recompute does, whatever the plan after them would need. To move those inputs to "
+            f'the host in these steps, {fix} (docs/offload.md, "What the profile costs in memory")'
+        )
 
     def _uncheckpoint_layers(self) -> None:
         for i in list(self._orig_forward):

@@ -649,3 +649,54 @@ def test_ranks_agree_on_the_slowest_layer_and_the_shortest_gap() -> None:
     assert (merged.saved_bytes, merged.fwd_s, merged.bwd_s) == (120, 0.012, 0.020)
     assert merged.gap_s == 0.003 and merged.sel_saved_bytes == 60
     assert _merge([a, LayerProfile(0, "L0", 100, 0.01, 0.02)]).gap_s == 0.004
+
+
+@pytest.mark.parametrize(
+    "mode, tiers, where, says",
+    [
+        ("recompute", ["host"], "forward", 'set activation_offload.profile_mode to "recompute+host"'),
+        ("auto", ["host"], "backward", "'auto', which is 'recompute' under memory_budget_gb"),
+        ("recompute", ["ssd"], "forward", 'add "host" to activation_offload.tiers and set'),
+        ("recompute+host", ["host"], "backward", "Lower the micro-batch"),
+    ],
+)
+def test_out_of_memory_in_the_profiling_steps_says_what_to_do(tmp_path, mode, tiers, where, says):
+    """An out-of-memory error in a warm-up or profiling step under recomputation, in a layer's forward or in its
+    recomputation in the backward, leaves with one note that says what to change; in a planned step it has none
+    (the plan's own figures are logged)."""
+    model = TinyGPT()
+    raising = [True]
+
+    def out_of_memory(module, args):
+        # the checkpoint's forward runs without grad, the recomputation in the backward with it
+        if raising[0] and torch.is_grad_enabled() == (where == "backward"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB")
+
+    model.blocks[1].attn.register_forward_pre_hook(out_of_memory)
+    sched = Scheduler()
+    cfg = _cfg(
+        tmp_path, tiers, policy="auto", profile_warmup_steps=1, profile_mode=mode, memory_budget_gb=1.0
+    )
+    off = ActivationOffload(model, cfg, sched)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        batches = _batches("gpt", 4)
+        for step, x in enumerate(batches):
+            raising[0] = step in (0, 1, 3)  # the warm-up step, the profiling step, a planned step
+            opt.zero_grad()
+            try:
+                model(x).float().pow(2).mean().backward()
+            except torch.OutOfMemoryError as exc:
+                notes = getattr(exc, "__notes__", [])
+                if step < 2:
+                    assert len(notes) == 1 and says in notes[0], notes
+                    assert "policy auto's warm-up or profiling steps" in notes[0]
+                else:
+                    assert off.plan is not None and not notes, notes
+            else:
+                assert step == 2 or (step == 3 and off.plan.actions[1] == Action.KEEP), step
+            opt.step()
+            off.end_step()
+    finally:
+        off.close()
+        sched.close()
