@@ -19,7 +19,15 @@ from torch.utils.checkpoint import checkpoint
 
 from dsx.config import ActivationOffloadConfig, DsxConfigError
 
-__all__ = ["check_model", "checkpointed", "find_layers", "layers_and_subs", "noting_oom", "recompute_modules"]
+__all__ = [
+    "add_note_once",
+    "check_model",
+    "checkpointed",
+    "find_layers",
+    "layers_and_subs",
+    "noting_oom",
+    "recompute_modules",
+]
 
 
 def find_layers(model: nn.Module, layer_classes: list[str] | None) -> list[nn.Module]:
@@ -102,20 +110,25 @@ def check_model(model: nn.Module, section: ActivationOffloadConfig) -> None:
         raise DsxConfigError(str(exc)) from None
 
 
-def noting_oom(fn: Callable[..., Any], note: str) -> Callable[..., Any]:
-    """``fn``, whose :class:`torch.OutOfMemoryError` leaves with ``note`` added (once: a recomputation
-    raising inside the backward passes through the same note again)."""
+def noting_oom(fn: Callable[..., Any], note: Callable[[], str | None]) -> Callable[..., Any]:
+    """``fn``, whose :class:`torch.OutOfMemoryError` leaves with ``note()`` added (:func:`add_note_once`)."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except torch.OutOfMemoryError as exc:
-            if note not in getattr(exc, "__notes__", ()):
-                exc.add_note(note)
+            add_note_once(exc, note())
             raise
 
     return run
+
+
+def add_note_once(exc: BaseException, note: str | None) -> None:
+    """Add ``note`` to ``exc`` unless it is None or already there: an error raised in a layer's recomputation
+    passes through the layer's wrapper and then the engine's ``backward``, each of which notes it."""
+    if note is not None and note not in getattr(exc, "__notes__", ()):
+        exc.add_note(note)
 
 
 def _reentrant(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], wrap: Any = None) -> Any:

@@ -242,24 +242,27 @@ class ActivationOffload:
             self.hooks.actions = ["host"] * n
             self.hooks.write_barrier, self.hooks.write_barrier_bwd = write_barrier_fixed(n)
         self._uncheckpoint_layers()
-        note = self._profile_oom_note()
         for i, layer in enumerate(self.layers):
 
             def wrap(fn: Any, count_saved: bool = True, i: int = i) -> Any:
-                return noting_oom(profiler.wrap(i, fn, count_saved) if on else fn, note)
+                return noting_oom(profiler.wrap(i, fn, count_saved) if on else fn, self.profile_oom_note)
 
             checkpointed(layer, True, i, self._orig_forward, reentrant=True, wrap=wrap)
 
-    def _profile_oom_note(self) -> str:
-        """What an out-of-memory error in a warm-up or profiling step under recomputation says to do: these
-        steps peak as full recompute does unless the layers' inputs go to the host, whatever the plan after
-        them would need."""
+    def profile_oom_note(self) -> str | None:
+        """What an out-of-memory error says to do while policy auto's warm-up and profiling steps run under
+        recomputation (None otherwise): those steps peak as full recompute does unless the layers' inputs go
+        to the host, whatever the plan after them would need. The layers' forwards and recomputations add it
+        (:func:`~dsx.offload.checkpointing.noting_oom`); under DeepSpeed, so does ``engine.backward``."""
+        if self.profiler is None or not self._profile_rc:
+            return None
         where = "dsx activation offload: out of memory in policy auto's warm-up or profiling steps"
         if self._profile_host:
             return (
                 f"{where}, which recompute every layer with its inputs on the host tier: one layer's forward, or "
-                "its recomputation and backward, do not fit beside what the step holds. Lower the micro-batch or "
-                "the sequence length"
+                "its recomputation and backward, do not fit beside what the step holds, the inputs the host "
+                'pool had no room for included. Raise activation_offload.host_pool_gb if dsx logged "host pool '
+                'full", else lower the micro-batch or the sequence length'
             )
         fix = 'set activation_offload.profile_mode to "recompute+host"'
         if "host" not in self.cfg.tiers:

@@ -61,10 +61,23 @@ def _nvme_path(engine: Any) -> str | None:
 
 
 class _Feature:
-    """What :func:`attach` returns: the engine's handle on one :class:`ActivationOffload`."""
+    """What :func:`attach` returns: the engine's handle on one :class:`ActivationOffload`. It wraps
+    ``engine.backward`` so that an out-of-memory error raised in a layer's backward during policy auto's
+    profiling steps says what to do, as one raised in a layer's forward or recomputation does
+    (:meth:`ActivationOffload.profile_oom_note`); ``close()`` takes the wrapper off."""
 
-    def __init__(self, offload: ActivationOffload) -> None:
-        self.offload = offload
+    def __init__(self, offload: ActivationOffload, engine: Any) -> None:
+        self.offload, self._engine, self._inner = offload, engine, engine.backward
+        self._own = "backward" not in vars(engine)  # the class's method, not an instance's wrapper
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return self._inner(*args, **kwargs)
+            except torch.OutOfMemoryError as exc:
+                checkpointing.add_note_once(exc, offload.profile_oom_note())
+                raise
+
+        engine.backward = self._wrapper = backward
 
     @contextlib.contextmanager
     def around_step(self) -> Iterator[None]:
@@ -80,6 +93,11 @@ class _Feature:
         self.offload.after_step()
 
     def close(self) -> None:
+        if vars(self._engine).get("backward") is self._wrapper:  # (one installed over it since stays)
+            if self._own:
+                del self._engine.backward
+            else:
+                self._engine.backward = self._inner
         self.offload.close()
 
 
@@ -101,4 +119,4 @@ def attach(engine: Any, runtime: Any) -> _Feature:
     except BaseException:
         offload.close()
         raise
-    return _Feature(offload)
+    return _Feature(offload, engine)

@@ -657,13 +657,14 @@ def test_ranks_agree_on_the_slowest_layer_and_the_shortest_gap() -> None:
         ("recompute", ["host"], "forward", 'set activation_offload.profile_mode to "recompute+host"'),
         ("auto", ["host"], "backward", "'auto', which is 'recompute' under memory_budget_gb"),
         ("recompute", ["ssd"], "forward", 'add "host" to activation_offload.tiers and set'),
-        ("recompute+host", ["host"], "backward", "Lower the micro-batch"),
+        ("recompute+host", ["host"], "backward", "Raise activation_offload.host_pool_gb"),
     ],
 )
 def test_out_of_memory_in_the_profiling_steps_says_what_to_do(tmp_path, mode, tiers, where, says):
     """An out-of-memory error in a warm-up or profiling step under recomputation, in a layer's forward or in its
     recomputation in the backward, leaves with one note that says what to change; in a planned step it has none
-    (the plan's own figures are logged)."""
+    (the plan's own figures are logged). An error in a layer's backward is noted by the engine's ``backward``
+    (tests/offload/test_deepspeed.py)."""
     model = TinyGPT()
     raising = [True]
 

@@ -156,3 +156,50 @@ def test_the_bandwidth_probe_is_the_size_the_scheduler_section_sets(tmp_path, mo
         off.close()
         sched.close()
     assert seen == [(["host", "ssd"], True, 3)] * 2  # (recompute_all has no plan to measure for)
+
+
+@pytest.mark.parametrize(
+    ("where", "planned"), [("backward", False), ("recomputation", False), ("backward", True)]
+)
+def test_out_of_memory_in_a_layers_backward_while_profiling_says_what_to_do(tmp_path, where, planned) -> None:
+    """Under DeepSpeed, an out-of-memory error raised in a layer's backward (after its recomputation, outside
+    the layer's own wrapper) during policy auto's warm-up step leaves ``engine.backward`` with the note, and one
+    raised in the recomputation (noted by the layer's wrapper, then passing through ``engine.backward``) with it
+    once; in a planned step it has none; ``close()`` gives the engine its own ``backward`` back."""
+    engine = _engine(tmp_path, None, tiers=["host"], policy="auto", profile_warmup_steps=1,
+                     profile_mode="recompute", memory_budget_gb=1.0)  # fmt: skip
+    raising = [False]
+
+    def out_of_memory(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB")
+
+    def on_output(module, args, out):  # (with grad: the recomputation, or a kept layer's forward)
+        if raising[0] and torch.is_grad_enabled():
+            out.register_hook(out_of_memory)
+
+    def on_input(module, args):
+        if raising[0] and torch.is_grad_enabled():
+            out_of_memory()
+
+    if where == "backward":
+        engine.module.blocks[1].fc2.register_forward_hook(on_output)
+    else:
+        engine.module.blocks[1].attn.register_forward_pre_hook(on_input)
+    try:
+        for step in range(3 if planned else 1):
+            raising[0] = step == (2 if planned else 0)
+            loss = engine(torch.randint(0, 64, (2, 16))).float().pow(2).mean()
+            if not raising[0]:
+                engine.backward(loss)
+                engine.step()
+                continue
+            with pytest.raises(torch.OutOfMemoryError) as err:
+                engine.backward(loss)
+            notes = getattr(err.value, "__notes__", [])
+            if planned:
+                assert engine.dsx.features["activation_offload"].offload.plan is not None and not notes, notes
+            else:
+                assert len(notes) == 1 and 'profile_mode to "recompute+host"' in notes[0], notes
+    finally:
+        engine.dsx.close()
+    assert "backward" not in vars(engine)
