@@ -1027,7 +1027,9 @@ def _does_not_fit(row: dict[str, Any]) -> bool:
     )
 
 
-def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any]:
+def _largest(
+    results: list[dict[str, Any]], key: str, tag: str, kinds: dict[int, str] | None = None
+) -> dict[str, Any]:
     """Per config (its name without the ``@<tag>N`` part): the largest ``key`` (``micro_batch``, ``seq_len``)
     that trained in the rows tagged ``@<tag>``, and its median tokens/s there over the repeats; each dsx
     config's tokens/s against no offload's (the same other tags) at their largest; and ``at_best_peer``: the
@@ -1035,8 +1037,12 @@ def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any
     one on a tie), and each dsx config's median tokens/s at that size against the peer's, and at every size both
     trained (``..._by_<key>``). ``limit_found``: a larger size of the config did not fit (out of memory, or no
     plan under its budget; else its largest is only the largest it was given); ``failed_otherwise_at``: the
-    smallest larger size that failed for another reason (out of time: its limit is not known there)."""
+    smallest larger size that failed for another reason (out of time: its limit is not known there).
+    ``kinds``: each part's GPU kind, for files merged from more than one; a config's entry then names the kinds
+    its runs came from (``gpus``), and no ratio compares runs of different kinds."""
+    kinds = kinds or {}
     runs: dict[tuple[str, int], list[float]] = {}
+    on: dict[tuple[str, int], set[str | None]] = {}  # the GPU kinds of each config's runs at each size
     failed: dict[str, int] = {}  # per config, its smallest size that did not fit
     other: dict[str, int] = {}  # and that failed otherwise
     for r in results:
@@ -1049,17 +1055,24 @@ def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any
                 into[name] = min(into.get(name, r[key]), r[key])
             continue
         runs.setdefault((name, r[key]), []).append(r["tokens_per_s"])
+        on.setdefault((name, r[key]), set()).add(kinds.get(r.get("part", 0)))
     tps = {k: statistics.median(v) for k, v in runs.items()}
+
+    def alike(a: tuple[str, int], b: tuple[str, int]) -> bool:  # runs of one GPU kind on both sides
+        return len(on[a] | on[b]) == 1
+
     best: dict[str, dict[str, Any]] = {}
     for (name, size), t in sorted(tps.items()):
         # (ascending sizes: the last is the largest)
         best[name] = {key: size, "tokens_per_s": t, "limit_found": failed.get(name, 0) > size}
         if other.get(name, 0) > size:
             best[name]["failed_otherwise_at"] = other[name]
+        if kinds:
+            best[name]["gpus"] = sorted(str(k) for k in on[(name, size)])
     out: dict[str, Any] = {"largest": best}
     for name, b in best.items():
         base = "none" + name[len(name.split("@")[0]) :]
-        if name != base and base in best:
+        if name != base and base in best and alike((name, b[key]), (base, best[base][key])):
             out[f"{name}_vs_none_tokens_per_s"] = b["tokens_per_s"] / best[base]["tokens_per_s"]
     peers = [n for n in best if is_peer(n)]
     if peers:
@@ -1067,13 +1080,13 @@ def _largest(results: list[dict[str, Any]], key: str, tag: str) -> dict[str, Any
         size = best[peer][key]
         at = {"peer": peer, key: size, "peer_tokens_per_s": best[peer]["tokens_per_s"]}
         for name in (n for n in best if n.startswith("dsx")):
-            if (name, size) in tps:
+            if (name, size) in tps and alike((name, size), (peer, size)):
                 at[f"{name}_vs_peer_tokens_per_s"] = tps[(name, size)] / best[peer]["tokens_per_s"]
             # how the ratio moves with the size: at every size both trained (JSON keys are strings)
             at[f"{name}_vs_peer_tokens_per_s_by_{key}"] = {
                 str(s): t / tps[(peer, s)]
                 for (n, s), t in sorted(tps.items())
-                if n == name and (peer, s) in tps
+                if n == name and (peer, s) in tps and alike((n, s), (peer, s))
             }
         out["at_best_peer"] = at
     return out
@@ -1171,10 +1184,13 @@ def _write(
                 best["tokens_per_s"] / ok[base]["tokens_per_s"]
             )
             ratios[f"best_dsx_within_{base}_peak_config"] = best["config"]  # type: ignore[assignment]
+    kinds = {i: _gpu_kind(str(p.get("device"))) for i, p in enumerate(parts or [])}
+    if len(set(kinds.values())) < 2:
+        kinds = {}
     if args.micro_batches:
-        ratios["largest_micro_batch"] = _largest(results, "micro_batch", "mb")  # type: ignore[assignment]
+        ratios["largest_micro_batch"] = _largest(results, "micro_batch", "mb", kinds)  # type: ignore[assignment]
     if args.seq_lens:
-        ratios["longest_sequence"] = _largest(results, "seq_len", "seq")  # type: ignore[assignment]
+        ratios["longest_sequence"] = _largest(results, "seq_len", "seq", kinds)  # type: ignore[assignment]
     for r in ok.values():
         if r["config"].startswith("dsx_auto_hide") and r.get("plan"):
             bound = r["plan"]["bound"]

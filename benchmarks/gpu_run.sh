@@ -156,19 +156,30 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
            2|3) repeat=(--merge-repeat) ;;
            *) log "offload-8b-capacity 7: round 1, 2 or 3, then peer or dsx"; exit 2 ;;
          esac
-         # the best peer and its longest length from the JSON (parts 1-6 first); one side of a round a command:
-         # at these lengths one side can take most of a command (docs/performance.md), so both do not fit
-         at=$(python -c "
-import json
-at = json.load(open('$RES/bench_offload_8b_capacity.json'))['ratios']['longest_sequence']['at_best_peer']
-print(at['peer'].split('@')[0], at['seq_len'])") \
-           || { log "offload-8b-capacity 7: run parts 1-6 first"; exit 1; }
-         read -r peer len <<< "$at"
+         # one side of a round a command: at these lengths one side can take most of a command
+         # (docs/performance.md), so both do not fit. The peer side runs the best peer at its longest length
+         # (parts 1-6 first); the dsx side runs at the length the peer side just trained, and refuses to run
+         # where that side did not train (its row would have moved the best peer's longest)
          case ${4:-} in
-           peer) sizes=("$peer=$len") ;;
-           dsx) sizes=("dsx_auto_budget_sel=$len") ;;
+           peer|dsx) ;;
            *) log "offload-8b-capacity 7 ${3:-1}: peer or dsx, not '${4:-}'"; exit 2 ;;
-         esac ;;
+         esac
+         at=$(python -c "
+import json, sys
+d = json.load(open('$RES/bench_offload_8b_capacity.json'))
+if '$4' == 'peer':
+    at = d['ratios']['longest_sequence']['at_best_peer']
+    print(at['peer'].split('@')[0], at['seq_len'])
+    sys.exit()
+last = len(d['parts']) - 1
+rows = [r for r in d['results'] if r.get('part') == last]
+if len(rows) != 1 or rows[0]['config'].startswith('dsx'):
+    sys.exit('the last part is not a round\'s peer side: run offload-8b-capacity 7 ${3:-1} peer first')
+if 'error' in rows[0]:
+    sys.exit(f\"the peer side ({rows[0]['config']}) did not train: {rows[0]['error'][:200]}\")
+print('dsx_auto_budget_sel', rows[0]['seq_len'])") \
+           || { log "offload-8b-capacity 7 ${3:-1} $4: no round to run (see above)"; exit 1; }
+         read -r cfg len <<< "$at"; sizes=("$cfg=$len") ;;
       8) sizes=(dsx_auto_budget_hp_sel=${3:-262144}) ;;  # dsx profiled with the layers' inputs on the host
       *) log "offload-8b-capacity: part 1 to 8, not $part"; exit 2 ;;
     esac

@@ -510,3 +510,29 @@ def test_a_length_sweep_from_two_kinds_of_gpu_names_each_configs_and_a_host_kill
     bench_offload._plot(rows, tmp_path, "lengths", parts[:1] * 2)
     labels = [t.get_text() for t in figs[1].axes[0].get_legend().get_texts()]
     assert labels == ["hooks (longest 1,000)", "recompute (longest 1,000)"], labels
+
+
+def test_no_capacity_ratio_compares_runs_of_two_gpu_kinds() -> None:
+    """Parts from two GPU kinds: each config's longest names its kinds, and a ratio is given only where both
+    sides ran on one kind (here dsx and the peer at 32 on the first; dsx's own longest and no offload's not)."""
+    rows = [{"config": "none@seq8", "seq_len": 8, "tokens_per_s": 100.0, "part": 0},
+            {"config": "recompute@seq32", "seq_len": 32, "tokens_per_s": 70.0, "part": 0},
+            {"config": "dsx_auto_budget@seq32", "seq_len": 32, "tokens_per_s": 91.0, "part": 0},
+            {"config": "dsx_auto_budget@seq64", "seq_len": 64, "tokens_per_s": 84.0, "part": 1}]  # fmt: skip
+    out = bench_offload._largest(rows, "seq_len", "seq", {0: "H100", 1: "H200"})
+    assert out["largest"]["dsx_auto_budget"]["gpus"] == ["H200"] and out["largest"]["none"]["gpus"] == [
+        "H100"
+    ]
+    assert "dsx_auto_budget_vs_none_tokens_per_s" not in out and "recompute_vs_none_tokens_per_s" in out
+    at = out["at_best_peer"]
+    assert at["dsx_auto_budget_vs_peer_tokens_per_s"] == 91.0 / 70.0
+    assert at["dsx_auto_budget_vs_peer_tokens_per_s_by_seq_len"] == {"32": 91.0 / 70.0}
+    # the peer's own runs at 32 from both kinds: no ratio there
+    mixed = [*rows, {"config": "recompute@seq32", "seq_len": 32, "tokens_per_s": 72.0, "part": 1}]
+    at = bench_offload._largest(mixed, "seq_len", "seq", {0: "H100", 1: "H200"})["at_best_peer"]
+    assert (
+        "dsx_auto_budget_vs_peer_tokens_per_s" not in at
+        and at["dsx_auto_budget_vs_peer_tokens_per_s_by_seq_len"] == {}
+    )
+    # one kind: as before, no "gpus"
+    assert "gpus" not in bench_offload._largest(rows, "seq_len", "seq")["largest"]["none"]
