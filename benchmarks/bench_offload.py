@@ -1039,7 +1039,8 @@ def _largest(
     plan under its budget; else its largest is only the largest it was given); ``failed_otherwise_at``: the
     smallest larger size that failed for another reason (out of time: its limit is not known there).
     ``kinds``: each part's GPU kind, for files merged from more than one; a config's entry then names the kinds
-    its runs came from (``gpus``), and no ratio compares runs of different kinds."""
+    its runs came from (``gpus``), and no ratio compares runs of different kinds. Limits count failures of every
+    kind: each process is held to one card's memory (``--gpu-memory-gb``), so lengths compare across kinds."""
     kinds = kinds or {}
     runs: dict[tuple[str, int], list[float]] = {}
     on: dict[tuple[str, int], set[str | None]] = {}  # the GPU kinds of each config's runs at each size
@@ -1184,7 +1185,10 @@ def _write(
                 best["tokens_per_s"] / ok[base]["tokens_per_s"]
             )
             ratios[f"best_dsx_within_{base}_peak_config"] = best["config"]  # type: ignore[assignment]
-    kinds = {i: _gpu_kind(str(p.get("device"))) for i, p in enumerate(parts or [])}
+    # (rows from before rows named their part belong to the file's first)
+    used = {r.get("part", 0) for r in results}
+    # the GPU kind of each part that has rows and names its device
+    kinds = {i: _gpu_kind(p["device"]) for i, p in enumerate(parts or []) if i in used and p.get("device")}
     if len(set(kinds.values())) < 2:
         kinds = {}
     if args.micro_batches:
@@ -1220,8 +1224,6 @@ def _write(
     drive = _tier_vs_drive([r for r in results if "error" not in r])
     if drive:
         ratios["ssd_tier_vs_drive"] = drive
-    # (rows from before rows named their part belong to the file's first)
-    used = {r.get("part", 0) for r in results}
     parts = [{**p, "superseded": True} if i not in used else {k: v for k, v in p.items() if k != "superseded"}
              for i, p in enumerate(parts or [])]  # fmt: skip
     out = {"name": "bench_offload", "env": environment(), "config": vars(args), "parts": parts or [],

@@ -186,7 +186,7 @@ print('dsx_auto_budget_sel', rows[0]['seq_len'])") \
     configs=("${sizes[@]%%=*}") merge=(--merge) child=300
     [ "$part" = 1 ] && merge=()
     case $part in 3|7|8) child=520 ;; esac  # one config at one length may take the command
-    # dsx's budget leaves 5 GB: the CUDA context, cuBLAS and NCCL hold over 2 GB outside torch, and a plan may
+    # dsx's budget leaves 5 GB: the CUDA context, cuBLAS and NCCL hold memory outside torch, and a plan may
     # peak a few percent over its prediction. The SSD tier stays within the lent machine's 64 GB disk. Every
     # config runs with expandable allocator segments (dsx turns them on for itself; a peer at its best setting
     # has them too: without them a long sequence can fail on fragmentation with memory to spare).

@@ -254,7 +254,7 @@ class ActivationOffload:
         recomputation (None otherwise): those steps peak as full recompute does unless the layers' inputs go
         to the host, whatever the plan after them would need. The layers' forwards and recomputations add it
         (:func:`~dsx.offload.checkpointing.noting_oom`); under DeepSpeed, so does ``engine.backward``."""
-        if self.profiler is None or not self._profile_rc:
+        if self.profiler is None or not self._profile_rc or self._closed:
             return None
         where = "dsx activation offload: out of memory in policy auto's warm-up or profiling steps"
         if self._profile_host:

@@ -165,7 +165,8 @@ def test_out_of_memory_in_a_layers_backward_while_profiling_says_what_to_do(tmp_
     """Under DeepSpeed, an out-of-memory error raised in a layer's backward (after its recomputation, outside
     the layer's own wrapper) during policy auto's warm-up step leaves ``engine.backward`` with the note, and one
     raised in the recomputation (noted by the layer's wrapper, then passing through ``engine.backward``) with it
-    once; in a planned step it has none; ``close()`` gives the engine its own ``backward`` back."""
+    once; in a planned step it has none; ``close()`` gives the engine its own ``backward`` back, and a closed
+    offload notes nothing."""
     engine = _engine(tmp_path, None, tiers=["host"], policy="auto", profile_warmup_steps=1,
                      profile_mode="recompute", memory_budget_gb=1.0)  # fmt: skip
     raising = [False]
@@ -185,6 +186,7 @@ def test_out_of_memory_in_a_layers_backward_while_profiling_says_what_to_do(tmp_
         engine.module.blocks[1].fc2.register_forward_hook(on_output)
     else:
         engine.module.blocks[1].attn.register_forward_pre_hook(on_input)
+    offload = engine.dsx.features["activation_offload"].offload
     try:
         for step in range(3 if planned else 1):
             raising[0] = step == (2 if planned else 0)
@@ -197,9 +199,10 @@ def test_out_of_memory_in_a_layers_backward_while_profiling_says_what_to_do(tmp_
                 engine.backward(loss)
             notes = getattr(err.value, "__notes__", [])
             if planned:
-                assert engine.dsx.features["activation_offload"].offload.plan is not None and not notes, notes
+                assert offload.plan is not None and not notes, notes
             else:
                 assert len(notes) == 1 and 'profile_mode to "recompute+host"' in notes[0], notes
     finally:
         engine.dsx.close()
     assert "backward" not in vars(engine)
+    assert offload.profile_oom_note() is None  # closed: a wrapper left over it by another adds nothing
