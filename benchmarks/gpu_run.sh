@@ -136,7 +136,7 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
                         # (their static memory sets dsx's budget), 2 and 3 dsx given the whole card (split so that
                         # each fits one command: steps take longer as the sequence grows), 4 full recompute at longer
                         # lengths, 5 DeepSpeed's cpu_checkpointing, 6 megatron's offload of every module and the
-                        # saved-tensor-hook offload (its pinned copies, 1.8 MB a token, make host memory its limit);
+                        # saved-tensor-hook offload (its pinned copies grow with the length: host memory is its limit);
                         # part 7 ROUND SIDE (ROUND 1, 2, 3; SIDE peer, then dsx): one side of a round of the best
                         # peer and dsx at the longest the peer trained, the six commands interleaved on one machine
                         # (round 1's rows replace the parts' rows at that length); part 8 LEN: dsx
