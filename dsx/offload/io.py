@@ -248,7 +248,13 @@ def select_backend(name: str, path: str, fd: int, scheduler: Scheduler | None = 
                 f"{exc}; {reason}): {hint.get(name, '')}or set io_backend to 'auto' (the best available) or "
                 "'posix'"
             ) from exc
-    order = (["kvikio"] if torch.cuda.is_available() else []) + ["aio", "posix"]
+    # aio only where dsx's probe says the op loads or builds: DeepSpeed would otherwise try to compile it and
+    # fail at link time, minutes into the start, before falling back
+    order = (
+        (["kvikio"] if torch.cuda.is_available() else [])
+        + (["aio"] if async_io_status()[0] else [])
+        + ["posix"]
+    )
     for cand in order:
         try:
             return _BACKENDS[cand](path, fd, scheduler)

@@ -14,7 +14,7 @@ from dsx.config import SchedulerConfig
 from dsx.offload import ActivationOffload, OffloadIntegrityError
 from dsx.offload.plan import Action
 from dsx.runtime.scheduler import Scheduler
-from tests.harness import async_io_available, needs_async_io
+from tests.harness import needs_async_io
 from tests.offload._offload_models import OddModel, TinyGPT, assert_same_grads
 from tests.offload._runs import (
     _batches,
@@ -248,18 +248,47 @@ def test_posix_backend_roundtrip_and_alignment(tmp_path):
 
 @pytest.mark.slow
 def test_select_backend_auto_on_cpu_and_describe(tmp_path):
-    """``auto`` without CUDA: aio when DeepSpeed's op loads (may JIT-build it), else posix; never kvikio."""
+    """``auto`` without CUDA: aio where dsx's probe says DeepSpeed's op loads (it may JIT-build it), else posix;
+    never kvikio. (Under DSX_TESTS_SKIP_ASYNC_IO=1 the probe says no: tests/conftest.py.)"""
     from dsx.offload.io import describe_backends, select_backend
 
     info = describe_backends()
     assert set(info) == {"posix", "aio", "kvikio"} and info["posix"]["available"]
-    if info["aio"]["available"] and not async_io_available()[0]:
-        pytest.skip(async_io_available()[1])  # auto would pick aio and build it
     fd = os.open(tmp_path / "f.bin", os.O_RDWR | os.O_CREAT, 0o600)
     sched = Scheduler(SchedulerConfig(io_workers=2))
     try:
         be = select_backend("auto", str(tmp_path / "f.bin"), fd, sched)
         assert be.name == ("aio" if info["aio"]["available"] else "posix")
+        be.close()
+    finally:
+        os.close(fd)
+        sched.close()
+
+
+def test_select_backend_auto_does_not_try_aio_where_the_probe_says_it_cannot_build(tmp_path, monkeypatch):
+    """Where dsx's probe says the async_io op can neither load nor build (libaio's runtime without its
+    development files), ``auto`` opens posix without asking DeepSpeed for the op, whose build would fail at
+    link time minutes into the start."""
+    import dsx.offload.io as io
+
+    tried = []
+
+    class Refused(io.IOBackend):
+        def __init__(self, *args, **kwargs):
+            tried.append("aio")
+            raise RuntimeError("the aio backend was tried")
+
+    monkeypatch.setattr(io, "async_io_status", lambda: (False, "libaio-dev is not installed"))
+    monkeypatch.setitem(io._BACKENDS, "aio", Refused)
+    fd = os.open(tmp_path / "f.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    sched = Scheduler(SchedulerConfig(io_workers=1))
+    try:
+        be = io.select_backend("auto", str(tmp_path / "f.bin"), fd, sched)
+        assert be.name == "posix" and tried == []
+        be.close()
+        monkeypatch.setattr(io, "async_io_status", lambda: (True, "built"))
+        be = io.select_backend("auto", str(tmp_path / "f.bin"), fd, sched)  # tried, refused, then posix
+        assert be.name == "posix" and tried == ["aio"]
         be.close()
     finally:
         os.close(fd)
