@@ -9,9 +9,18 @@ that drifts of the machine touch all of them, and reports each count's median ep
 epoch-rate ratio of every count over one GPU. Arguments after ``--`` go to the example::
 
     python benchmarks/bench_hetero_scale.py --gpus 1,2 --repeats 3 -- --model rgcn --scale 1 --epochs 2
+    # another model beside it, in a command of its own: its section replaces only that model's in the JSON
+    python benchmarks/bench_hetero_scale.py --gpus 1,2 --repeats 3 --merge -- --model rgat --scale 1 \\
+        --epochs 2
     # paper features beyond GPU memory (one H100: 59.6M papers x 768 bf16 = 91.6 GB), the graph built on the GPU:
     python benchmarks/bench_hetero_scale.py --name bench_hetero_large --gpus 1 --repeats 1 -- --model rgcn \\
         --scale 81 --features 768 --feature-dtype bf16 --graph-layout csr --split 0.01,0.001,0.001 --epochs 2
+
+The JSON holds a section per model (the example's ``--model``) under ``models``, each with the config and the
+environment it ran with: models may run in separate commands, even on separate machines, so a ratio only ever
+compares the GPU counts of one section. ``--merge`` keeps the other models' sections of ``<out>/<name>.json``
+and replaces this model's (a file of the earlier layout, one model's ``runs`` at the top, is upgraded first);
+without it the file holds this run's model alone.
 """
 
 from __future__ import annotations
@@ -50,7 +59,53 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--gpus", default="1,2", help="comma-separated rank counts per job")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every rank count")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a job may take")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other models' sections of <out>/<name>.json, replace this one's",
+    )
     return p.parse_args(argv), extra
+
+
+def example_model(extra: list[str]) -> str:
+    """The example's ``--model`` among the arguments after ``--`` (the key of the run's section): parsed as
+    the example parses it, the last one given, else the example's default."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model", default="rgcn")  # examples/rgnn/train_sampled.py's default
+    return p.parse_known_args(extra)[0].model
+
+
+def upgrade(res: dict[str, Any]) -> dict[str, Any]:
+    """``res`` in the layout by model: a result of the earlier layout (one model's ``runs``, ``graph``... at
+    the top) becomes the section of its model, everything it held kept, its config and env too. A result
+    already by model is returned as it is."""
+    if "models" in res:
+        return res
+    model = (res.get("graph") or {}).get("model")  # absent when every job failed: the example's arguments say
+    if model is None:
+        model = example_model((res.get("config") or {}).get("example_args") or [])
+    return {"config": res.get("config"), "env": res.get("env"), "models": {model: dict(res)}}
+
+
+def _earlier(path: Path) -> dict[str, dict[str, Any]]:
+    """``--merge``: the model sections of ``path`` (none when it does not exist), read before any job runs so
+    that a file that cannot be merged into stops the run before its minutes on the GPUs."""
+    if not path.exists():
+        return {}
+    try:
+        res = json.loads(path.read_text())
+        if not isinstance(res, dict) or not ({"models", "runs"} & res.keys()):
+            raise ValueError("neither 'models' nor 'runs' at its top")
+        models = upgrade(res)["models"]
+        if not isinstance(models, dict) or not all(
+            isinstance(s, dict) and "runs" in s for s in models.values()
+        ):
+            raise ValueError("'models' is not a section with 'runs' per model")
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError and UnicodeDecodeError too
+        raise SystemExit(
+            f"--merge: cannot merge into {path}: {e}. Move it away, or run without --merge to replace it"
+        ) from None
+    return models
 
 
 def _launch(n: int, extra: list[str], timeout: float, cuda: bool) -> dict[str, Any]:
@@ -109,6 +164,7 @@ def _kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+    """The jobs of every GPU count over the repeats: this model's section of the result."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -150,49 +206,120 @@ def run(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     return res
 
 
+def _graph_size(g: dict[str, Any]) -> str:
+    """``1.9M nodes, 42.2M edges`` of a section's graph; empty when no job of it ran."""
+    nodes, edges = sum((g.get("nodes") or {}).values()), sum((g.get("edges") or {}).values())
+    if not nodes:
+        return ""
+    return f"{nodes / 1e6:.1f}M nodes, " + (
+        f"{edges / 1e9:.2f}B edges" if edges >= 1e9 else f"{edges / 1e6:.1f}M edges"
+    )
+
+
+def _peak(section: dict[str, Any]) -> float | None:
+    """A section's training peak of a rank over its GPU counts; None when no job of it ran."""
+    ok = [r for r in section["runs"].values() if r["epoch_s"]]
+    return max((r["peak_gpu_gb"] or 0) for r in ok) if ok else None
+
+
 def plot(res: dict[str, Any], out: str, name: str) -> None:
+    """Left: per model, a bar per GPU count (median epoch, min..max) with its rate over one GPU. Right: the
+    memory of the model with the largest training peak, and each model's peak beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {n: r for n, r in res["runs"].items() if r["epoch_s"]}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    ns = list(runs)
-    med = [runs[n]["epoch_s"] for n in ns]
-    lo = [m - runs[n]["epoch_s_min"] for n, m in zip(ns, med)]
-    hi = [runs[n]["epoch_s_max"] - m for n, m in zip(ns, med)]
-    axes[0].bar([f"{n} GPU(s)" for n in ns], med, yerr=[lo, hi], capsize=4, color="tab:blue")
-    for i, n in enumerate(ns):
-        rate = res["epoch_rate_over_1_rank"].get(n)
-        axes[0].annotate(f"{med[i]:.2f} s" + (f", {rate:.2f}x the rate" if rate else ""), (i, med[i] + hi[i]),
-                         ha="center", va="bottom", xytext=(0, 3), textcoords="offset points")  # fmt: skip
-    axes[0].margins(y=0.12)
-    g = res.get("graph", {})
-    edges = sum((g.get("edges") or {}).values())
-    axes[0].set_ylabel(f"epoch time, s (median of {res['config']['repeats']}; bars: min..max)")
-    axes[0].set_title(f"{g.get('model', '')} on {sum((g.get('nodes') or {}).values()) / 1e6:.1f}M nodes, "
-                      + (f"{edges / 1e9:.2f}B edges" if edges >= 1e9 else f"{edges / 1e6:.1f}M edges"))  # fmt: skip
-    feat = sum((g.get("feature_gb") or {}).values())
-    bars = {"paper features\n(host memory)": feat, "GPU memory": g.get("gpu_total_gb") or 0,
-            "training peak\n(GPU, a rank)": max((r["peak_gpu_gb"] or 0) for r in runs.values()) if runs else 0,
-            "graph built on\nthe GPU (CSRs)": g.get("generated_graph_gpu_gb") or 0}  # fmt: skip
-    axes[1].bar(list(bars), list(bars.values()), color=["tab:orange", "tab:gray", "tab:blue", "tab:green"])
+    models: dict[str, dict[str, Any]] = res["models"]
+    counts = list(dict.fromkeys(n for s in models.values() for n in s["runs"]))
+    sizes = {m: _graph_size(s.get("graph") or {}) for m, s in models.items()}
+    devices = {m: (s.get("env") or {}).get("device", "") for m, s in models.items()}
+    # a tick names the device or the graph only where the models differ in it: sections may come from other
+    # machines or other scales
+    show_device = len(set(devices.values())) > 1
+    ran = {v for v in sizes.values() if v}
+    show_size = len(ran) > 1
+    # wider by model: the memory panel has a peak bar per model beside its four
+    fig, axes = plt.subplots(1, 2, figsize=(12 + 1.5 * (len(models) - 1), 4.6))
+    width = 0.8 / max(len(counts), 1)
+    colors = ["tab:blue", "tab:cyan", "tab:purple", "tab:olive"]
+    for k, n in enumerate(counts):
+        xs = [i + (k - (len(counts) - 1) / 2) * width for i in range(len(models))]
+        for x, s in zip(xs, models.values()):
+            r = s["runs"].get(n)
+            if r is None:
+                continue
+            if not r["epoch_s"]:  # every job of this count failed: the slot says so
+                axes[0].annotate("failed", (x, 0), ha="center", va="bottom", fontsize=8, color="tab:red")
+                continue
+            med = r["epoch_s"]
+            lo, hi = med - r["epoch_s_min"], r["epoch_s_max"] - med
+            axes[0].bar(x, med, width, yerr=[[lo], [hi]], capsize=4, color=colors[k % len(colors)],
+                        label=f"{n} GPU" + ("s" if n != "1" else ""))  # fmt: skip
+            rate = s["epoch_rate_over_1_rank"].get(n)
+            axes[0].annotate(f"{med:.2f} s" + (f"\n{rate:.2f}x the rate" if rate else ""), (x, med + hi),
+                             ha="center", va="bottom", xytext=(0, 3), textcoords="offset points",
+                             fontsize=8)  # fmt: skip
+    handles = dict(zip(*reversed(axes[0].get_legend_handles_labels())))  # one entry a GPU count
+    if handles:
+        axes[0].legend(handles.values(), handles.keys(), loc="upper right", fontsize=8)
+    axes[0].set_xticks(range(len(models)))
+    axes[0].set_xlim(-0.5, len(models) - 0.5)  # a failed slot has no bar to widen the axis to it
+    axes[0].set_xticklabels(
+        [
+            m + (f"\n{devices[m]}" if show_device else "") + (f"\n{sizes[m]}" if show_size else "")
+            for m in models
+        ]
+    )
+    axes[0].margins(y=0.18)
+    repeats = sorted({(s.get("config") or {}).get("repeats") for s in models.values()} - {None})
+    axes[0].set_ylabel(f"epoch time, s (median of {'/'.join(map(str, repeats))}; bars: min..max)")
+    one_device = "" if show_device else next(iter(devices.values()), "")
+    axes[0].set_title(", ".join(models) + (f" on {ran.pop()}" if len(ran) == 1 else "")
+                      + (f", {one_device}" if one_device else ""))  # fmt: skip
+    peaks = {m: _peak(s) for m, s in models.items()}
+    big = max(models, key=lambda m: -1 if peaks[m] is None else peaks[m])
+    g = models[big].get("graph") or {}
+    bars: dict[str, float | None] = {
+        "paper features\n(host memory)": sum((g.get("feature_gb") or {}).values()),
+        "GPU memory": g.get("gpu_total_gb") or 0,
+    }
+    for m, v in peaks.items():
+        bars["training peak\n(GPU, a rank)" if len(models) == 1 else f"{m} training\npeak (GPU, a rank)"] = v
+    bars["graph built on\nthe GPU (CSRs)"] = g.get("generated_graph_gpu_gb") or 0
+    xs = range(len(bars))
+    axes[1].bar(xs, [v or 0 for v in bars.values()],
+                color=["tab:orange", "tab:gray", *["tab:blue"] * len(peaks), "tab:green"])  # fmt: skip
     for i, v in enumerate(bars.values()):
-        axes[1].annotate(f"{v:.1f} GB", (i, v), ha="center", va="bottom")
+        axes[1].annotate(
+            "failed" if v is None else f"{v:.1f} GB", (i, v or 0), ha="center", va="bottom", fontsize=8
+        )
+    axes[1].set_xticks(xs)
+    axes[1].set_xticklabels(list(bars), fontsize=8 if len(bars) > 4 else None)
     axes[1].set_ylabel("GB")
-    axes[1].set_title("memory")
+    # the graph and the GPU are one section's (the largest peak's), named where another section's differ
+    keys = ("feature_gb", "gpu_total_gb", "generated_graph_gpu_gb")
+    differ = any([s["graph"].get(k) for k in keys] != [g.get(k) for k in keys] for s in models.values()
+                 if s.get("graph"))  # fmt: skip
+    axes[1].set_title("memory" + (f" (graph and GPU of {big}'s run)" if differ else ""))
     save_png(fig, out, name)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args, extra = parse_args(argv)
+    model = example_model(extra)
+    models = _earlier(Path(args.out) / f"{args.name}.json") if args.merge else {}
+    if models:
+        print(f"--merge: keeping {', '.join(m for m in models if m != model) or 'no other model'}; "
+              f"{model} {'replaced' if model in models else 'added'}", flush=True)  # fmt: skip
     # a SIGTERM (a suite's timeout) unwinds as SystemExit, so that the running job is stopped with its ranks
     before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        res = run(args, extra)
+        section = run(args, extra)
     finally:
         signal.signal(signal.SIGTERM, before)
+    models[model] = section  # a model already there keeps its place, so the plot's order stays
+    res = {"config": section["config"], "env": section["env"], "models": models}
     write_json(res, args.out, args.name)
     plot(res, args.out, args.name)
     return res

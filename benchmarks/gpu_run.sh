@@ -58,10 +58,12 @@ case $suite in
            # model, whose PyG learning runs take minutes, has a command of its own: hetero rgat, hetero hgt
     run bench-hetero 560 python benchmarks/bench_hetero.py --out "$RES" --models "${2:-rgcn}" --merge \
       --batches 8 --warmup 2 --repeats 3 --pyg-workers 4,8,12; keep bench_hetero ;;
-  hetero-scale)  # on 2+ GPUs: the mini-batch example under deepspeed on 1 and 2 GPUs, 3 interleaved repeats
+  hetero-scale)  # on 2+ GPUs: the mini-batch example under deepspeed on 1 and 2 GPUs, 3 interleaved repeats;
+                 # MODEL (default rgcn) merges into the JSON, each model a command of its own: hetero-scale rgat,
+                 # hetero-scale hgt (each section keeps the machine it ran on)
     [ "$ngpu" -ge 2 ] || { log "hetero-scale needs 2 GPUs, found $ngpu"; exit 1; }
     run bench-hetero-scale 560 python benchmarks/bench_hetero_scale.py --out "$RES" --gpus 1,2 --repeats 3 \
-      --timeout 150 -- --model "${2:-rgcn}" --scale 1 --epochs 2; keep bench_hetero_scale ;;
+      --timeout 150 --merge -- --model "${2:-rgcn}" --scale 1 --epochs 2; keep bench_hetero_scale ;;
   hetero-large)  # paper features (768-dim bf16) 1.07x this GPU's memory, in host memory; the graph built on the GPU
     scale=$(python -c "
 import math, sys, torch
