@@ -1185,12 +1185,8 @@ def _write(
                 best["tokens_per_s"] / ok[base]["tokens_per_s"]
             )
             ratios[f"best_dsx_within_{base}_peak_config"] = best["config"]  # type: ignore[assignment]
-    # (rows from before rows named their part belong to the file's first)
-    used = {r.get("part", 0) for r in results}
-    # the GPU kind of each part that has rows and names its device
-    kinds = {i: _gpu_kind(p["device"]) for i, p in enumerate(parts or []) if i in used and p.get("device")}
-    if len(set(kinds.values())) < 2:
-        kinds = {}
+    used = {r.get("part", 0) for r in results}  # (rows from before rows named their part: the file's first)
+    kinds = _part_kinds(results, parts or [])
     if args.micro_batches:
         ratios["largest_micro_batch"] = _largest(results, "micro_batch", "mb", kinds)  # type: ignore[assignment]
     if args.seq_lens:
@@ -1291,6 +1287,15 @@ def _gpu_kind(device: str) -> str:
     return words[0] if words else device
 
 
+def _part_kinds(results: list[dict[str, Any]], parts: list[dict[str, Any]]) -> dict[int, str]:
+    """The GPU kind of each merged part that has rows and names its device, by part index; empty where those
+    are all one kind (nothing then needs a kind named). Rows from before rows named their part belong to the
+    file's first."""
+    used = {r.get("part", 0) for r in results}
+    kinds = {i: _gpu_kind(p["device"]) for i, p in enumerate(parts) if i in used and p.get("device")}
+    return kinds if len(set(kinds.values())) > 1 else {}
+
+
 def _plot_lengths(
     results: list[dict[str, Any]],
     out: str | os.PathLike[str],
@@ -1303,8 +1308,7 @@ def _plot_lengths(
     otherwise, as the cross's label says) at the length it failed. Where the merged parts ran on more than one
     kind of GPU, each config's label names the ones its rows came from."""
     fig, a = plt.subplots(figsize=(9, 4.8))
-    kind = {i: _gpu_kind(str(p.get("device"))) for i, p in enumerate(parts)}
-    mixed = len({kind[i] for i, p in enumerate(parts) if not p.get("superseded")}) > 1
+    kinds = _part_kinds(results, list(parts))
     by: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         if not r.get("not_run"):
@@ -1314,8 +1318,8 @@ def _plot_lengths(
         color = f"C{i}"
         good = sorted(median_runs([r for r in rows if "error" not in r]).values(), key=lambda r: r["seq_len"])
         if good:
-            on = sorted({kind[r["part"]] for r in rows if r.get("part") in kind})
-            where = f"; {', '.join(on)}" if mixed and on else ""
+            on = sorted({kinds[r.get("part", 0)] for r in rows if r.get("part", 0) in kinds})
+            where = f"; {', '.join(on)}" if on else ""
             a.plot([r["seq_len"] for r in good], [r["tokens_per_s"] / 1e3 for r in good], "o-", color=color,
                    label=f"{cfg} (longest {good[-1]['seq_len']:,}{where})")  # fmt: skip
         failed = [r for r in rows if "error" in r]

@@ -510,6 +510,15 @@ def test_a_length_sweep_from_two_kinds_of_gpu_names_each_configs_and_a_host_kill
     bench_offload._plot(rows, tmp_path, "lengths", parts[:1] * 2)
     labels = [t.get_text() for t in figs[1].axes[0].get_legend().get_texts()]
     assert labels == ["hooks (longest 1,000)", "recompute (longest 1,000)"], labels
+    # the kinds the plot names are the ratios' (one rule): a part without rows, or without a device, adds none
+    more = [*parts, {}, {"device": "NVIDIA A100-SXM4-80GB"}]
+    rows.append({"config": "none@seq500", "seq_len": 500, "part": 2, **ok})
+    assert bench_offload._part_kinds(rows, more) == {0: "H100", 1: "H200"}
+    bench_offload._plot(rows, tmp_path, "lengths", more)
+    labels = [t.get_text() for t in figs[2].axes[0].get_legend().get_texts()]
+    assert labels == ["hooks (longest 1,000; H200)", "none (longest 500)", "recompute (longest 1,000; H100)"]
+    # rows from before rows named their part are the first part's; one kind with rows: nothing named
+    assert bench_offload._part_kinds([{"config": "none@seq8", "seq_len": 8}], more) == {}
 
 
 def test_no_capacity_ratio_compares_runs_of_two_gpu_kinds() -> None:
