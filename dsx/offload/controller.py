@@ -395,7 +395,6 @@ class ActivationOffload:
             if self.mover is not None:
                 self.mover.drain()
         finally:
-            self.host.release()  # the pinned pool back now, not at garbage collection (kept while in use)
             if self.hooks is not None:
                 self.hooks.remove()
             self._uncheckpoint_layers()

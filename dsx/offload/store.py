@@ -24,7 +24,6 @@ import torch
 from dsx.config import DsxConfigError
 from dsx.offload.align import ALIGN, align_up, aligned_empty
 from dsx.offload.io import IOBackend, select_backend
-from dsx.runtime.host_memory import PinnedBuffer
 from dsx.runtime.process import judge, owner_record, owner_tag, parse_owner_tag
 from dsx.runtime.scheduler import Scheduler
 
@@ -82,16 +81,13 @@ class HostPool:
 
     The buffer is allocated once, on first use, and its start is 4 KiB-aligned so that every slot can be
     handed to O_DIRECT. Pinned memory is what lets the GPU→host copy run at PCIe speed asynchronously on a
-    side stream. It is pinned in place (:class:`~dsx.runtime.host_memory.PinnedBuffer`: its pages faulted in
-    on several threads, then registered), not with ``pin_memory=True``, whose single-threaded allocation
-    holds the CUDA driver, and so the training thread's kernel launches, for as long as it runs.
+    side stream.
     """
 
     def __init__(self, nbytes: int, pin: bool) -> None:
         self.arena = Arena(nbytes)
         self._pin = pin
         self._buf: torch.Tensor | None = None
-        self._pinned: PinnedBuffer | None = None
 
     def allocate(self) -> None:
         """Allocate (and pin) the buffer now: at start-up a machine that cannot hold it is a
@@ -114,18 +110,11 @@ class HostPool:
         if self._buf is None or self.arena.used:
             return False
         self._buf = None
-        if self._pinned is not None:
-            self._pinned.close()
-            self._pinned = None
         return True
 
     def _buffer(self) -> torch.Tensor:
         if self._buf is None:
-            if self._pin:  # pinned in place: a fraction of pin_memory=True's time at tens of GiB
-                self._pinned = PinnedBuffer(self.arena.capacity)
-                self._buf = self._pinned.tensor
-            else:
-                self._buf = aligned_empty(self.arena.capacity)
+            self._buf = aligned_empty(self.arena.capacity, self._pin)
         return self._buf
 
     def alloc(self, nbytes: int) -> tuple[int, torch.Tensor] | None:

@@ -652,24 +652,3 @@ def test_gpu_corrupt_ssd_read_is_an_error_by_default(tmp_path, kind):
         _corrupt(kind, off.ssd.path, e, other)
         with pytest.raises(OffloadIntegrityError, match=rf"layer 0 .*ssd tier .*offset {e.ssd_off}"):
             loss.backward()
-
-
-def test_the_host_pool_is_pinned_in_place_and_given_back_when_released() -> None:
-    from dsx.offload.store import HostPool
-    from dsx.runtime import pinning
-
-    pool = HostPool(256 << 20, pin=True)
-    pool.allocate()
-    off, slot = pool.alloc(1 << 20)
-    ptr = pool._buf.data_ptr()
-    assert pinning.is_registered(ptr) and slot.is_pinned()
-    src = torch.randn(1 << 18, device="cuda")
-    slot.view(torch.float32).copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    assert torch.equal(slot.view(torch.float32).cuda(), src)
-    assert not pool.release()  # a slot in use keeps it
-    pool.free(off, 1 << 20)
-    assert pool.release() and not pinning.is_registered(ptr)
-    pool.allocate()  # taken again on the next plan that moves bytes
-    assert pinning.is_registered(pool._buf.data_ptr())
-    assert pool.release()
