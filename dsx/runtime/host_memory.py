@@ -13,7 +13,16 @@ PAGE = 4096
 
 def page_aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     """An uninitialised uint8 host buffer of ``nbytes`` whose first byte starts a page, pinned when ``pin``; at
-    most one page more than ``torch.empty`` takes."""
+    most one page more than ``torch.empty`` takes.
+
+    Pinned, it is asked for at ``nbytes`` first: torch's pinned-memory cache rounds a block up to a power of
+    two (``pinned_max_round_threshold``), so that one page more would double a buffer whose size is one, and
+    its blocks come whole from ``cudaHostAlloc``, which starts them on a page."""
+    if pin:
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % PAGE == 0:
+            return raw
+        del raw
     raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
     skip = -raw.data_ptr() % PAGE
     return raw[skip : skip + nbytes]

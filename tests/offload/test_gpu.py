@@ -652,3 +652,13 @@ def test_gpu_corrupt_ssd_read_is_an_error_by_default(tmp_path, kind):
         _corrupt(kind, off.ssd.path, e, other)
         with pytest.raises(OffloadIntegrityError, match=rf"layer 0 .*ssd tier .*offset {e.ssd_off}"):
             loss.backward()
+
+
+def test_a_pinned_pool_of_a_power_of_two_takes_no_page_more() -> None:
+    # torch's pinned-memory cache rounds a block up to a power of two: a page more would double it
+    from dsx.runtime.host_memory import PAGE, page_aligned_empty
+
+    for n in (32 << 20, 48 << 20):
+        buf = page_aligned_empty(n, pin=True)
+        assert buf.is_pinned() and buf.data_ptr() % PAGE == 0 and buf.numel() == n
+        assert buf.untyped_storage().nbytes() == n  # asked for at its size, not one page more
