@@ -67,11 +67,17 @@ def _no_async_io_where_skipped() -> Iterator[None]:
     if os.environ.get(SKIP_ASYNC_IO) != "1":
         yield
         return
+    from dsx.ops import aio
+
     unavailable = (False, async_io_available()[1])
+    real = aio.async_io_status
     with pytest.MonkeyPatch.context() as mp:
-        # every module that took the probe by name at import, and the probe itself
-        for module in ("dsx.ops.aio", "dsx.offload.io", "dsx.ops.notice", "dsx.ops.prebuild"):
-            mp.setattr(f"{module}.async_io_status", lambda: unavailable)
+        # the probe itself, which modules imported from now on take by name, and every module of dsx that
+        # took it by name already
+        mp.setattr(aio, "async_io_status", lambda: unavailable)
+        for name, module in list(sys.modules.items()):
+            if name.startswith("dsx.") and getattr(module, "async_io_status", None) is real:
+                mp.setattr(module, "async_io_status", lambda: unavailable)
         yield
 
 
