@@ -7,10 +7,10 @@ from dsx.direct.gather import IndexOutOfRangeError, host_empty
 from dsx.direct.hetero_loader import DistributedHeteroNeighborLoader, HeteroNeighborLoader
 from dsx.direct.hetero_sampler import HeteroNeighborSampler, HeteroSampledSubgraph
 from dsx.direct.loader import DistributedNeighborLoader, NeighborLoader
-from dsx.direct.pinning import PinningError
 from dsx.direct.sampler import NeighborSampler, SampledSubgraph, to_csr
 from dsx.direct.shm import SharedMemoryError
 from dsx.direct.unified import UnifiedTensor, unified
+from dsx.runtime.pinning import PinningError
 
 __all__ = [
     "DistributedHeteroNeighborLoader",

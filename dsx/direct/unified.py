@@ -21,7 +21,8 @@ import torch
 from dsx import defaults
 from dsx.config import UnifiedConfig
 from dsx.direct import gather as _g
-from dsx.direct import pinning, shm
+from dsx.direct import shm
+from dsx.runtime import pinning
 
 __all__ = ["UnifiedTensor", "load_gather_op", "unified"]
 
@@ -41,18 +42,6 @@ def load_gather_op() -> Any:
     from dsx.ops.unified_gather import load_unified_gather
 
     return load_unified_gather()
-
-
-def _release(ptr: int | None, keep: Any) -> None:
-    # Finaliser (garbage collection, interpreter exit): must not reference the UnifiedTensor itself. ``keep``
-    # (the tensor) is held until the pages are unregistered, so they are never unmapped while registered.
-    # Errors cannot be raised from here (at exit the CUDA runtime may already be unloading); close() raises.
-    if ptr is not None:
-        try:
-            pinning.unregister(ptr)
-        except Exception as exc:
-            logger.debug("dsx unified: unregister at finalisation failed: %s", exc)
-    del keep
 
 
 class UnifiedTensor:
@@ -85,7 +74,8 @@ class UnifiedTensor:
         if torch.cuda.is_available() and tensor.numel() > 0:
             pinning.register(tensor.data_ptr(), _span(tensor))
             self._ptr = tensor.data_ptr()
-        self._finalizer = weakref.finalize(self, _release, self._ptr, tensor)
+        # close() raises what unregistering raises; garbage collection and exit cannot
+        self._finalizer = weakref.finalize(self, pinning.unregister_at_finalization, self._ptr, tensor)
 
     # ---------------------------------------------------------------------------------------- metadata
     @property

@@ -102,7 +102,7 @@ class ActivationOffload:
         self.device = device or _device_of(model)
         # checked before any hook, file or buffer exists: a bad name leaves the model as it was
         self.layers, self._subs = layers_and_subs(model, cfg)
-        self.host = HostPool(int(cfg.host_pool_gb * GB), pin=self.device.type == "cuda")
+        self.host = HostPool(int(cfg.host_pool_gb * GB), pin=self.device.type == "cuda", device=self.device)
         self.wear: WearWatch | None = None  # ssd_endurance_tbw given: warns when the drive would wear out
         # the SSD tier shares a drive with another writer (ZeRO's nvme_path: set by dsx.offload.deepspeed);
         # activation writes then pause while that writer runs
@@ -395,6 +395,10 @@ class ActivationOffload:
             if self.mover is not None:
                 self.mover.drain()
         finally:
+            try:  # the pinned pool back now, not at garbage collection (kept while in use)
+                self.host.release()
+            except Exception as exc:  # the rest of close() must run: hooks, files, the allocator setting
+                logger.warning("dsx activation offload: the host pool was not unpinned at close: %s", exc)
             if self.hooks is not None:
                 self.hooks.remove()
             self._uncheckpoint_layers()

@@ -24,6 +24,8 @@ import torch
 from dsx.config import DsxConfigError
 from dsx.offload.align import ALIGN, align_up, aligned_empty
 from dsx.offload.io import IOBackend, select_backend
+from dsx.runtime.host_memory import HostMemoryError, PinnedBuffer
+from dsx.runtime.pinning import PinningError
 from dsx.runtime.process import judge, owner_record, owner_tag, parse_owner_tag
 from dsx.runtime.scheduler import Scheduler
 
@@ -81,19 +83,30 @@ class HostPool:
 
     The buffer is allocated once, on first use, and its start is 4 KiB-aligned so that every slot can be
     handed to O_DIRECT. Pinned memory is what lets the GPU→host copy run at PCIe speed asynchronously on a
-    side stream.
+    side stream. It is pinned in place (:class:`~dsx.runtime.host_memory.PinnedBuffer`: its pages faulted in
+    on several threads, then registered), not with ``pin_memory=True``, whose allocation faults the pages in on
+    one thread while it holds the CUDA driver, and so the training thread's kernel launches. Where the pages
+    cannot be pinned in place (a locked-memory limit below the pool, or CUDA refuses them), it falls back to
+    ``pin_memory=True`` and says so.
     """
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
+    def __init__(self, nbytes: int, pin: bool, device: torch.device | None = None) -> None:
         self.arena = Arena(nbytes)
         self._pin = pin
+        self._device = device  # the GPU it is pinned for: its pages go on that GPU's NUMA node
         self._buf: torch.Tensor | None = None
+        self._pinned: PinnedBuffer | None = None
+        # the I/O threads take staging slots while the training thread may release the buffer
+        self._lock = threading.Lock()
 
     def allocate(self) -> None:
         """Allocate (and pin) the buffer now: at start-up a machine that cannot hold it is a
         :class:`~dsx.config.DsxConfigError` naming ``host_pool_gb``, not a failure in the middle of a forward."""
         try:
-            self._buffer()
+            with self._lock:
+                self._buffer()
+        except HostMemoryError as exc:
+            raise DsxConfigError(f"dsx.activation_offload.host_pool_gb: {exc}") from None
         except (RuntimeError, MemoryError) as exc:
             soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
             limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**30:.2f} GiB"
@@ -107,21 +120,45 @@ class HostPool:
     def release(self) -> bool:
         """Give the buffer back (unpinned) when nothing in it is in use: a plan that moves nothing need not
         keep ``host_pool_gb`` locked. Whether it did; :meth:`allocate` takes it again."""
-        if self._buf is None or self.arena.used:
-            return False
-        self._buf = None
-        return True
+        with self._lock:
+            if self._buf is None or self.arena.used:
+                return False
+            if self._pinned is not None:
+                # no slot in use means no copy queued on one (slots are freed behind their copies' events)
+                self._pinned.close()
+                self._pinned = None
+            self._buf = None
+            return True
 
     def _buffer(self) -> torch.Tensor:
         if self._buf is None:
-            self._buf = aligned_empty(self.arena.capacity, self._pin)
+            if not self._pin or self.arena.capacity < ALIGN:  # (no pool: nothing to pin)
+                self._buf = aligned_empty(self.arena.capacity)
+                return self._buf
+            try:
+                self._pinned = PinnedBuffer(self.arena.capacity, device=self._device)
+                self._buf = self._pinned.tensor
+            except HostMemoryError:
+                raise
+            except PinningError as exc:
+                logger.warning(
+                    "dsx activation offload: the host pool cannot be pinned in place (%s); pinning it with "
+                    "pin_memory=True instead, which holds the CUDA driver while it faults the pages in",
+                    str(exc).splitlines()[0],
+                )
+                self._buf = aligned_empty(self.arena.capacity, True)
         return self._buf
 
     def alloc(self, nbytes: int) -> tuple[int, torch.Tensor] | None:
-        off = self.arena.alloc(nbytes)
-        if off is None:
-            return None
-        return off, self._buffer()[off : off + align_up(max(nbytes, 1))]
+        with self._lock:
+            off = self.arena.alloc(nbytes)
+            if off is None:
+                return None
+            try:
+                return off, self._buffer()[off : off + align_up(max(nbytes, 1))]
+            except BaseException:  # the buffer could not be made: the slot is not taken
+                self.arena.free(off, nbytes)
+                raise
 
     def free(self, off: int, nbytes: int) -> None:
         self.arena.free(off, nbytes)

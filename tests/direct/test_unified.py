@@ -20,7 +20,7 @@ from dsx.config import UnifiedConfig
 from dsx.direct import IndexOutOfRangeError, SharedMemoryError, UnifiedTensor, unified
 from dsx.direct import shm as shm_mod
 from dsx.direct.gather import torch_gather
-from dsx.direct.pinning import memlock_message
+from dsx.runtime.pinning import memlock_message
 from tests.harness import free_port, launcher_env, remove_shm_buffers
 
 # the module: the package's ``unified`` is the function

@@ -662,3 +662,25 @@ def test_a_pinned_pool_of_a_power_of_two_takes_no_page_more() -> None:
         buf = page_aligned_empty(n, pin=True)
         assert buf.is_pinned() and buf.data_ptr() % PAGE == 0 and buf.numel() == n
         assert buf.untyped_storage().nbytes() == n  # asked for at its size, not one page more
+
+
+def test_the_host_pool_is_pinned_in_place_and_given_back_when_released() -> None:
+    from dsx.offload.store import HostPool
+    from dsx.runtime import pinning
+
+    pool = HostPool(256 << 20, pin=True, device=torch.device("cuda", torch.cuda.current_device()))
+    pool.allocate()
+    assert pool._pinned is not None, "the pool fell back to pin_memory=True (see the log for why)"
+    off, slot = pool.alloc(1 << 20)
+    ptr = pool._buf.data_ptr()
+    assert pinning.is_registered(ptr) and slot.is_pinned()
+    src = torch.randn(1 << 18, device="cuda")
+    slot.view(torch.float32).copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(slot.view(torch.float32).cuda(), src)
+    assert not pool.release()  # a slot in use keeps it
+    pool.free(off, 1 << 20)
+    assert pool.release() and not pinning.is_registered(ptr)
+    pool.allocate()  # taken again on the next plan that moves bytes
+    assert pinning.is_registered(pool._buf.data_ptr())
+    assert pool.release()

@@ -255,6 +255,9 @@ def test_a_backward_gives_its_slots_back_as_it_ends(tmp_path):
         assert off.host.arena.used > 0
         loss.backward()
         assert off.host.arena.used == 0 and not any(off.mover._entries.values())
+        assert off.host._buf is not None
+        off.close()
+        assert off.host._buf is None  # close gives the pool back (pinned on a GPU), not garbage collection
     finally:
         off.close()
         sched.close()

@@ -10,12 +10,23 @@ used as it is and never unregistered by dsx.
 from __future__ import annotations
 
 import ctypes
+import logging
 import resource
 import threading
+from typing import Any
 
 import torch
 
-__all__ = ["PinningError", "is_registered", "memlock_message", "register", "unregister"]
+__all__ = [
+    "PinningError",
+    "is_registered",
+    "memlock_message",
+    "register",
+    "unregister",
+    "unregister_at_finalization",
+]
+
+logger = logging.getLogger("dsx")
 
 _PORTABLE, _MAPPED = 1, 2  # cudaHostRegisterPortable | cudaHostRegisterMapped: every device may read it
 _ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
@@ -179,3 +190,16 @@ def unregister(ptr: int) -> None:
 def is_registered(ptr: int) -> bool:
     with _lock:
         return ptr in _ranges
+
+
+def unregister_at_finalization(ptr: int | None, keep: Any) -> None:
+    """:func:`unregister` as a ``weakref.finalize`` callback of the object that registered ``ptr`` (close,
+    garbage collection, interpreter exit; the callback must not reference that object). ``keep`` (the tensor
+    over the pages) is held until the pages are unregistered, so that they are never unmapped while
+    registered. It raises nothing: at exit the CUDA runtime may already be unloading."""
+    if ptr is not None:
+        try:
+            unregister(ptr)
+        except Exception as exc:
+            logger.debug("dsx: unregistering pinned host memory at finalization failed: %s", exc)
+    del keep
