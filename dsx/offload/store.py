@@ -86,8 +86,7 @@ class HostPool:
     side stream. It is pinned in place (:class:`~dsx.runtime.host_memory.PinnedBuffer`: its pages faulted in
     on several threads, then registered), not with ``pin_memory=True``, whose allocation faults the pages in on
     one thread while it holds the CUDA driver, and so the training thread's kernel launches. Where the pages
-    cannot be pinned in place (a locked-memory limit below the pool, or CUDA refuses them), it falls back to
-    ``pin_memory=True`` and says so.
+    cannot be pinned in place (CUDA refuses them), it falls back to ``pin_memory=True`` and says so.
     """
 
     def __init__(self, nbytes: int, pin: bool, device: torch.device | None = None) -> None:

@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import mmap
 import os
-import resource
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -198,8 +197,9 @@ class PinnedBuffer:
     Raises :class:`HostMemoryError` before any page is touched when this process has less memory available
     than ``nbytes`` (:func:`available_host_bytes`), or the mapping cannot be made: faulting the pages in past
     that would end in the out-of-memory killer, with no message. Raises
-    :class:`~dsx.runtime.pinning.PinningError` when the process's locked-memory limit is below ``nbytes``
-    (checked before any page is touched) or CUDA refuses the pages.
+    :class:`~dsx.runtime.pinning.PinningError` when CUDA refuses the pages. The locked-memory limit
+    (``ulimit -l``) is not checked: NVIDIA's driver pins past it (``cudaHostRegister`` as ``pin_memory=True``),
+    so a check would only refuse what CUDA accepts.
     """
 
     def __init__(self, nbytes: int, threads: int | None = None, device: torch.device | None = None) -> None:
@@ -212,9 +212,6 @@ class PinnedBuffer:
                 "this process (MemAvailable, or what its cgroup's memory limit leaves); ask for less, or free "
                 "host memory (the ranks of a node share it)"
             )
-        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        if soft != resource.RLIM_INFINITY and nbytes > soft:
-            raise pinning.PinningError(pinning.memlock_message(nbytes, "over the locked-memory limit"))
         self._map: mmap.mmap | None
         try:
             self._map, tensor = unforked_empty(nbytes)

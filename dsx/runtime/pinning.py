@@ -54,7 +54,8 @@ def memlock_message(nbytes: int, cuda_error: str, limits: tuple[int, int] | None
         f"hard {_fmt_limit(hard)}.",
     ]
     if soft != resource.RLIM_INFINITY and nbytes > soft:
-        lines.append("The tensor is larger than the limit, so pinning it is refused.")
+        # NVIDIA's driver pins past the limit; a kernel or driver that applies it refuses this size
+        lines.append("The tensor is larger than the limit, which some drivers apply to pinning.")
     lines.append(
         "Fix: raise the limit before starting the job (`ulimit -l unlimited`; docker run --ulimit memlock=-1; "
         "in /etc/security/limits.conf `* - memlock unlimited`; SLURM --propagate=MEMLOCK), or free host memory."
