@@ -105,9 +105,15 @@ CONFIGS = [
 # megatron-core's fine-grained activation offloading of one set of sub-modules (llama model, megatron on a GPU;
 # _megatron_offload.py): asked for by name, not in the default list
 MEGATRON_OFFLOAD = [f"megatron_offload_{k}" for k in OFFLOAD_SETS]
-# dsx_auto_budget profiled with the layers' inputs on the host (profile_mode "recompute+host"): for lengths whose
-# profiling under full recompute does not fit; asked for by name
-PROFILE_HOST = ["dsx_auto_budget_hp", "dsx_auto_budget_hp_sel"]
+# dsx_auto_budget profiled with the layers' inputs on the host (profile_mode "recompute+host"; those the host pool
+# has no room for go to the SSD tier): for lengths whose profiling under full recompute does not fit; with _host,
+# the host tier alone (what the SSD tier adds beside a capped pool); asked for by name
+PROFILE_HOST = [
+    "dsx_auto_budget_hp",
+    "dsx_auto_budget_hp_sel",
+    "dsx_auto_budget_host_hp",
+    "dsx_auto_budget_host_hp_sel",
+]
 ALL_CONFIGS = CONFIGS + MEGATRON_OFFLOAD + PROFILE_HOST
 # configs whose only offload tier is the SSD (staged through the host pool): each run also measures the drive,
 # and the JSON sets the tier's rates against the drive's
@@ -237,6 +243,8 @@ def _section(
         "dsx_auto_budget_host": {**base, **auto, "tiers": ["host"], "memory_budget_gb": budget_gb},
         "dsx_auto_budget_hp": {**base, **auto, "tiers": ["host", "ssd"], "ssd_path": ssd_dir,
                                "memory_budget_gb": budget_gb, "profile_mode": "recompute+host"},
+        "dsx_auto_budget_host_hp": {**base, **auto, "tiers": ["host"], "memory_budget_gb": budget_gb,
+                                    "profile_mode": "recompute+host"},
         "dsx_auto_hide": {**base, **auto, "tiers": ["host", "ssd"], "ssd_path": ssd_dir},
     }.get(name)  # fmt: skip
 
@@ -1170,7 +1178,8 @@ def _write(
                  ("dsx_auto_hide_sel", "none"), ("dsx_host", "save_on_cpu"), ("dsx_host_sel", "save_on_cpu"),
                  ("none_copies", "none"), ("dsx_auto_hide", "none_copies"),
                  ("dsx_ssd", "dsx_ssd_noverify"), ("dsx_auto_budget", "dsx_auto_budget_host"),
-                 ("dsx_auto_budget_sel", "dsx_auto_budget_host_sel")]:  # fmt: skip
+                 ("dsx_auto_budget_sel", "dsx_auto_budget_host_sel"),
+                 ("dsx_auto_budget_hp_sel", "dsx_auto_budget_host_hp_sel")]:  # fmt: skip
         if a in ok and b in ok:
             ratios[f"{a}_vs_{b}_throughput"] = ok[a]["tokens_per_s"] / ok[b]["tokens_per_s"]
     # the targets as stated: the fastest dsx config whose measured activation peak is within a baseline's

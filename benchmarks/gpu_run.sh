@@ -217,11 +217,13 @@ print('dsx_auto_budget_sel', rows[0]['seq_len'])") \
   offload-8b-pool-capacity)  # the longest sequence dsx trains with the host pool capped at 12 GB, with the host tier
                              # alone (host) or the SSD tier beside it (ssd), one config and LEN a command, merged into
                              # bench_offload_8b_pool_capacity.json: where the pool cannot hold what recomputed layers
-                             # start from, the drive does (the first command also measures full recompute at a short
-                             # length, whose static memory sets dsx's budget)
+                             # start from, the drive does. Both profile with the layers' inputs moved off the card
+                             # (profile_mode recompute+host: past full recompute's longest, 229,376, its profiling
+                             # does not fit); the first command also measures full recompute at a short length,
+                             # whose static memory sets dsx's budget
     case ${2:-} in
-      host) cfg=dsx_auto_budget_host_sel ;;
-      ssd) cfg=dsx_auto_budget_sel ;;
+      host) cfg=dsx_auto_budget_host_hp_sel ;;
+      ssd) cfg=dsx_auto_budget_hp_sel ;;
       *) log "offload-8b-pool-capacity host|ssd LEN, not '${2:-}'"; exit 2 ;;
     esac
     sizes=("$cfg=${3:?offload-8b-pool-capacity host|ssd LEN}")

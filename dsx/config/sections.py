@@ -42,8 +42,9 @@ class ActivationOffloadConfig(_Section):
     # policy auto: how the warm-up and profiling steps run. "keep" keeps everything (exact, but the
     # micro-batch must fit without dsx); "recompute" recomputes every layer and profiles the recomputation
     # (a micro-batch that fits only with dsx: those steps peak as full recompute does); "recompute+host" as
-    # "recompute", with each layer's inputs moved to the host tier, so that those steps peak below full
-    # recompute (a sequence full recompute cannot fit; docs/offload.md, "What the profile costs in memory");
+    # "recompute", with each layer's inputs moved to the host tier (those the pool has no room for to the SSD
+    # tier, where tiers lists it), so that those steps peak below full recompute (a sequence full recompute
+    # cannot fit; docs/offload.md, "What the profile costs in memory");
     # "auto": "recompute" when memory_budget_gb is set
     profile_mode: Literal["auto", "keep", "recompute", "recompute+host"] = "auto"
     # policies auto and offload_all: hold the host until earlier layers' moved bytes have left the device (auto:

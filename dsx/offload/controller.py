@@ -240,6 +240,8 @@ class ActivationOffload:
             # would otherwise queue later layers before the moved bytes are freed)
             self.host.allocate()
             self.hooks.actions = ["host"] * n
+            # inputs the pool has no room for go to the SSD tier where the tiers list it, not stay on the device
+            self.mover.overflow_to_ssd = "ssd" in self.cfg.tiers
             self.hooks.write_barrier, self.hooks.write_barrier_bwd = write_barrier_fixed(n)
         self._uncheckpoint_layers()
         for i, layer in enumerate(self.layers):
@@ -356,6 +358,7 @@ class ActivationOffload:
         )
 
     def _install(self, plan: Plan) -> None:
+        self.mover.overflow_to_ssd = False  # the plan names each layer's tier
         if any(
             a.moved for a in plan.actions
         ):  # the first plan that moves bytes: the pool now, or a clear error

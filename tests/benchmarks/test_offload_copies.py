@@ -239,6 +239,12 @@ def test_dsx_profiled_with_its_inputs_on_the_host_trains_as_a_capacity_config(tm
     on the CPU."""
     section = bench_offload._section("dsx_auto_budget_hp_sel", str(tmp_path), 1.0, 1.0, 1.0, "Attention")
     assert section["profile_mode"] == "recompute+host" and section["recompute_modules"] == ["Attention"]
+    assert section["tiers"] == ["host", "ssd"]
+    host_only = bench_offload._section(
+        "dsx_auto_budget_host_hp_sel", str(tmp_path), 1.0, 1.0, 1.0, "Attention"
+    )
+    assert host_only["profile_mode"] == "recompute+host" and host_only["tiers"] == ["host"]
+    assert {"dsx_auto_budget_host_hp", "dsx_auto_budget_host_hp_sel"} <= set(bench_offload.NEEDS_BUDGET)
     assert (
         "dsx_auto_budget_hp" in bench_offload.NEEDS_BUDGET
         and "dsx_auto_budget_hp" not in bench_offload.CONFIGS

@@ -467,6 +467,42 @@ def test_profile_under_recompute_with_the_inputs_on_the_host(tmp_path):
     assert barrier == hp[1].write_barrier  # the plan's barrier replaced the profiling steps' fixed one
 
 
+def test_profile_inputs_the_host_pool_cannot_hold_go_to_the_ssd_tier(tmp_path):
+    """profile_mode recompute+host with the SSD tier listed: once the host pool could no longer stage one more
+    input, the rest go to the drive (staged through that room), not stay on the device: the profiling steps
+    move every layer's input, some to each tier, and read each back; the profile is the one profile_mode
+    recompute measures, the gradients stay bitwise equal, and the plan's steps run as the plan says."""
+    n, hidden = 4, 2 * 16 * 32 * 4  # one float32 hidden state a layer: what each checkpoint keeps
+    runs = {}
+    for mode in ("recompute", "recompute+host"):
+        model, batches, want = _reference(9, 4, make=lambda: TinyGPT(by_keyword=True, layers=n))
+        sched = Scheduler(SchedulerConfig(io_workers=2))
+        (tmp_path / mode).mkdir()
+        cfg = _cfg(tmp_path / mode, ["host", "ssd"], policy="auto", recompute_modules=["CoreAttention"],
+                   profile_warmup_steps=1, profile_mode=mode, memory_budget_gb=1.0,
+                   host_pool_gb=3 * hidden / 2**30)  # fmt: skip
+        off = ActivationOffload(model, cfg, sched)
+        got, plans, _ = _calls_per_step(model, batches, off, sched)
+        assert_same_grads(want, got)
+        hist = sched.telemetry.history
+        moved = [
+            {t: r.bytes_by_tier.get(t, 0) for t in ("host", "host_read", "ssd", "ssd_read")} for r in hist
+        ]
+        runs[mode] = (plans, moved, off.mover.overflow_to_ssd)
+        off.close()
+    (rp, rmoved, _), (hp, hmoved, overflow_after) = runs["recompute"], runs["recompute+host"]
+    assert rmoved[:2] == [dict.fromkeys(rmoved[0], 0)] * 2
+    # the pool holds two inputs and stages the other two on their way to the drive
+    for step in hmoved[:2]:
+        assert step["ssd"] == step["ssd_read"] == 2 * hidden, hmoved
+        assert step["host_read"] == 2 * hidden and step["host"] >= 2 * hidden, hmoved
+    assert not overflow_after  # the plan names each layer's tier
+    assert hp[1].actions == rp[1].actions and hmoved[2:] == rmoved[2:]
+    for a, b in zip(hp[1].profiles, rp[1].profiles):
+        assert a.saved_bytes == b.saved_bytes > a.input_bytes == b.input_bytes == hidden
+        assert a.saved_sizes == b.saved_sizes and a.sel_saved_bytes == b.sel_saved_bytes > 0
+
+
 def test_profile_memory_points_subtract_the_inputs_on_the_device_only():
     """What the profiler subtracts from its memory points under recompute+host: at a forward's start no moved
     input (the device was synchronized and the copies freed), in the gap after a layer that layer's own (its

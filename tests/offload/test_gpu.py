@@ -383,9 +383,9 @@ def _gpt_step(batch: int, seed: int):
 def _auto_peaks(model, step, budget: float, **kw):
     """Peaks of six steps under policy auto at ``budget`` GiB (one warm-up step, profile, planned, up to two
     re-plans, settled) and the plan in force at the end."""
-    cfg = ActivationOffloadConfig(enabled=True, tiers=["host"], policy="auto", host_pool_gb=2,
-                                  memory_budget_gb=budget, min_tensor_bytes=1 << 16, profile_warmup_steps=1,
-                                  **kw)  # fmt: skip
+    cfg = ActivationOffloadConfig(**{"enabled": True, "tiers": ["host"], "policy": "auto", "host_pool_gb": 2,
+                                     "memory_budget_gb": budget, "min_tensor_bytes": 1 << 16,
+                                     "profile_warmup_steps": 1, **kw})  # fmt: skip
     sched = Scheduler(device=torch.device("cuda"))
     off = ActivationOffload(model, cfg, sched)
     try:
@@ -551,6 +551,26 @@ def test_gpu_profiling_with_the_inputs_on_the_host_peaks_lower_and_measures_alik
                 assert want - slack <= got <= want + 2 * inputs + slack, (a.index, key, got, want)
             else:
                 assert abs(got - want) <= slack, (a.index, key, got, want)
+
+
+def test_gpu_profiling_with_a_small_pool_sends_the_inputs_it_cannot_hold_to_the_ssd(tmp_path):
+    """profile_mode recompute+host with a pool of two layers' inputs: over the host tier alone the other four
+    inputs stay on the card; with the SSD tier listed they go to the drive, and the warm-up step peaks lower
+    by at least one of them (the backward's read window holds some back)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model, _, step = _gpt_step(64, 2)
+    step()
+    budget = 0.55 * step() / 2**30
+    _, rc_plan = _auto_peaks(model, step, budget, profile_mode="recompute")
+    inputs = rc_plan.profiles[0].input_bytes
+    small = {"profile_mode": "recompute+host", "host_pool_gb": 2 * inputs / 2**30}
+    host_peaks, _ = _auto_peaks(model, step, budget, **small)
+    ssd_peaks, ssd_plan = _auto_peaks(
+        model, step, budget, tiers=["host", "ssd"], ssd_path=str(tmp_path), **small
+    )
+    assert ssd_plan is not None and inputs > 0
+    assert ssd_peaks[0] <= host_peaks[0] - inputs, (host_peaks, ssd_peaks, inputs)
 
 
 def test_gpu_auto_trains_a_micro_batch_that_fits_only_with_it(tmp_path):
