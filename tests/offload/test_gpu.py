@@ -554,23 +554,31 @@ def test_gpu_profiling_with_the_inputs_on_the_host_peaks_lower_and_measures_alik
 
 
 def test_gpu_profiling_with_a_small_pool_sends_the_inputs_it_cannot_hold_to_the_ssd(tmp_path):
-    """profile_mode recompute+host with a pool of two layers' inputs: over the host tier alone the other four
-    inputs stay on the card; with the SSD tier listed they go to the drive, and the warm-up step peaks lower
-    by at least one of them (the backward's read window holds some back)."""
+    """profile_mode recompute+host with a pool of two layers' inputs: with the SSD tier listed, the warm-up step
+    peaks as with a pool that holds every input (within one input: an SSD read may be asked for at another
+    point of the backward than a host read), since the drive takes what the pool cannot; over the host tier
+    alone the other four inputs stay on the card, and it peaks higher. How much higher depends on where the
+    step peaks: the gradients of the layers done so far outweigh some of the inputs late in the backward."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     model, _, step = _gpt_step(64, 2)
     step()
     budget = 0.55 * step() / 2**30
-    _, rc_plan = _auto_peaks(model, step, budget, profile_mode="recompute")
-    inputs = rc_plan.profiles[0].input_bytes
+    every, every_plan = _auto_peaks(model, step, budget, profile_mode="recompute+host")
+    inputs = every_plan.profiles[0].input_bytes
     small = {"profile_mode": "recompute+host", "host_pool_gb": 2 * inputs / 2**30}
     host_peaks, _ = _auto_peaks(model, step, budget, **small)
     ssd_peaks, ssd_plan = _auto_peaks(
         model, step, budget, tiers=["host", "ssd"], ssd_path=str(tmp_path), **small
     )
     assert ssd_plan is not None and inputs > 0
-    assert ssd_peaks[0] <= host_peaks[0] - inputs, (host_peaks, ssd_peaks, inputs)
+    peaks = {
+        "every input in the pool": every[0],
+        "small pool": host_peaks[0],
+        "small pool and SSD": ssd_peaks[0],
+    }
+    assert abs(ssd_peaks[0] - every[0]) <= inputs + (2 << 20), (peaks, inputs)
+    assert ssd_peaks[0] < host_peaks[0], (peaks, inputs)
 
 
 def test_gpu_auto_trains_a_micro_batch_that_fits_only_with_it(tmp_path):
