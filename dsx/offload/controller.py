@@ -240,8 +240,10 @@ class ActivationOffload:
             # would otherwise queue later layers before the moved bytes are freed)
             self.host.allocate()
             self.hooks.actions = ["host"] * n
-            # inputs the pool has no room for go to the SSD tier where the tiers list it, not stay on the device
-            self.mover.overflow_to_ssd = "ssd" in self.cfg.tiers
+            # inputs the pool has no room for go to the SSD tier where the tiers list it, not stay on the device;
+            # the pool keeps staging room for one write and the backward's reads (its layer and the prefetch)
+            if "ssd" in self.cfg.tiers:
+                self.mover.overflow_slots = 2 + self.hooks.prefetch_depth
             self.hooks.write_barrier, self.hooks.write_barrier_bwd = write_barrier_fixed(n)
         self._uncheckpoint_layers()
         for i, layer in enumerate(self.layers):
@@ -294,6 +296,7 @@ class ActivationOffload:
         elif self.profiler is not None and self.step == warmup:
             # every rank plans from the same numbers, so that all recompute the same layers (a collective)
             profiler, self.profiler = self.profiler, None
+            self._end_overflow()
             profiles, self._outside_s, self._outside_peak = agree_profiles(
                 profiler.finish(), profiler.outside_s, profiler.outside_peak
             )
@@ -357,8 +360,16 @@ class ActivationOffload:
             math.ceil(self._outside_peak / GB * 100) / 100,
         )
 
+    def _end_overflow(self) -> None:
+        """The profiling steps are over: the plan names each layer's tier. A layer the drive refused while
+        inputs overflowed to it is not held to the host tier in the plan's steps: the plan did not size the
+        pool for it (a refusal then demotes it, as in any planned step)."""
+        if self.mover is not None and self.mover.overflow_slots:
+            self.mover.overflow_slots = 0
+            self.mover.demoted.clear()
+
     def _install(self, plan: Plan) -> None:
-        self.mover.overflow_to_ssd = False  # the plan names each layer's tier
+        self._end_overflow()
         if any(
             a.moved for a in plan.actions
         ):  # the first plan that moves bytes: the pool now, or a clear error

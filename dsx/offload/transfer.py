@@ -57,9 +57,11 @@ class Mover(WritePath, ReadPath):
         self._waited: dict[int, int] = {}  # consumer stream -> the latest read (its number) it waited for
         self.device_waits = 0  # device-side waits for reads queued so far (fewer than reads: ``wait``)
         self.demoted: set[int] = set()  # layers whose SSD writes failed: host from now on
-        # host-tier writes go to the SSD tier once the pool could no longer stage one more of their size (policy
-        # auto's profiling steps under profile_mode recompute+host: no plan has sized the pool yet)
-        self.overflow_to_ssd = False
+        # host-tier writes go to the SSD tier once the pool would keep less than this many staging slots of
+        # the largest such tensor seen (0: never; policy auto's profiling steps under profile_mode
+        # recompute+host, where no plan has sized the pool yet)
+        self.overflow_slots = 0
+        self._overflow_size = 0  # the largest host-tier write seen while overflowing is on
         # writes whose copies have not been seen to end (CUDA), in the offload stream's order: (entry, queued)
         self._in_flight: deque[tuple[Entry, float]] = deque()
         self._in_flight_lock = threading.Lock()

@@ -40,11 +40,14 @@ class WritePath:
         nbytes = storage.nbytes()
         if tier == "ssd" and (self.ssd is None or layer in self.demoted):
             tier = "host"
-        elif tier == "host" and self.overflow_to_ssd and self.ssd is not None and layer not in self.demoted:
-            # what fills the pool to under one more tensor of this size goes to the drive, staged through
-            # that room, so that the tensors after it leave the device too
+        elif tier == "host" and self.overflow_slots and self.ssd is not None and layer not in self.demoted:
+            # a write that would leave the pool fewer staging slots than the drive's writes and reads need
+            # (sized by the largest tensor seen, so that small ones do not take a large one's room) goes to the
+            # drive, staged through that room, so that the tensors after it leave the device too
             size = align_up(max(nbytes, 1))
-            if self.host.arena.capacity - self.host.arena.used < 2 * size:
+            self._overflow_size = max(self._overflow_size, size)
+            room = self.host.arena.capacity - self.host.arena.used - size
+            if room < self.overflow_slots * self._overflow_size:
                 tier = "ssd"
         slot = self.host.alloc(nbytes)  # the host slot is the tier (host) or the aligned staging (ssd)
         if slot is None:

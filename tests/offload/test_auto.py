@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsx.config import SchedulerConfig
-from dsx.offload import ActivationOffload
+from dsx.offload import ActivationOffload, reads
 from dsx.offload.plan import Action
 from dsx.offload.profile import Profiler
 from dsx.runtime.scheduler import Scheduler
@@ -467,11 +467,16 @@ def test_profile_under_recompute_with_the_inputs_on_the_host(tmp_path):
     assert barrier == hp[1].write_barrier  # the plan's barrier replaced the profiling steps' fixed one
 
 
-def test_profile_inputs_the_host_pool_cannot_hold_go_to_the_ssd_tier(tmp_path):
-    """profile_mode recompute+host with the SSD tier listed: once the host pool could no longer stage one more
-    input, the rest go to the drive (staged through that room), not stay on the device: the profiling steps
-    move every layer's input, some to each tier, and read each back; the profile is the one profile_mode
-    recompute measures, the gradients stay bitwise equal, and the plan's steps run as the plan says."""
+def test_profile_inputs_the_host_pool_cannot_hold_go_to_the_ssd_tier(tmp_path, monkeypatch):
+    """profile_mode recompute+host with the SSD tier listed: once the host pool would keep fewer staging slots
+    than the drive's writes and reads need (one write, the backward's layer and its prefetch: three here), the
+    rest go to the drive, staged through that room, not stay on the device: the profiling steps move every
+    layer's input, some to each tier, read each back, and no read needs a buffer outside the pool; the profile
+    is the one profile_mode recompute measures, the gradients stay bitwise equal, and the plan's steps run as
+    the plan says."""
+    outside = []
+    real = reads.aligned_empty
+    monkeypatch.setattr(reads, "aligned_empty", lambda *a: outside.append(a) or real(*a))
     n, hidden = 4, 2 * 16 * 32 * 4  # one float32 hidden state a layer: what each checkpoint keeps
     runs = {}
     for mode in ("recompute", "recompute+host"):
@@ -480,7 +485,7 @@ def test_profile_inputs_the_host_pool_cannot_hold_go_to_the_ssd_tier(tmp_path):
         (tmp_path / mode).mkdir()
         cfg = _cfg(tmp_path / mode, ["host", "ssd"], policy="auto", recompute_modules=["CoreAttention"],
                    profile_warmup_steps=1, profile_mode=mode, memory_budget_gb=1.0,
-                   host_pool_gb=3 * hidden / 2**30)  # fmt: skip
+                   host_pool_gb=5 * hidden / 2**30)  # fmt: skip
         off = ActivationOffload(model, cfg, sched)
         got, plans, _ = _calls_per_step(model, batches, off, sched)
         assert_same_grads(want, got)
@@ -488,19 +493,48 @@ def test_profile_inputs_the_host_pool_cannot_hold_go_to_the_ssd_tier(tmp_path):
         moved = [
             {t: r.bytes_by_tier.get(t, 0) for t in ("host", "host_read", "ssd", "ssd_read")} for r in hist
         ]
-        runs[mode] = (plans, moved, off.mover.overflow_to_ssd)
+        runs[mode] = (plans, moved, off.mover.overflow_slots)
         off.close()
     (rp, rmoved, _), (hp, hmoved, overflow_after) = runs["recompute"], runs["recompute+host"]
     assert rmoved[:2] == [dict.fromkeys(rmoved[0], 0)] * 2
-    # the pool holds two inputs and stages the other two on their way to the drive
+    # the pool holds two inputs and keeps three slots' room, through which the other two reach the drive
     for step in hmoved[:2]:
         assert step["ssd"] == step["ssd_read"] == 2 * hidden, hmoved
         assert step["host_read"] == 2 * hidden and step["host"] >= 2 * hidden, hmoved
-    assert not overflow_after  # the plan names each layer's tier
+    assert outside == [], "an SSD read of the profiling steps found no staging slot in the pool"
+    assert overflow_after == 0  # the plan names each layer's tier
     assert hp[1].actions == rp[1].actions and hmoved[2:] == rmoved[2:]
     for a, b in zip(hp[1].profiles, rp[1].profiles):
         assert a.saved_bytes == b.saved_bytes > a.input_bytes == b.input_bytes == hidden
         assert a.saved_sizes == b.saved_sizes and a.sel_saved_bytes == b.sel_saved_bytes > 0
+
+
+def test_a_drive_full_while_the_profile_overflows_to_it_holds_no_layer_to_the_host_after(tmp_path, caplog):
+    """The drive refuses an overflowed input (its tier full): that input stays in the pool, training goes on,
+    and once the plan is in force no layer is held to the host tier for it (the plan did not size the pool
+    for that)."""
+    hidden = 2 * 16 * 32 * 4
+    model, batches, want = _reference(9, 4, make=lambda: TinyGPT(by_keyword=True, layers=4))
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    cfg = _cfg(tmp_path, ["host", "ssd"], policy="auto", recompute_modules=["CoreAttention"],
+               profile_warmup_steps=1, profile_mode="recompute+host", memory_budget_gb=1.0,
+               host_pool_gb=5 * hidden / 2**30, ssd_capacity_gb=hidden / 2**30)  # fmt: skip
+    off = ActivationOffload(model, cfg, sched)
+    demoted = []
+    orig_end = off.end_step
+
+    def end_step() -> None:
+        demoted.append(set(off.mover.demoted))
+        orig_end()
+
+    off.end_step = end_step  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="dsx"):
+        got, plans = _train_with_plans(model, batches, off, sched)
+    off.close()
+    assert_same_grads(want, got)
+    assert "SSD tier full" in caplog.text
+    assert demoted[0], demoted  # the profiling steps held the refused layer to the host
+    assert plans[-1] is not None and all(not d for d in demoted[2:]), demoted
 
 
 def test_profile_memory_points_subtract_the_inputs_on_the_device_only():
