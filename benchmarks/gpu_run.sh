@@ -218,7 +218,7 @@ print('dsx_auto_budget_sel', rows[0]['seq_len'])") \
                              # alone (host) or the SSD tier beside it (ssd), one config and LEN a command, merged into
                              # bench_offload_8b_pool_capacity.json: where the pool cannot hold what recomputed layers
                              # start from, the drive does. Both profile with the layers' inputs moved off the card
-                             # (profile_mode recompute+host: past full recompute's longest, 229,376, its profiling
+                             # (profile_mode recompute+host: past full recompute's longest sequence its profiling
                              # does not fit); the first command also measures full recompute at a short length,
                              # whose static memory sets dsx's budget
     case ${2:-} in

@@ -149,7 +149,9 @@ def _memory_rows(rows: list[Row]) -> None:
         soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         fmt = lambda v: "unlimited" if v == resource.RLIM_INFINITY else f"{v / 2**20:.0f} MiB"  # noqa: E731
         # NVIDIA's driver pins past the limit; mlock(), RDMA and some drivers are held to it
-        note = "" if soft == resource.RLIM_INFINITY else " (CUDA pinning passes it; mlock and RDMA do not)"
+        note = (
+            "" if soft == resource.RLIM_INFINITY else " (NVIDIA's driver pins past it; mlock and RDMA do not)"
+        )
         return f"soft {fmt(soft)}, hard {fmt(hard)}{note}"
 
     _probe(rows, "memory", "/dev/shm", shm)

@@ -265,8 +265,9 @@ class ActivationOffload:
             return (
                 f"{where}, which recompute every layer with its inputs on the host tier: one layer's forward, or "
                 "its recomputation and backward, do not fit beside what the step holds, the inputs the host "
-                'pool had no room for included. Raise activation_offload.host_pool_gb if dsx logged "host pool '
-                'full", else lower the micro-batch or the sequence length'
+                'pool had no room for included. If dsx logged "host pool full", raise '
+                'activation_offload.host_pool_gb, or add "ssd" to activation_offload.tiers (with ssd_path) so that '
+                "the inputs the pool cannot hold go to the drive; else lower the micro-batch or the sequence length"
             )
         fix = 'set activation_offload.profile_mode to "recompute+host"'
         if "host" not in self.cfg.tiers:

@@ -57,7 +57,8 @@ class WritePath:
                 "host-full",
                 f"dsx activation offload: host pool full ({self.host.arena.capacity} "
                 f"bytes, {self.host.arena.used} in use); layer {layer} keeps its activations on the "
-                "device. Raise host_pool_gb to offload more.",
+                "device. Raise host_pool_gb to offload more (or, while policy auto profiles with profile_mode "
+                'recompute+host, add "ssd" to tiers with an ssd_path: the inputs the pool cannot hold go there).',
             )
             return None
         e = Entry(layer=layer, nbytes=nbytes, tier=tier, name=name, host=slot)

@@ -35,8 +35,9 @@ PAGE = 4096
 GiB = 1 << 30
 
 
-class HostMemoryError(pinning.PinningError):
-    """The host has less memory available than a buffer asks for."""
+class HostMemoryError(MemoryError):
+    """The host has less memory available than a buffer asks for (not a pinning refusal: falling back to
+    another way of pinning would not help)."""
 
 
 def page_aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:

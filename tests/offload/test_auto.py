@@ -727,7 +727,7 @@ def test_ranks_agree_on_the_slowest_layer_and_the_shortest_gap() -> None:
         ("recompute", ["host"], "forward", 'set activation_offload.profile_mode to "recompute+host"'),
         ("auto", ["host"], "backward", "'auto', which is 'recompute' under memory_budget_gb"),
         ("recompute", ["ssd"], "forward", 'add "host" to activation_offload.tiers and set'),
-        ("recompute+host", ["host"], "backward", "Raise activation_offload.host_pool_gb"),
+        ("recompute+host", ["host"], "backward", 'raise activation_offload.host_pool_gb, or add "ssd"'),
     ],
 )
 def test_out_of_memory_in_the_profiling_steps_says_what_to_do(tmp_path, mode, tiers, where, says):
