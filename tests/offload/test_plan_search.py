@@ -303,8 +303,9 @@ def test_write_barrier_setting_rejects_unknown_values() -> None:
 def test_plans_fit_the_tiers_capacity(budget_gb: float | None) -> None:
     """A plan never moves more than ``host_pool_gb`` holds: the mover would leave the rest on the device,
     over the plan's peak, and could run out of memory. The pool binds: a larger one moves more."""
-    # 8 layers of 2 GiB, slow enough that most of them hide behind compute at 55 GB/s
-    prof = [LayerProfile(i, f"L{i}", 2 * GiB, 0.08, 0.16) for i in range(8)]
+    # 6 layers of 2 GiB, slow enough that most of them hide behind compute at 55 GB/s (the search is
+    # exhaustive, 3^n plans a prefetch depth: more layers only lengthen it)
+    prof = [LayerProfile(i, f"L{i}", 2 * GiB, 0.08, 0.16) for i in range(6)]
     bw = [TierBandwidth("host", 55e9, 55e9)]
     moved = {}
     for pool in (3.0, 64.0):
@@ -541,11 +542,13 @@ def test_plans_fit_the_real_pool_with_small_storages() -> None:
 @pytest.mark.parametrize("policy", ["none", "recompute_all", "offload_all", "auto"])
 def test_over_budget_is_set_for_every_policy(policy: str) -> None:
     rng = random.Random(23)
-    prof = _profiles(rng, 5)
+    # 4 layers: policy auto searches all 6^n plans of its six actions at each prefetch depth, and a fifth
+    # layer would only multiply that by 6 for the same check
+    prof = _profiles(rng, 4)
     for p in prof:
         p.input_bytes = p.saved_bytes // 8
     bw = _bw(BW, budget=True)
-    keep_peak = simulate(prof, [Action.KEEP] * 5, bw, 1)[2]
+    keep_peak = simulate(prof, [Action.KEEP] * 4, bw, 1)[2]
     for budget, over in ((keep_peak * 4 / GiB, False), (1e-3, True)):
         plan = make_plan(prof, BW, _cfg(policy=policy, memory_budget_gb=budget), best_effort=True)
         assert plan.over_budget is over and plan.over_budget == (plan.peak_bytes > budget * GiB)
