@@ -173,8 +173,10 @@ def test_offload_all_with_recompute_modules_uses_selective_variant() -> None:
     assert "+sel" in plan.describe() and "sub ms" in plan.describe()
 
 
+# (up to 6 layers: the search tries every plan at each prefetch depth, and 7 or 8 drawn made this test's time
+# swing tenfold between runs without checking anything fewer layers do not)
 @settings(max_examples=12, deadline=None)
-@given(n=st.integers(1, 8), seed=st.integers(0, 10**6), frac=st.floats(0.2, 1.0))
+@given(n=st.integers(1, 6), seed=st.integers(0, 10**6), frac=st.floats(0.2, 1.0))
 def test_budget_respected_with_background(n: int, seed: int, frac: float) -> None:
     prof = _with_background(random.Random(seed), n)
     bw = _bw(BW, budget=True)
