@@ -177,12 +177,17 @@ def _plot(summary: dict[str, Any], title: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     add_common_args(p)
-    p.add_argument("--sizes-gib", type=float, nargs="+", default=None, help="buffer sizes (default 4 32)")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--timeout", type=float, default=180, help="seconds a child may take (default 180)")
-    p.add_argument("--name", default="bench_pinning")
+    p.add_argument(
+        "--sizes-gib", type=float, nargs="+", help="buffer sizes; none given: 4 32 (--quick: 1/16 1/8)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--timeout", type=float, default=180, help="seconds a child may take")
+    p.add_argument("--name", default="bench_pinning", help="result file name")
     p.add_argument("--child", nargs=2, metavar=("WAY", "BYTES"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

@@ -23,7 +23,8 @@ if ! python -c "import torch" 2>/dev/null; then
     pip install -q "torch>=2.11,<2.14"          # CUDA build from the package index
   else
     # the CPU build: PyPI's Linux wheel is the CUDA one, several GB (this project's CPU machines have it on disk)
-    pip install -q --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 || pip install -q torch==2.13.0
+    # (one retry: offline, each of torch's dependencies would otherwise wait out five before the fallback)
+    pip install -q --retries 1 --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 || pip install -q torch==2.13.0
   fi
 fi
 pip install -q -e ".[test,gnn]"
