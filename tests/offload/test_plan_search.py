@@ -117,8 +117,9 @@ def test_fixed_policies(policy: str, tiers: list[str], expect: str) -> None:
             )
 
 
-@settings(max_examples=15, deadline=None)  # each example is a whole budgeted search: the file's slowest part
-@given(n=st.integers(1, 9), seed=st.integers(0, 10**6), frac=st.floats(0.2, 1.0))
+# each example is a whole budgeted search, whose time grows steeply with the layers: the file's slowest part
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 7), seed=st.integers(0, 10**6), frac=st.floats(0.2, 1.0))
 def test_budget_always_respected(n: int, seed: int, frac: float) -> None:
     prof = _profiles(random.Random(seed), n)
     budget = sum(p.saved_bytes for p in prof) * frac / GiB
