@@ -63,13 +63,13 @@ def _child(way: str, nbytes: int) -> dict[str, Any]:
     import torch
 
     # imported, and the memory checked, before the timed window: the pinning alone is timed
-    from dsx.runtime.host_memory import HostMemoryError, available_host_bytes
+    from dsx.runtime.host_memory import HostMemoryError, require_host_bytes
 
     cuda = torch.cuda.is_available()
-    avail = available_host_bytes()
-    if avail is not None and nbytes > avail:
-        error = f"{HostMemoryError.__name__}: {nbytes / GiB:.2f} GiB asked, {avail / GiB:.2f} GiB available"
-        return {"way": way, "gib": nbytes / GiB, "error": error}
+    try:
+        require_host_bytes(nbytes)
+    except HostMemoryError as exc:
+        return {"way": way, "gib": nbytes / GiB, "error": f"{type(exc).__name__}: {exc}"}
     dev = torch.device("cuda" if cuda else "cpu")
     n = 8192 if cuda else 256
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16 if cuda else torch.float32)

@@ -24,7 +24,7 @@ import torch
 from dsx.config import DsxConfigError
 from dsx.offload.align import ALIGN, align_up, aligned_empty
 from dsx.offload.io import IOBackend, select_backend
-from dsx.runtime.host_memory import HostMemoryError, PinnedBuffer, available_host_bytes
+from dsx.runtime.host_memory import HostMemoryError, PinnedBuffer, require_host_bytes
 from dsx.runtime.pinning import PinningError
 from dsx.runtime.process import judge, owner_record, owner_tag, parse_owner_tag
 from dsx.runtime.scheduler import Scheduler
@@ -144,13 +144,10 @@ class HostPool:
                     str(exc).splitlines()[0],
                 )
                 # torch's pinned-memory cache rounds the block up to a power of two: that much must be there
-                need, avail = 1 << (self.arena.capacity - 1).bit_length(), available_host_bytes()
-                if avail is not None and need > avail:
-                    raise HostMemoryError(
-                        f"pin_memory=True would pin {need / 2**30:.2f} GiB for the pool (torch rounds it up to a "
-                        f"power of two), and only {avail / 2**30:.2f} GiB are available to this process; ask for "
-                        "less, or free host memory (the ranks of a node share it)"
-                    ) from None
+                need = 1 << (self.arena.capacity - 1).bit_length()
+                require_host_bytes(
+                    need, "pin_memory=True would pin", " (torch rounds the pool up to a power of two)"
+                )
                 self._buf = aligned_empty(self.arena.capacity, True)
         return self._buf
 

@@ -27,6 +27,7 @@ __all__ = [
     "PinnedBuffer",
     "available_host_bytes",
     "page_aligned_empty",
+    "require_host_bytes",
     "touch_pages",
     "unforked_empty",
 ]
@@ -144,6 +145,19 @@ def _node_cpus(device: torch.device | None = None) -> set[int] | None:
     return None
 
 
+def require_host_bytes(nbytes: int, what: str = "cannot pin", why: str = "") -> None:
+    """Raise :class:`HostMemoryError` when this process has less memory available than ``nbytes``
+    (:func:`available_host_bytes`): before any page is touched, since faulting them in past it would end in the
+    out-of-memory killer, with no message. ``what`` and ``why`` say what asked, in the error."""
+    avail = available_host_bytes()
+    if avail is not None and nbytes > avail:
+        raise HostMemoryError(
+            f"{what} {nbytes / GiB:.2f} GiB of host memory{why}: only {avail / GiB:.2f} GiB are available to this "
+            "process (MemAvailable, or what its cgroup's memory limit leaves); ask for less, or free host memory "
+            "(the ranks of a node share it)"
+        )
+
+
 def touch_pages(
     buf: torch.Tensor, threads: int | None = None, device: torch.device | None = None
 ) -> torch.Tensor:
@@ -206,13 +220,7 @@ class PinnedBuffer:
     def __init__(self, nbytes: int, threads: int | None = None, device: torch.device | None = None) -> None:
         if nbytes <= 0:
             raise ValueError(f"a pinned buffer needs a positive size, not {nbytes}")
-        avail = available_host_bytes()
-        if avail is not None and nbytes > avail:
-            raise HostMemoryError(
-                f"cannot pin {nbytes / GiB:.2f} GiB of host memory: only {avail / GiB:.2f} GiB are available to "
-                "this process (MemAvailable, or what its cgroup's memory limit leaves); ask for less, or free "
-                "host memory (the ranks of a node share it)"
-            )
+        require_host_bytes(nbytes)
         self._map: mmap.mmap | None
         try:
             self._map, tensor = unforked_empty(nbytes)

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from dsx.config import DsxConfigError
-from dsx.offload import store
 from dsx.offload.store import HostPool
 from dsx.runtime import host_memory, pinning
 from dsx.runtime.host_memory import (
@@ -129,7 +128,7 @@ def test_a_pool_whose_pages_cuda_refuses_falls_back_to_pin_memory(monkeypatch, c
                 pool.allocate()
     assert "cannot be pinned in place" in caplog.text and "pin_memory=True instead" in caplog.text
     # the fallback pins a power of two: a pool of 9 MiB takes 16, which 12 MiB available cannot hold
-    monkeypatch.setattr(store, "available_host_bytes", lambda: 12 << 20)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 12 << 20)
     with pytest.raises(DsxConfigError, match=r"host_pool_gb.*would pin 0.02 GiB.*power of two"):
         HostPool(9 << 20, pin=True).allocate()
 
