@@ -186,6 +186,8 @@ class ActivationOffload:
                 cfg.recompute_modules,
                 under_recompute=self._profile_rc,
                 root=model,
+                # (not "pool-full": it waits after a layer's forward is queued, while the GPU may still run it)
+                stalled=lambda: self.sched.telemetry.stalled_s("unpack", "write-barrier"),
             )
             self._profile_next(cfg.profile_warmup_steps == 0)
         # last: the setting is process-wide, and close() restores it

@@ -4,6 +4,13 @@ Runs once, everything kept, on the step after ``profile_warmup_steps`` warm-up s
 ``perf_counter`` around a device synchronize on CUDA, which costs one slow step and is exact, rather than CUDA
 events whose pairing across hooks and autograd threads is fragile.
 
+Every interval leaves out what the offload's host threads waited for in it while the GPU had nothing queued
+(the ``stalled`` callable: a read's unpack, the write barrier). Under ``profile_mode`` ``"recompute+host"`` with
+the SSD tier, inputs the pool cannot hold go to the drive, and a layer's backward would otherwise include the
+wait for its read: the plan models each move's time itself, from the tiers' measured rates, and would count it
+twice. The warm-up step's wall time, from which the time outside the layers is taken, leaves the same waits
+out.
+
 Backward time is taken from gradient hooks on the layer's activations: it starts when the gradient of the
 layer's output arrives and ends when the gradient of its input is computed. Module full-backward hooks
 cannot do this: they see positional inputs only, and Megatron passes ``hidden_states`` by keyword, so they
@@ -53,7 +60,7 @@ marked ``recompute_only``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -87,8 +94,12 @@ class Profiler:
         recompute_modules: Iterable[str] = (),
         under_recompute: bool = False,
         root: nn.Module | None = None,
+        stalled: Callable[[], float] | None = None,
     ) -> None:
         self.layers, self.hooks, self.device = layers, hooks, device
+        # seconds the offload has waited so far (StepTelemetry.stalled_s): what an interval waited is not the
+        # layer's time (the module docstring)
+        self._stalled = stalled or (lambda: 0.0)
         self.under_recompute = under_recompute
         n = len(layers)
         self.fwd, self.bwd, self.sub = [0.0] * n, [0.0] * n, [0.0] * n
@@ -104,11 +115,13 @@ class Profiler:
         # the step's wall time from the model's forward start (its first layer's without a root) to finish():
         # what the layers' times leave is what runs outside them (embedding, head, loss, optimizer)
         self._step_start: float | None = None
+        self._step_stalled = 0.0
         self.outside_s = 0.0
         # the last warm-up step's wall time (end_warm_step), when it is not the first step: outside_s is taken
         # from it, as the profiled step's per-layer synchronizations expose host work a normal step overlaps
         self.warm_step_s: float | None = None
         self._warm_start: float | None = None
+        self._warm_stalled = 0.0
         self._warm_steps = 0
         # (CUDA) the peak from the end of the layers' backward to finish(), above the same base: the gradients'
         # reduction and the optimizer step, which no activation plan changes (Plan.outside_peak_bytes)
@@ -122,10 +135,11 @@ class Profiler:
         self.head_t = 0.0
         self._heads = 0
         self._head_from: float | None = None
+        self._head_stalled = 0.0
         self._open: dict[int, int] = {}  # layers whose backward runs: memory allocated at its start
         self.has_sub = [False] * n
         self.enabled = True  # off during warm-up steps
-        self._t: dict[tuple[str, int], float] = {}
+        self._t: dict[tuple[str, int], tuple[float, float]] = {}  # interval -> (clock, stall) at its start
         self._handles = []
         if root is not None:
             self._handles.append(root.register_forward_pre_hook(self._root_pre))
@@ -150,10 +164,10 @@ class Profiler:
             # a warm-up step's first forward (an evaluation forward without grad does not start one); without a
             # root module no warm-up step is timed, and the profiled step's own time is used
             if self._warm_start is None and torch.is_grad_enabled():
-                self._warm_start = self._now()
+                self._warm_start, self._warm_stalled = self._now(), self._stalled()
             return
         if self._step_start is None:
-            self._step_start = self._now()
+            self._step_start, self._step_stalled = self._now(), self._stalled()
         if self.device.type == "cuda" and self._base is None:
             self._base = torch.cuda.memory_allocated(self.device)
 
@@ -188,16 +202,17 @@ class Profiler:
     def _start(self, kind: str, i: int) -> None:
         if not self.enabled:
             return
-        self._t[(kind, i)] = self._now()
+        now, stalled = self._now(), self._stalled()
+        self._t[(kind, i)] = (now, stalled)
         if kind in ("f", "b") and self._head_from is not None:
             # the last layer's own backward ends the gap; anything else first (another micro-batch's forward, as
             # a pipeline schedule runs) leaves it unmeasured
             if (kind, i) == ("b", len(self.layers) - 1):
-                self.head_t += self._t[(kind, i)] - self._head_from
+                self.head_t += now - self._head_from - (stalled - self._head_stalled)
                 self._heads += 1
             self._head_from = None
         if self._step_start is None:
-            self._step_start = self._t[(kind, i)]
+            self._step_start, self._step_stalled = now, stalled
         if self.device.type != "cuda":
             return
         if kind == "f":
@@ -224,10 +239,10 @@ class Profiler:
     def _stop(self, kind: str, i: int, into: list[float]) -> None:
         t0 = self._t.pop((kind, i), None)
         if t0 is not None:
-            now = self._now()
-            into[i] += now - t0
+            now, stalled = self._now(), self._stalled()
+            into[i] += now - t0[0] - (stalled - t0[1])
             if kind == "f" and i == len(self.layers) - 1:
-                self._head_from = now
+                self._head_from, self._head_stalled = now, stalled
         if kind == "f" and t0 is not None and self.device.type == "cuda":
             self.fwd_peak[i] = torch.cuda.max_memory_allocated(self.device) - self._fwd_start
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -257,7 +272,7 @@ class Profiler:
             self._rc_calls[i] += 1
             if not self.enabled or self._rc_calls[i] % 2:  # the forward, not the recomputation
                 return fn(*args, **kwargs)
-            t0 = self._now()
+            t0, s0 = self._now(), self._stalled()
             if self.device.type == "cuda":
                 self._fold_peaks()
                 self._rc_level = torch.cuda.memory_allocated(self.device)
@@ -268,7 +283,7 @@ class Profiler:
                     out = fn(*args, **kwargs)
             else:
                 out = fn(*args, **kwargs)
-            self.rc[i] += self._now() - t0
+            self.rc[i] += self._now() - t0 - (self._stalled() - s0)
             if self.device.type == "cuda":
                 self.fwd_peak[i] = torch.cuda.max_memory_allocated(self.device) - self._rc_level
                 # the rest of the backward's peak is its workspace, above what the recomputation re-saved
@@ -339,7 +354,7 @@ class Profiler:
         at both ends only, as a training step runs. The first step's is not kept (lazy initialisation)."""
         self._warm_steps += 1
         if self._warm_start is not None and self._warm_steps > 1:
-            self.warm_step_s = self._now() - self._warm_start
+            self.warm_step_s = self._now() - self._warm_start - (self._stalled() - self._warm_stalled)
         self._warm_start = None
 
     def finish(self) -> list[LayerProfile]:
@@ -357,7 +372,7 @@ class Profiler:
         if self.device.type == "cuda" and self._tail_open and self._base is not None and self._warm_steps:
             self.outside_peak = max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
         if self._step_start is not None:
-            wall = self._now() - self._step_start
+            wall = self._now() - self._step_start - (self._stalled() - self._step_stalled)
             if self.warm_step_s is not None:  # (it ran as this step does, without the synchronizations)
                 wall = self.warm_step_s
             self.outside_s = max(0.0, wall - sum(self.fwd) - sum(self.bwd)) / k

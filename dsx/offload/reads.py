@@ -40,6 +40,12 @@ class ReadPath:
     """:class:`~dsx.offload.transfer.Mover`'s reads and the consumer's wait for them; the state they share
     with the writes and releases is set up in ``Mover.__init__``."""
 
+    @property
+    def buffer_at_issue(self) -> bool:
+        """Whether a read's device buffer is allocated when the read is asked for (``fetch``), not when it runs:
+        with ``read_pool="compute"`` on CUDA."""
+        return self._cuda and self.read_pool == "compute"
+
     def fetch(self, e: Entry) -> Future[Any]:
         """Issue the read of ``e`` (once); call it on the thread that will use the data (compute or autograd).
 
@@ -52,7 +58,7 @@ class ReadPath:
         with e.lock:
             if e.fetched is None:
                 dst = None
-                if self._cuda and self.read_pool == "compute":
+                if self.buffer_at_issue:
                     out = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
                     issued = torch.cuda.Event()
                     issued.record(current_stream(self.device))

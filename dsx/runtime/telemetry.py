@@ -68,10 +68,18 @@ class StepTelemetry:
         self.history: list[StepRecord] = []
         # device-side waits not yet resolved: (step, reached, ready, name)
         self._gpu_waits: list[tuple[int, Any, Any, str]] = []
+        self._stalled: dict[str, float] = {}  # by kind, over every step (stalled_s)
 
     @property
     def current(self) -> StepRecord:
         return self._cur
+
+    def stalled_s(self, *kinds: str) -> float:
+        """Exposed stall of ``kinds`` (all where none is named: "unpack", "write-barrier", ...) since this
+        object was made, over every step: the difference between two readings is what was waited between
+        them."""
+        with self._lock:
+            return sum(v for k, v in self._stalled.items() if not kinds or k in kinds)
 
     @property
     def steps(self) -> int:
@@ -95,6 +103,7 @@ class StepTelemetry:
     def add_stall(self, t0: float, t1: float, name: str = "wait") -> None:
         with self._lock:
             self._cur.stall_s += t1 - t0
+            _add_by_kind(self._stalled, name, t1 - t0)
             _add_by_kind(self._cur.stall_by, name, t1 - t0)
             if self._keep_events:
                 self._cur.events.append(("compute", f"stall:{name}", t0, t1))

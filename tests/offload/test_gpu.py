@@ -6,12 +6,13 @@ import contextlib
 import copy
 import gc
 import threading
+import time
 
 import pytest
 import torch
 
 from dsx.config import ActivationOffloadConfig, SchedulerConfig
-from dsx.offload import ActivationOffload, OffloadIntegrityError
+from dsx.offload import ActivationOffload, OffloadIntegrityError, reads
 from dsx.offload.io import describe_backends
 from dsx.runtime import allocator
 from dsx.runtime.scheduler import Scheduler
@@ -579,6 +580,44 @@ def test_gpu_profiling_with_a_small_pool_sends_the_inputs_it_cannot_hold_to_the_
     }
     assert abs(ssd_peaks[0] - every[0]) <= inputs + (2 << 20), (peaks, inputs)
     assert ssd_peaks[0] < host_peaks[0], (peaks, inputs)
+
+
+def test_gpu_profiling_over_a_slow_drive_measures_as_with_every_input_in_the_pool(tmp_path, monkeypatch):
+    """profile_mode recompute+host with a pool of two layers' inputs and the rest on a drive whose reads take
+    0.3 s, against a pool that holds every input: the profile's memory points agree to within the allocator's
+    rounding (a read's buffer, allocated when the read is asked for, counts as that layer's input while the
+    drive still reads it, not as background), and each layer's backward time leaves out the wait for the
+    drive."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    delay = 0.3
+    model, _, step = _gpt_step(64, 2)
+    step()
+    budget = 0.55 * step() / 2**30
+    _, every = _auto_peaks(model, step, budget, profile_mode="recompute+host")
+    inputs = every.profiles[0].input_bytes
+    real = reads.ReadPath._read
+
+    def slow_drive(self, e, dst=None):
+        if e.tier == "ssd":
+            time.sleep(delay)
+        return real(self, e, dst)
+
+    monkeypatch.setattr(reads.ReadPath, "_read", slow_drive)
+    _, slow = _auto_peaks(model, step, budget, profile_mode="recompute+host", host_pool_gb=2 * inputs / 2**30,
+                          tiers=["host", "ssd"], ssd_path=str(tmp_path))  # fmt: skip
+    assert slow is not None and inputs > 0
+    slack, n = 2 << 20, len(every.profiles)
+    for a, b in zip(slow.profiles, every.profiles):
+        for key in ("fwd_background_bytes", "fwd_peak_bytes", "gap_background_bytes", "bwd_background_bytes",
+                    "bwd_workspace_bytes"):  # fmt: skip
+            got, want = getattr(a, key), getattr(b, key)
+            # (the last layer's gap is an upper bound: the test above)
+            if key == "gap_background_bytes" and a.index == n - 1:
+                assert want - slack <= got <= want + 2 * inputs + slack, (a.index, key, got, want)
+            else:
+                assert abs(got - want) <= slack, (a.index, key, got, want)
+        assert a.bwd_s < b.bwd_s + delay / 2, (a.index, a.bwd_s, b.bwd_s)
 
 
 def test_gpu_auto_trains_a_micro_batch_that_fits_only_with_it(tmp_path):
