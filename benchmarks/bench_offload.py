@@ -1326,12 +1326,16 @@ def _plot_lengths(
     for i, (cfg, rows) in enumerate(sorted(by.items())):
         color = f"C{i}"
         good = sorted(median_runs([r for r in rows if "error" not in r]).values(), key=lambda r: r["seq_len"])
+        failed = [r for r in rows if "error" in r]
         if good:
             on = sorted({kinds[r.get("part", 0)] for r in rows if r.get("part", 0) in kinds})
             where = f"; {', '.join(on)}" if on else ""
+            top = f"{good[-1]['seq_len']:,}"
+            # (a config that failed at no longer length may train longer: what it trained is not its limit)
+            limit = any(r["seq_len"] > good[-1]["seq_len"] for r in failed)
+            most = f"longest {top}" if limit else f"trained {top}, nothing longer tried"
             a.plot([r["seq_len"] for r in good], [r["tokens_per_s"] / 1e3 for r in good], "o-", color=color,
-                   label=f"{cfg} (longest {good[-1]['seq_len']:,}{where})")  # fmt: skip
-        failed = [r for r in rows if "error" in r]
+                   label=f"{cfg} ({most}{where})")  # fmt: skip
         if failed:  # (a longer length tried in another part failed too: only the shortest is the limit)
             r = min(failed, key=lambda r: r["seq_len"])
             if r.get("returncode") == -signal.SIGKILL:
