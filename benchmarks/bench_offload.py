@@ -1331,9 +1331,14 @@ def _plot_lengths(
             on = sorted({kinds[r.get("part", 0)] for r in rows if r.get("part", 0) in kinds})
             where = f"; {', '.join(on)}" if on else ""
             top = f"{good[-1]['seq_len']:,}"
-            # (a config that failed at no longer length may train longer: what it trained is not its limit)
-            limit = any(r["seq_len"] > good[-1]["seq_len"] for r in failed)
-            most = f"longest {top}" if limit else f"trained {top}, nothing longer tried"
+            # (a config that did not run out of memory at a longer length may train longer: what it trained is
+            # not its limit)
+            limit = any(
+                r["seq_len"] > good[-1]["seq_len"]
+                and (_does_not_fit(r) or r.get("returncode") == -signal.SIGKILL)
+                for r in failed
+            )
+            most = f"longest {top}" if limit else f"trained {top}, its limit not found"
             a.plot([r["seq_len"] for r in good], [r["tokens_per_s"] / 1e3 for r in good], "o-", color=color,
                    label=f"{cfg} ({most}{where})")  # fmt: skip
         if failed:  # (a longer length tried in another part failed too: only the shortest is the limit)

@@ -179,6 +179,11 @@ class ActivationOffload:
             mode = cfg.resolved("profile_mode")
             self._profile_rc = mode in ("recompute", "recompute+host")
             self._profile_host = mode == "recompute+host"
+            # the offload's waits that profiled intervals leave out (not "pool-full": it waits after a layer's
+            # forward is queued, while the GPU may still run it); on CUDA a warm-up step leaves out the GPU's
+            # idle time in them instead, as its host runs ahead of the GPU
+            tel, kinds = self.sched.telemetry, ("unpack", "write-barrier")
+            cuda = self.device.type == "cuda"
             self.profiler = Profiler(
                 self.layers,
                 self.hooks,
@@ -186,8 +191,8 @@ class ActivationOffload:
                 cfg.recompute_modules,
                 under_recompute=self._profile_rc,
                 root=model,
-                # (not "pool-full": it waits after a layer's forward is queued, while the GPU may still run it)
-                stalled=lambda: self.sched.telemetry.stalled_s("unpack", "write-barrier"),
+                stalled=lambda: tel.stalled_s(*kinds),
+                idle=(lambda: tel.gpu_waited_s(*kinds)) if cuda else None,
             )
             self._profile_next(cfg.profile_warmup_steps == 0)
         # last: the setting is process-wide, and close() restores it

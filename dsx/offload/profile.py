@@ -4,12 +4,13 @@ Runs once, everything kept, on the step after ``profile_warmup_steps`` warm-up s
 ``perf_counter`` around a device synchronize on CUDA, which costs one slow step and is exact, rather than CUDA
 events whose pairing across hooks and autograd threads is fragile.
 
-Every interval leaves out what the offload's host threads waited for in it while the GPU had nothing queued
-(the ``stalled`` callable: a read's unpack, the write barrier). Under ``profile_mode`` ``"recompute+host"`` with
-the SSD tier, inputs the pool cannot hold go to the drive, and a layer's backward would otherwise include the
-wait for its read: the plan models each move's time itself, from the tiers' measured rates, and would count it
-twice. The warm-up step's wall time, from which the time outside the layers is taken, leaves the same waits
-out.
+Every interval leaves out what the offload waited for in it (the ``stalled`` callable: the host's waits for a
+read's unpack and at the write barrier; the profiled step is synchronized at each interval's ends, so the GPU
+has nothing queued then). Under ``profile_mode`` ``"recompute+host"`` with the SSD tier, inputs the pool cannot
+hold go to the drive, and a layer's backward would otherwise include the wait for its read: the plan models each
+move's time itself, from the tiers' measured rates, and would count it twice. The warm-up step's wall time, from
+which the time outside the layers is taken, leaves out the GPU's idle time in the same waits (``idle``: there the
+host runs ahead, and waits while the GPU still has work).
 
 Backward time is taken from gradient hooks on the layer's activations: it starts when the gradient of the
 layer's output arrives and ends when the gradient of its input is computed. Module full-backward hooks
@@ -95,11 +96,15 @@ class Profiler:
         under_recompute: bool = False,
         root: nn.Module | None = None,
         stalled: Callable[[], float] | None = None,
+        idle: Callable[[], float] | None = None,
     ) -> None:
         self.layers, self.hooks, self.device = layers, hooks, device
-        # seconds the offload has waited so far (StepTelemetry.stalled_s): what an interval waited is not the
-        # layer's time (the module docstring)
+        # seconds the offload's waits have taken so far, what an interval of the profiled step waited being no
+        # part of a layer's time (the module docstring): the host's waits there (StepTelemetry.stalled_s), and
+        # in a warm-up step, where the host runs ahead of the GPU, the GPU's idle time (``idle``; by default
+        # the host's waits, as on the CPU)
         self._stalled = stalled or (lambda: 0.0)
+        self._idle = idle or self._stalled
         self.under_recompute = under_recompute
         n = len(layers)
         self.fwd, self.bwd, self.sub = [0.0] * n, [0.0] * n, [0.0] * n
@@ -164,7 +169,7 @@ class Profiler:
             # a warm-up step's first forward (an evaluation forward without grad does not start one); without a
             # root module no warm-up step is timed, and the profiled step's own time is used
             if self._warm_start is None and torch.is_grad_enabled():
-                self._warm_start, self._warm_stalled = self._now(), self._stalled()
+                self._warm_start, self._warm_stalled = self._now(), self._idle()
             return
         if self._step_start is None:
             self._step_start, self._step_stalled = self._now(), self._stalled()
@@ -354,7 +359,7 @@ class Profiler:
         at both ends only, as a training step runs. The first step's is not kept (lazy initialisation)."""
         self._warm_steps += 1
         if self._warm_start is not None and self._warm_steps > 1:
-            self.warm_step_s = self._now() - self._warm_start - (self._stalled() - self._warm_stalled)
+            self.warm_step_s = self._now() - self._warm_start - (self._idle() - self._warm_stalled)
         self._warm_start = None
 
     def finish(self) -> list[LayerProfile]:

@@ -177,9 +177,18 @@ class ReadPath:
     def wait(self, e: Entry) -> torch.Tensor:
         fut = self.fetch(e)
         if not fut.done():
+            name = f"unpack:layer{e.layer}"
+            # what the host's wait costs the GPU: the time it idles once its queued work ran out
+            if self._cuda:
+                reached = torch.cuda.Event(enable_timing=True)
+                reached.record(current_stream(self.device))
             t0 = time.perf_counter()
             futures.wait([fut])
-            self.sched.telemetry.add_stall(t0, time.perf_counter(), f"unpack:layer{e.layer}")
+            self.sched.telemetry.add_stall(t0, time.perf_counter(), name)
+            if self._cuda:
+                resumed = torch.cuda.Event(enable_timing=True)
+                resumed.record(current_stream(self.device))
+                self.sched.telemetry.add_gpu_wait(reached, resumed, name)
         exc = fut.exception()
         if exc is not None:
             # raise a copy: raising the future's own exception would add this thread's frames (the autograd

@@ -144,8 +144,9 @@ class SavedTensorHooks:
         """Whether layer ``i``'s moved bytes are on the device again in the running backward: asked back, and
         every read's buffer allocated. With ``read_pool="compute"`` on CUDA each buffer is allocated when the
         read is asked for, whether the read has run or not (an SSD read can take longer than a layer's
-        backward); otherwise a read queued on this thread allocates it when asked and an I/O thread's when it
-        runs: until then this says no, and what is on the device is counted as background."""
+        backward). Otherwise this says yes once the read is done: a read queued on this thread is done when
+        asked; an I/O thread's allocates its buffer before its copy, and until the read ends (after the copy,
+        for a staged SSD read or a verified one) what is on the device is counted as background."""
         at_issue = self.mover.buffer_at_issue
         return i in self._fetched_layers and all(
             e.fetched is not None and (at_issue or e.fetched.done()) for e in self.mover.entries_of(i)

@@ -23,9 +23,9 @@ class StepRecord:
     stall_s: float = 0.0
     # exposed stall by what waited: the stall name's part before ":" ("write-barrier", "unpack", "pool-full", a gate)
     stall_by: dict[str, float] = field(default_factory=dict)
-    # how long the compute stream itself waited, by the same kind of name: for a read's copy ("unpack"), or
-    # idle while the host waited at the write barrier; timed with CUDA events, so known only once the GPU
-    # has run the step (filled in at a later end_step or summary)
+    # how long the compute stream itself waited, by the same kind of name: for a read's copy, or idle while the
+    # host waited for a read ("unpack") or at the write barrier; timed with CUDA events, so known only once the
+    # GPU has run the step (filled in at a later end_step or summary)
     gpu_wait_s: float = 0.0
     gpu_wait_by: dict[str, float] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
@@ -69,6 +69,7 @@ class StepTelemetry:
         # device-side waits not yet resolved: (step, reached, ready, name)
         self._gpu_waits: list[tuple[int, Any, Any, str]] = []
         self._stalled: dict[str, float] = {}  # by kind, over every step (stalled_s)
+        self._gpu_waited: dict[str, float] = {}  # the same for the device-side waits (gpu_waited_s)
 
     @property
     def current(self) -> StepRecord:
@@ -80,6 +81,13 @@ class StepTelemetry:
         them."""
         with self._lock:
             return sum(v for k, v in self._stalled.items() if not kinds or k in kinds)
+
+    def gpu_waited_s(self, *kinds: str) -> float:
+        """Device-side wait (``add_gpu_wait``) of ``kinds`` (all where none is named) since this object was made,
+        over every step. Blocks until the GPU has run past every wait added so far, to time them."""
+        self._resolve_gpu_waits(block=True)
+        with self._lock:
+            return sum(v for k, v in self._gpu_waited.items() if not kinds or k in kinds)
 
     @property
     def steps(self) -> int:
@@ -136,6 +144,8 @@ class StepTelemetry:
             rec = self.history[step] if step < len(self.history) else self._cur
             rec.gpu_wait_s += dt
             _add_by_kind(rec.gpu_wait_by, name, dt)
+            with self._lock:
+                _add_by_kind(self._gpu_waited, name, dt)
         with self._lock:
             self._gpu_waits[:0] = keep
 

@@ -509,12 +509,14 @@ def test_profile_inputs_the_host_pool_cannot_hold_go_to_the_ssd_tier(tmp_path, m
         assert a.saved_sizes == b.saved_sizes and a.sel_saved_bytes == b.sel_saved_bytes > 0
 
 
-def test_profile_leaves_out_the_wait_for_a_slow_drive(tmp_path, monkeypatch):
+@pytest.mark.parametrize("warmup", [1, 2])
+def test_profile_leaves_out_the_wait_for_a_slow_drive(tmp_path, monkeypatch, warmup):
     """profile_mode recompute+host with the inputs the pool cannot hold on a drive whose reads take 0.5 s: the
     layers whose inputs come back from it are profiled at their own backward time, not with the wait for the
     read (the plan models the read from the drive's measured rate: counted in the profile too, it would count
-    twice), and the time outside the layers is not inflated by the warm-up step's waits either. The telemetry
-    still records the waits, which the profile leaves out."""
+    twice), and neither the gap after the last forward nor the time outside the layers takes the waits in:
+    with one warm-up step that time comes from the profiled step's wall time, with two from the last warm-up
+    step's. The telemetry still records the waits, which the profile leaves out."""
     delay = 0.5
     real = reads.ReadPath._read
 
@@ -525,23 +527,24 @@ def test_profile_leaves_out_the_wait_for_a_slow_drive(tmp_path, monkeypatch):
 
     monkeypatch.setattr(reads.ReadPath, "_read", slow_drive)
     n, hidden = 4, 2 * 16 * 32 * 4  # one float32 hidden state a layer: what each checkpoint keeps
-    model, batches, want = _reference(9, 3, make=lambda: TinyGPT(by_keyword=True, layers=n))
+    model, batches, want = _reference(9, warmup + 2, make=lambda: TinyGPT(by_keyword=True, layers=n))
     sched = Scheduler(SchedulerConfig(io_workers=2))
-    cfg = _cfg(tmp_path, ["host", "ssd"], policy="auto", profile_warmup_steps=1, profile_mode="recompute+host",
-               memory_budget_gb=1.0, host_pool_gb=5 * hidden / 2**30)  # fmt: skip
+    cfg = _cfg(tmp_path, ["host", "ssd"], policy="auto", profile_warmup_steps=warmup,
+               profile_mode="recompute+host", memory_budget_gb=1.0, host_pool_gb=5 * hidden / 2**30)  # fmt: skip
     off = ActivationOffload(model, cfg, sched)
     try:
         got, plans = _train_with_plans(model, batches, off, sched)
     finally:
         off.close()
     assert_same_grads(want, got)
-    profiled = sched.telemetry.history[1]
-    assert profiled.bytes_by_tier.get("ssd_read", 0) == 2 * hidden  # two layers' inputs came from the drive
-    # and the backward waited for them
-    assert profiled.stall_by.get("unpack", 0.0) >= delay, profiled.stall_by
-    plan = plans[1]
-    assert plan is not None
+    for step in sched.telemetry.history[: warmup + 1]:  # the warm-up steps and the profiled one
+        assert step.bytes_by_tier.get("ssd_read", 0) == 2 * hidden  # two layers' inputs came from the drive
+        # and the backward waited for them (their reads start at the forward's end: the head's time is off it)
+        assert step.stall_by.get("unpack", 0.0) >= delay / 2, step.stall_by
+    plan = plans[warmup]
+    assert plan is not None and plans[warmup - 1] is None
     assert all(p.bwd_s < delay / 2 for p in plan.profiles), [p.bwd_s for p in plan.profiles]
+    assert plan.profiles[-1].gap_s < delay / 2, plan.profiles[-1].gap_s
     assert plan.outside_s < delay / 2, plan.outside_s
 
 

@@ -197,6 +197,8 @@ def test_gpu_waits_resolve_into_their_step() -> None:
     assert tel.history[0].gpu_wait_by == {"unpack": pytest.approx(4.5e-3), "gate": pytest.approx(1e-3)}
     assert summary["gpu_wait_by"] == {"unpack": pytest.approx(2e-3)}  # step 0 (warm-up) is left out
     assert summary["gpu_wait_s"] == pytest.approx(2e-3)
+    # over every step, by kind (what the profiler leaves out of a warm-up step)
+    assert tel.gpu_waited_s("unpack") == pytest.approx(6.5e-3) and tel.gpu_waited_s() == pytest.approx(7.5e-3)
 
 
 def test_tier_busy_time_counts_overlapping_transfers_once() -> None:
