@@ -59,9 +59,10 @@ def add_common_args(
     parser: argparse.ArgumentParser, default_out: str = DEFAULT_OUT
 ) -> argparse.ArgumentParser:
     """Add ``--out DIR`` and ``--quick`` (tiny sizes on the CPU, for the smoke test) to ``parser``."""
-    parser.add_argument(
-        "--out", default=default_out, help=f"directory for <name>.json/.png (default {default_out})"
-    )
+    # (a parser whose help shows every default already says it)
+    shows = issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter)
+    where = "" if shows else f" (default {default_out})"
+    parser.add_argument("--out", default=default_out, help=f"directory for <name>.json/.png{where}")
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes that run on a CPU in seconds (smoke test)"
     )
