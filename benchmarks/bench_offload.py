@@ -1333,11 +1333,7 @@ def _plot_lengths(
             top = f"{good[-1]['seq_len']:,}"
             # (a config that did not run out of memory at a longer length may train longer: what it trained is
             # not its limit)
-            limit = any(
-                r["seq_len"] > good[-1]["seq_len"]
-                and (_does_not_fit(r) or r.get("returncode") == -signal.SIGKILL)
-                for r in failed
-            )
+            limit = any(r["seq_len"] > good[-1]["seq_len"] and _does_not_fit(r) for r in failed)
             most = f"longest {top}" if limit else f"trained {top}, its limit not found"
             a.plot([r["seq_len"] for r in good], [r["tokens_per_s"] / 1e3 for r in good], "o-", color=color,
                    label=f"{cfg} ({most}{where})")  # fmt: skip

@@ -500,7 +500,9 @@ def test_a_length_sweep_from_two_kinds_of_gpu_names_each_configs_and_a_host_kill
     tmp_path, monkeypatch
 ) -> None:
     """Parts merged from two GPU kinds: each config's label says which its rows came from (one kind: no label
-    says it); a child killed by SIGKILL (the kernel's out-of-memory killer) is marked as host memory."""
+    says it); a child killed by SIGKILL (the kernel's out-of-memory killer) is marked as host memory, and its
+    config's longest length is its limit; a config with no failure, or one that failed otherwise at a longer
+    length (a timeout), has a longest length that is not its limit."""
     ok = {"tokens_per_s": 1e4, "step_s": 1.0, "activation_peak_gb": 1.0, "step_s_runs": [1.0]}
     parts = [{"device": "NVIDIA H100 80GB HBM3"}, {"device": "NVIDIA H200"}]
     rows = [{"config": "recompute@seq1000", "seq_len": 1000, "part": 0, **ok},
@@ -511,18 +513,25 @@ def test_a_length_sweep_from_two_kinds_of_gpu_names_each_configs_and_a_host_kill
     monkeypatch.setattr(bench_offload, "save_png", lambda fig, *a: figs.append(fig))
     bench_offload._plot(rows, tmp_path, "lengths", parts)
     labels = [t.get_text() for t in figs[0].axes[0].get_legend().get_texts()]
-    assert labels == ["hooks (longest 1,000; H200)", "recompute (longest 1,000; H100)"], labels
+    assert labels == [
+        "hooks (longest 1,000; H200)",
+        "recompute (trained 1,000, its limit not found; H100)",
+    ], labels
     assert [t.get_text() for t in figs[0].axes[0].texts] == ["hooks: killed (host memory)"]
     bench_offload._plot(rows, tmp_path, "lengths", parts[:1] * 2)
     labels = [t.get_text() for t in figs[1].axes[0].get_legend().get_texts()]
-    assert labels == ["hooks (longest 1,000)", "recompute (longest 1,000)"], labels
+    assert labels == ["hooks (longest 1,000)", "recompute (trained 1,000, its limit not found)"], labels
     # the kinds the plot names are the ratios' (one rule): a part without rows, or without a device, adds none
     more = [*parts, {}, {"device": "NVIDIA A100-SXM4-80GB"}]
     rows.append({"config": "none@seq500", "seq_len": 500, "part": 2, **ok})
+    rows.append(
+        {"config": "none@seq1000", "seq_len": 1000, "part": 2, "error": "child timed out after 120 s"}
+    )
     assert bench_offload._part_kinds(rows, more) == {0: "H100", 1: "H200"}
     bench_offload._plot(rows, tmp_path, "lengths", more)
     labels = [t.get_text() for t in figs[2].axes[0].get_legend().get_texts()]
-    assert labels == ["hooks (longest 1,000; H200)", "none (longest 500)", "recompute (longest 1,000; H100)"]
+    assert labels == ["hooks (longest 1,000; H200)", "none (trained 500, its limit not found)",
+                      "recompute (trained 1,000, its limit not found; H100)"]  # fmt: skip
     # rows from before rows named their part are the first part's; one kind with rows: nothing named
     assert bench_offload._part_kinds([{"config": "none@seq8", "seq_len": 8}], more) == {}
 

@@ -511,13 +511,15 @@ def test_profile_inputs_the_host_pool_cannot_hold_go_to_the_ssd_tier(tmp_path, m
 
 @pytest.mark.parametrize("warmup", [1, 2])
 def test_profile_leaves_out_the_wait_for_a_slow_drive(tmp_path, monkeypatch, warmup):
-    """profile_mode recompute+host with the inputs the pool cannot hold on a drive whose reads take 0.5 s: the
+    """profile_mode recompute+host with the inputs the pool cannot hold on a drive whose reads take 1 s: the
     layers whose inputs come back from it are profiled at their own backward time, not with the wait for the
     read (the plan models the read from the drive's measured rate: counted in the profile too, it would count
     twice), and neither the gap after the last forward nor the time outside the layers takes the waits in:
     with one warm-up step that time comes from the profiled step's wall time, with two from the last warm-up
-    step's. The telemetry still records the waits, which the profile leaves out."""
-    delay = 0.5
+    step's. The telemetry still records the waits, which the profile leaves out. (Each time is bounded at 0.6 s,
+    which a layer's or the head's own time stays under on two loaded cores, and a wait of 1 s, counted, does
+    not.)"""
+    delay, bound = 1.0, 0.6
     real = reads.ReadPath._read
 
     def slow_drive(self, e, dst=None):
@@ -543,9 +545,9 @@ def test_profile_leaves_out_the_wait_for_a_slow_drive(tmp_path, monkeypatch, war
         assert step.stall_by.get("unpack", 0.0) >= delay / 2, step.stall_by
     plan = plans[warmup]
     assert plan is not None and plans[warmup - 1] is None
-    assert all(p.bwd_s < delay / 2 for p in plan.profiles), [p.bwd_s for p in plan.profiles]
-    assert plan.profiles[-1].gap_s < delay / 2, plan.profiles[-1].gap_s
-    assert plan.outside_s < delay / 2, plan.outside_s
+    assert all(p.bwd_s < bound for p in plan.profiles), [p.bwd_s for p in plan.profiles]
+    assert plan.profiles[-1].gap_s < bound, plan.profiles[-1].gap_s
+    assert plan.outside_s < bound, plan.outside_s
 
 
 def test_a_drive_full_while_the_profile_overflows_to_it_holds_no_layer_to_the_host_after(tmp_path, caplog):
