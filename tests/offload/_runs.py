@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 
 from dsx.config import ActivationOffloadConfig
-from dsx.offload import ActivationOffload
+from dsx.offload import ActivationOffload, reads
 from dsx.runtime.scheduler import Scheduler
 from tests.offload._offload_models import TinyGPT
 
@@ -133,3 +134,15 @@ def _one_gib_budget_run(tmp_path):
         tmp_path, ["host"], policy="auto", profile_warmup_steps=0, memory_budget_gb=1.0, host_pool_gb=0.2
     )
     return model, batches, want, ActivationOffload(model, cfg, sched), sched
+
+
+def slow_ssd_reads(monkeypatch, delay: float) -> None:
+    """Every read from the SSD tier takes ``delay`` seconds longer (a slow drive), for the test's duration."""
+    real = reads.ReadPath._read
+
+    def slow_drive(self, e, dst=None):
+        if e.tier == "ssd":
+            time.sleep(delay)
+        return real(self, e, dst)
+
+    monkeypatch.setattr(reads.ReadPath, "_read", slow_drive)

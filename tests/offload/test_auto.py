@@ -26,6 +26,7 @@ from tests.offload._runs import (
     _steps,
     _train,
     _train_with_plans,
+    slow_ssd_reads,
 )
 
 
@@ -520,14 +521,7 @@ def test_profile_leaves_out_the_wait_for_a_slow_drive(tmp_path, monkeypatch, war
     which a layer's or the head's own time stays under on two loaded cores, and a wait of 1 s, counted, does
     not.)"""
     delay, bound = 1.0, 0.6
-    real = reads.ReadPath._read
-
-    def slow_drive(self, e, dst=None):
-        if e.tier == "ssd":
-            time.sleep(delay)
-        return real(self, e, dst)
-
-    monkeypatch.setattr(reads.ReadPath, "_read", slow_drive)
+    slow_ssd_reads(monkeypatch, delay)
     n, hidden = 4, 2 * 16 * 32 * 4  # one float32 hidden state a layer: what each checkpoint keeps
     model, batches, want = _reference(9, warmup + 2, make=lambda: TinyGPT(by_keyword=True, layers=n))
     sched = Scheduler(SchedulerConfig(io_workers=2))
