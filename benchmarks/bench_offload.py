@@ -416,7 +416,8 @@ def run_one(name: str, args: argparse.Namespace, ssd_dir: str, budget_gb: float 
         ]
         # what the measured steps waited for (write barrier, reads at unpack, gates), seconds per step
         telemetry["stall_by_measured_step"] = [r.stall_by for r in rt.scheduler.telemetry.history[-n_steps:]]
-        # how long the GPU itself waited (CUDA events): for reads' copies, idle at the write barrier; s per step
+        # how long the GPU itself waited (CUDA events): for reads' copies and idle while the host waited for a read
+        # ("unpack"), idle at the write barrier; s per step
         telemetry["gpu_wait_by_measured_step"] = [
             r.gpu_wait_by for r in rt.scheduler.telemetry.history[-n_steps:]
         ]

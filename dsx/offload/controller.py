@@ -8,6 +8,7 @@ engine; on a bare module call :meth:`ActivationOffload.end_step` after each opti
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any
@@ -180,10 +181,11 @@ class ActivationOffload:
             self._profile_rc = mode in ("recompute", "recompute+host")
             self._profile_host = mode == "recompute+host"
             # the offload's waits that profiled intervals leave out (not "pool-full": it waits after a layer's
-            # forward is queued, while the GPU may still run it); on CUDA a warm-up step leaves out the GPU's
-            # idle time in them instead, as its host runs ahead of the GPU
-            tel, kinds = self.sched.telemetry, ("unpack", "write-barrier")
-            cuda = self.device.type == "cuda"
+            # forward is queued, while the GPU may still run it): on CUDA what they cost the GPU, on the CPU the
+            # host's time in them
+            tel = self.sched.telemetry
+            waits = tel.gpu_waited_s if self.device.type == "cuda" else tel.stalled_s
+            waited = functools.partial(waits, "unpack", "write-barrier")
             self.profiler = Profiler(
                 self.layers,
                 self.hooks,
@@ -191,8 +193,7 @@ class ActivationOffload:
                 cfg.recompute_modules,
                 under_recompute=self._profile_rc,
                 root=model,
-                stalled=lambda: tel.stalled_s(*kinds),
-                idle=(lambda: tel.gpu_waited_s(*kinds)) if cuda else None,
+                waited=waited,
             )
             self._profile_next(cfg.profile_warmup_steps == 0)
         # last: the setting is process-wide, and close() restores it

@@ -4,13 +4,13 @@ Runs once, everything kept, on the step after ``profile_warmup_steps`` warm-up s
 ``perf_counter`` around a device synchronize on CUDA, which costs one slow step and is exact, rather than CUDA
 events whose pairing across hooks and autograd threads is fragile.
 
-Every interval leaves out what the offload waited for in it (the ``stalled`` callable: the host's waits for a
-read's unpack and at the write barrier; the profiled step is synchronized at each interval's ends, so the GPU
-has nothing queued then). Under ``profile_mode`` ``"recompute+host"`` with the SSD tier, inputs the pool cannot
-hold go to the drive, and a layer's backward would otherwise include the wait for its read: the plan models each
-move's time itself, from the tiers' measured rates, and would count it twice. The warm-up step's wall time, from
-which the time outside the layers is taken, leaves out the GPU's idle time in the same waits (``idle``: there the
-host runs ahead, and waits while the GPU still has work).
+Every interval, and the warm-up step's wall time from which the time outside the layers is taken, leaves out
+what the offload's waits cost in it (the ``waited`` callable): on CUDA the GPU's idle time while the host waited
+for a read or at the write barrier, and its waits for reads' copies (in a warm-up step the host runs ahead and
+waits while the GPU still has work, so its own wait would overstate the cost); on the CPU, where the host runs
+the layers, the host's waits. Under ``profile_mode`` ``"recompute+host"`` with the SSD tier, inputs the pool
+cannot hold go to the drive, and a layer's backward would otherwise include the wait for its read: the plan
+models each move's time itself, from the tiers' measured rates, and would count it twice.
 
 Backward time is taken from gradient hooks on the layer's activations: it starts when the gradient of the
 layer's output arrives and ends when the gradient of its input is computed. Module full-backward hooks
@@ -95,16 +95,12 @@ class Profiler:
         recompute_modules: Iterable[str] = (),
         under_recompute: bool = False,
         root: nn.Module | None = None,
-        stalled: Callable[[], float] | None = None,
-        idle: Callable[[], float] | None = None,
+        waited: Callable[[], float] | None = None,
     ) -> None:
         self.layers, self.hooks, self.device = layers, hooks, device
-        # seconds the offload's waits have taken so far, what an interval of the profiled step waited being no
-        # part of a layer's time (the module docstring): the host's waits there (StepTelemetry.stalled_s), and
-        # in a warm-up step, where the host runs ahead of the GPU, the GPU's idle time (``idle``; by default
-        # the host's waits, as on the CPU)
-        self._stalled = stalled or (lambda: 0.0)
-        self._idle = idle or self._stalled
+        # seconds the offload's waits have cost so far (the module docstring): what an interval waited is no
+        # part of a layer's time
+        self._waited = waited or (lambda: 0.0)
         self.under_recompute = under_recompute
         n = len(layers)
         self.fwd, self.bwd, self.sub = [0.0] * n, [0.0] * n, [0.0] * n
@@ -120,13 +116,13 @@ class Profiler:
         # the step's wall time from the model's forward start (its first layer's without a root) to finish():
         # what the layers' times leave is what runs outside them (embedding, head, loss, optimizer)
         self._step_start: float | None = None
-        self._step_stalled = 0.0
+        self._step_waited = 0.0
         self.outside_s = 0.0
         # the last warm-up step's wall time (end_warm_step), when it is not the first step: outside_s is taken
         # from it, as the profiled step's per-layer synchronizations expose host work a normal step overlaps
         self.warm_step_s: float | None = None
         self._warm_start: float | None = None
-        self._warm_stalled = 0.0
+        self._warm_waited = 0.0
         self._warm_steps = 0
         # (CUDA) the peak from the end of the layers' backward to finish(), above the same base: the gradients'
         # reduction and the optimizer step, which no activation plan changes (Plan.outside_peak_bytes)
@@ -140,11 +136,11 @@ class Profiler:
         self.head_t = 0.0
         self._heads = 0
         self._head_from: float | None = None
-        self._head_stalled = 0.0
+        self._head_waited = 0.0
         self._open: dict[int, int] = {}  # layers whose backward runs: memory allocated at its start
         self.has_sub = [False] * n
         self.enabled = True  # off during warm-up steps
-        self._t: dict[tuple[str, int], tuple[float, float]] = {}  # interval -> (clock, stall) at its start
+        self._t: dict[tuple[str, int], tuple[float, float]] = {}  # interval -> (clock, waited) at its start
         self._handles = []
         if root is not None:
             self._handles.append(root.register_forward_pre_hook(self._root_pre))
@@ -169,10 +165,10 @@ class Profiler:
             # a warm-up step's first forward (an evaluation forward without grad does not start one); without a
             # root module no warm-up step is timed, and the profiled step's own time is used
             if self._warm_start is None and torch.is_grad_enabled():
-                self._warm_start, self._warm_stalled = self._now(), self._idle()
+                self._warm_start, self._warm_waited = self._now(), self._waited()
             return
         if self._step_start is None:
-            self._step_start, self._step_stalled = self._now(), self._stalled()
+            self._step_start, self._step_waited = self._now(), self._waited()
         if self.device.type == "cuda" and self._base is None:
             self._base = torch.cuda.memory_allocated(self.device)
 
@@ -207,17 +203,17 @@ class Profiler:
     def _start(self, kind: str, i: int) -> None:
         if not self.enabled:
             return
-        now, stalled = self._now(), self._stalled()
-        self._t[(kind, i)] = (now, stalled)
+        now, waited = self._now(), self._waited()
+        self._t[(kind, i)] = (now, waited)
         if kind in ("f", "b") and self._head_from is not None:
             # the last layer's own backward ends the gap; anything else first (another micro-batch's forward, as
             # a pipeline schedule runs) leaves it unmeasured
             if (kind, i) == ("b", len(self.layers) - 1):
-                self.head_t += now - self._head_from - (stalled - self._head_stalled)
+                self.head_t += now - self._head_from - (waited - self._head_waited)
                 self._heads += 1
             self._head_from = None
         if self._step_start is None:
-            self._step_start, self._step_stalled = now, stalled
+            self._step_start, self._step_waited = now, waited
         if self.device.type != "cuda":
             return
         if kind == "f":
@@ -244,10 +240,10 @@ class Profiler:
     def _stop(self, kind: str, i: int, into: list[float]) -> None:
         t0 = self._t.pop((kind, i), None)
         if t0 is not None:
-            now, stalled = self._now(), self._stalled()
-            into[i] += now - t0[0] - (stalled - t0[1])
+            now, waited = self._now(), self._waited()
+            into[i] += now - t0[0] - (waited - t0[1])
             if kind == "f" and i == len(self.layers) - 1:
-                self._head_from, self._head_stalled = now, stalled
+                self._head_from, self._head_waited = now, waited
         if kind == "f" and t0 is not None and self.device.type == "cuda":
             self.fwd_peak[i] = torch.cuda.max_memory_allocated(self.device) - self._fwd_start
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -277,7 +273,7 @@ class Profiler:
             self._rc_calls[i] += 1
             if not self.enabled or self._rc_calls[i] % 2:  # the forward, not the recomputation
                 return fn(*args, **kwargs)
-            t0, s0 = self._now(), self._stalled()
+            t0, s0 = self._now(), self._waited()
             if self.device.type == "cuda":
                 self._fold_peaks()
                 self._rc_level = torch.cuda.memory_allocated(self.device)
@@ -288,7 +284,7 @@ class Profiler:
                     out = fn(*args, **kwargs)
             else:
                 out = fn(*args, **kwargs)
-            self.rc[i] += self._now() - t0 - (self._stalled() - s0)
+            self.rc[i] += self._now() - t0 - (self._waited() - s0)
             if self.device.type == "cuda":
                 self.fwd_peak[i] = torch.cuda.max_memory_allocated(self.device) - self._rc_level
                 # the rest of the backward's peak is its workspace, above what the recomputation re-saved
@@ -359,7 +355,7 @@ class Profiler:
         at both ends only, as a training step runs. The first step's is not kept (lazy initialisation)."""
         self._warm_steps += 1
         if self._warm_start is not None and self._warm_steps > 1:
-            self.warm_step_s = self._now() - self._warm_start - (self._idle() - self._warm_stalled)
+            self.warm_step_s = self._now() - self._warm_start - (self._waited() - self._warm_waited)
         self._warm_start = None
 
     def finish(self) -> list[LayerProfile]:
@@ -377,7 +373,7 @@ class Profiler:
         if self.device.type == "cuda" and self._tail_open and self._base is not None and self._warm_steps:
             self.outside_peak = max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
         if self._step_start is not None:
-            wall = self._now() - self._step_start - (self._stalled() - self._step_stalled)
+            wall = self._now() - self._step_start - (self._waited() - self._step_waited)
             if self.warm_step_s is not None:  # (it ran as this step does, without the synchronizations)
                 wall = self.warm_step_s
             self.outside_s = max(0.0, wall - sum(self.fwd) - sum(self.bwd)) / k

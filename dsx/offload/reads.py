@@ -5,9 +5,9 @@ consumer waits on a CUDA event, and on the host only when the data are not yet o
 recorded as stall). A verified entry's bytes are checksummed on the prefetch stream right after their copy
 back, and the I/O thread compares that with the checksum taken when they were written before it hands them
 over: a corrupt read is an :class:`~dsx.offload.entry.OffloadIntegrityError` naming layer, tier, file and
-offset, and no gradient is computed from unverified bytes. How long the compute stream itself waits for a read's copy is timed with CUDA events and
-recorded as GPU wait. On CPU the same code runs with the compute device being the CPU and plain (unpinned)
-host buffers.
+offset, and no gradient is computed from unverified bytes. How long the compute stream itself waits for a read,
+for its copy or idle while the host waits for it, is timed with CUDA events and recorded as GPU wait. On CPU
+the same code runs with the compute device being the CPU and plain (unpinned) host buffers.
 
 A read's device buffer comes from one of two caching-allocator pools (config ``read_pool``). The allocator
 keeps one pool per stream: buffers allocated on the prefetch stream cannot reuse the blocks forward's moved
