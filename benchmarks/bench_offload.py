@@ -115,8 +115,8 @@ PROFILE_HOST = [
     "dsx_auto_budget_host_hp_sel",
 ]
 ALL_CONFIGS = CONFIGS + MEGATRON_OFFLOAD + PROFILE_HOST
-# configs whose only offload tier is the SSD (staged through the host pool): each run also measures the drive,
-# and the JSON sets the tier's rates against the drive's
+# configs whose only offload tier is the SSD (staged through the host pool); these and every run whose plan wrote
+# to the drive also measure the drive, and the JSON sets the tier's rates against the drive's
 SSD_ONLY = ("dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel")
 # configs whose steps take seconds (bandwidth-bound copies): fewer steps, same warm-up rule
 SLOW = ("save_on_cpu", "hooks_offload", "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_host")
@@ -990,8 +990,10 @@ def _run_one(
             child_argv += ["--copy-gb", str(run_args.copy_gb)]
         # bandwidth-bound configs (SSD on a slow disk, synchronous copies) get twice the time
         res = _child(name, child_argv, budget, args.child_timeout * (2 if name in SLOW else 1))
-    if name in SSD_ONLY and "error" not in res:
-        # the drive's own rate, measured beside the run, as `dsx report --io` measures it
+    if "error" not in res and (
+        name in SSD_ONLY or res.get("telemetry", {}).get("bytes_by_tier", {}).get("ssd")
+    ):
+        # the drive's own rate, measured beside every run that wrote to it, as `dsx report --io` measures it
         res["drive_GBps"] = _drive_rates(ssd, 64 if args.quick else 2048)
     return res
 
@@ -1113,9 +1115,10 @@ def _drive_rates(ssd_dir: str, mb: int = 2048) -> dict[str, Any]:
 
 
 def _tier_vs_drive(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per SSD-only config: the tier's write and read rates while it had work (telemetry ``GBps_by_tier``)
-    and the drive's measured after the same runs, each way over the runs that have both; ``<way>_fraction``
-    is the tier's median rate over the drive's (above 1 where the tier beats the one-request probe)."""
+    """Per config that used the SSD tier: the tier's write and read rates while it had work (telemetry
+    ``GBps_by_tier``: the drive's own calls) and the drive's measured after the same runs, each way over the
+    runs that have both; ``<way>_fraction`` is the tier's median rate over the drive's (above 1 where the tier
+    beats the one-request probe)."""
     out: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(r["config"] for r in rows if "write" in r.get("drive_GBps", {})):
         runs = [r for r in rows if r["config"] == name and "write" in r.get("drive_GBps", {})]

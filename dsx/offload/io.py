@@ -33,7 +33,9 @@ __all__ = [
     "PosixBackend",
     "auto_choice",
     "describe_backends",
+    "kvikio_threads",
     "select_backend",
+    "widen_kvikio_pool",
 ]
 
 
@@ -55,7 +57,9 @@ class IOBackend:
 
     def __init__(self, path: str, fd: int, scheduler: Scheduler | None = None) -> None:
         self.path, self.fd = path, fd
-        self._pool = (scheduler or defaults.scheduler()).executor("ssd")
+        sched = scheduler or defaults.scheduler()
+        self._pool = sched.executor("ssd")
+        self.threads = sched.threads("ssd")  # how many of its calls can be in flight at once
         self._lock = threading.Lock()
         self._pending = FutureSet()  # this backend's calls not yet done (the pool is shared)
         self._closed = False
@@ -180,7 +184,8 @@ class KvikioBackend(IOBackend):
     """kvikio ``CuFile``: GDS when the driver supports it, else its POSIX compat mode.
 
     ``raw_*_async`` blocks the calling thread in compat mode, so this uses ``pread``/``pwrite`` futures
-    and waits on them from our I/O threads.
+    and waits on them from our I/O threads. Opening one widens kvikio's thread pool to the SSD pool's size
+    (:func:`widen_kvikio_pool`).
     """
 
     name = "kvikio"
@@ -189,6 +194,7 @@ class KvikioBackend(IOBackend):
         super().__init__(path, fd, scheduler)
         import kvikio
 
+        widen_kvikio_pool(self.threads)
         self._f = kvikio.CuFile(path, "r+")
 
     def _pwrite(self, buf: torch.Tensor, offset: int) -> int:
@@ -200,6 +206,32 @@ class KvikioBackend(IOBackend):
     def close(self) -> None:
         super().close()
         self._f.close()
+
+
+def kvikio_threads() -> int:
+    """The number of threads of kvikio's process-wide pool (kvikio must import)."""
+    import kvikio.defaults
+
+    return int(kvikio.defaults.get("num_threads"))
+
+
+def widen_kvikio_pool(threads: int) -> int:
+    """Give kvikio's process-wide thread pool at least ``threads`` threads, unless the environment variable
+    ``KVIKIO_NTHREADS`` sets its size; the size it has now.
+
+    kvikio runs each ``pread``/``pwrite`` as tasks of ``KVIKIO_TASK_SIZE`` (4 MiB) on that pool, which has one
+    thread unless told otherwise: the SSD pool's calls in flight then reach the drive one task at a time, a
+    write queued behind a read, however many the SSD pool runs. With as many kvikio threads as the SSD pool has,
+    the drive gets as many requests at once as dsx has in flight. The pool is the process's, so it is only
+    widened, never narrowed.
+    """
+    import kvikio.defaults
+
+    now = kvikio_threads()
+    if "KVIKIO_NTHREADS" not in os.environ and now < threads:
+        kvikio.defaults.set("num_threads", threads)  # (waits for the pool's running tasks, then regrows it)
+        now = kvikio_threads()
+    return now
 
 
 _BACKENDS = {"posix": PosixBackend, "aio": AioBackend, "kvikio": KvikioBackend}
@@ -216,7 +248,7 @@ def describe_backends() -> dict[str, dict[str, Any]]:
         mode = "compat" if getattr(kvikio.defaults, "compat_mode", lambda: True)() else "GDS"
         out["kvikio"] = {
             "available": ok,
-            "reason": f"kvikio {kvikio.__version__}, {mode} mode"
+            "reason": f"kvikio {kvikio.__version__}, {mode} mode, {kvikio_threads()} I/O thread(s)"
             if ok
             else "kvikio imports but CUDA is unavailable",
         }

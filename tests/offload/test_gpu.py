@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import os
 import threading
 
 import pytest
@@ -714,6 +715,80 @@ def test_gpu_corrupt_ssd_read_is_an_error_by_default(tmp_path, kind):
         _corrupt(kind, off.ssd.path, e, other)
         with pytest.raises(OffloadIntegrityError, match=rf"layer 0 .*ssd tier .*offset {e.ssd_off}"):
             loss.backward()
+
+
+def test_gpu_ssd_reads_are_timed_by_the_drive_not_by_the_copy_on(tmp_path):
+    """An SSD read's span, what the tier's rate is taken over, is its drive call alone. With ``read_pool``
+    ``"compute"`` a read's copy to the device waits until the GPU reaches the read's point of issue: with about
+    0.5 s of GPU sleep queued on the compute stream after each forward, the reads issued in backward hold their
+    I/O thread that long, which is not the drive's time. Gradients bitwise."""
+    model, batches, want, _ = _host_all(seed=8, n_batches=2)
+    (tmp_path / "ssd").mkdir()
+    cfg = ActivationOffloadConfig(enabled=True, tiers=["ssd"], ssd_path=str(tmp_path / "ssd"), policy="offload_all",
+                                  host_pool_gb=1, ssd_capacity_gb=1, min_tensor_bytes=0, io_backend="posix",
+                                  read_pool="compute")  # fmt: skip
+    slept = []
+
+    def hold_compute() -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(1_000_000_000)
+        end.record()
+        slept.append((start, end))
+
+    with _offloaded(model, cfg) as (off, sched):
+        got = _train(model, batches, off, between=hold_compute)
+        steps = list(sched.telemetry.history)
+    torch.cuda.synchronize()
+    sleep_s = min(a.elapsed_time(b) for a, b in slept) / 1e3
+    assert sleep_s > 0.3, f"the GPU slept {sleep_s} s: the test checked nothing"
+    assert all(r.bytes_by_tier.get("ssd_read") for r in steps)
+    busy = [r.busy_by_tier["ssd_read"] for r in steps]
+    assert max(busy) < 0.25 * sleep_s, (busy, sleep_s)
+    assert_same_grads(want, got)
+
+
+def test_gpu_kvikio_pool_is_widened_to_the_ssd_pool(tmp_path, monkeypatch):
+    """Opening a kvikio tier gives kvikio's one-thread pool as many threads as the SSD pool has, so that the
+    drive sees the calls in flight at once; never fewer than it had, and none where ``KVIKIO_NTHREADS`` says.
+    Concurrent calls through the widened pool read back what they wrote."""
+    if not describe_backends()["kvikio"]["available"]:
+        pytest.skip(f"kvikio: {describe_backends()['kvikio']['reason']}")
+    import kvikio.defaults
+
+    from dsx.offload.io import kvikio_threads, select_backend
+
+    before = kvikio_threads()
+    path = str(tmp_path / "f.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    sched = Scheduler(SchedulerConfig(io_workers=6), device=torch.device("cuda"))
+    try:
+        monkeypatch.delenv("KVIKIO_NTHREADS", raising=False)
+        kvikio.defaults.set("num_threads", 1)
+        be = select_backend("kvikio", path, fd, sched)
+        assert be.threads == 6 and kvikio_threads() == 6
+        part = 16 << 20
+        data = torch.randint(
+            0, 256, (4 * part,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
+        )
+        for f in [be.pwrite(data[i * part : (i + 1) * part], i * part) for i in range(4)]:
+            f.result()
+        out = torch.empty_like(data)
+        for f in [be.pread(out[i * part : (i + 1) * part], i * part) for i in range(4)]:
+            f.result()
+        assert torch.equal(out, data)
+        be.close()
+        kvikio.defaults.set("num_threads", 8)  # wider already: left as it is
+        select_backend("kvikio", path, fd, sched).close()
+        assert kvikio_threads() == 8
+        kvikio.defaults.set("num_threads", 1)
+        monkeypatch.setenv("KVIKIO_NTHREADS", "1")  # the user's choice stands
+        select_backend("kvikio", path, fd, sched).close()
+        assert kvikio_threads() == 1
+    finally:
+        kvikio.defaults.set("num_threads", before)
+        os.close(fd)
+        sched.close()
 
 
 def test_a_pinned_pool_of_a_power_of_two_takes_no_page_more() -> None:

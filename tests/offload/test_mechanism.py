@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import os
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -162,6 +164,41 @@ def test_failed_read_names_path_and_offset(tmp_path):
     finally:
         off.close()
         sched.close()
+
+
+def test_the_ssd_tier_is_timed_by_its_drive_calls_alone(tmp_path, monkeypatch):
+    """The SSD tier's rate is the drive's: a write's span starts once it has passed the optimizer swap's gate
+    (here shut for 0.8 s through the forward), a read's ends when the drive has filled the staging slot (its
+    check after, slowed here by 0.25 s each, is not the drive's). The bytes all still count, and the gradients
+    are those of a run without offload."""
+    from dsx.offload import reads
+
+    model, batches, want = _reference(3, 1, OddModel, "odd")
+    real = reads.checksum
+
+    def slow_check(t):
+        time.sleep(0.25)
+        return real(t)
+
+    monkeypatch.setattr(reads, "checksum", slow_check)
+    sched = Scheduler(SchedulerConfig(io_workers=2))
+    off = ActivationOffload(model, _cfg(tmp_path, ["ssd"]), sched)
+    gate = sched.gate("ssd")
+    gate.clear()
+    opener = threading.Timer(0.8, gate.set)
+    opener.start()
+    try:
+        got = _train(model, batches, off)
+    finally:
+        opener.cancel()
+        gate.set()
+        off.close()
+        sched.close()
+    assert_same_grads(want, got)
+    step = sched.telemetry.history[0]
+    assert step.bytes_by_tier["ssd"] > 0 and step.bytes_by_tier["ssd_read"] == step.bytes_by_tier["ssd"]
+    assert step.busy_by_tier["ssd"] < 0.4, step.busy_by_tier  # not the 0.8 s at the gate
+    assert step.busy_by_tier["ssd_read"] < 0.12, step.busy_by_tier  # not the checks' 0.25 s each
 
 
 def test_recompute_all_bitwise(tmp_path):
