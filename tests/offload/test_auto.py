@@ -77,8 +77,8 @@ def test_outside_time_comes_from_the_last_warm_up_step(tmp_path, warmup):
     """The step's time outside the layers is the last warm-up step's wall time less the profiled layers'
     (the profiled step's synchronizations stretch its own); with one warm-up step, the first step, which pays
     for lazy initialisation, it is the profiled step's. Here the head sleeps 1 s in every step but the
-    profiled one, where it sleeps 3 s: margins of half a second, wide enough for two test processes sharing two
-    cores, whose load stretches the profiled layers' time."""
+    profiled one, where it sleeps 4 s: a warm-up step's outside time stays under 3 s even when two test processes
+    and an op build share two cores, whose load stretches the steps' own time (by up to 1.5 s, seen)."""
     model, batches, _ = _reference(5, warmup + 2)
     delay = [1.0]
     model.head.register_forward_hook(lambda *a: time.sleep(delay[0]))
@@ -88,7 +88,7 @@ def test_outside_time_comes_from_the_last_warm_up_step(tmp_path, warmup):
     )
 
     def slow_profiled_step(step: int) -> None:  # (after step i) the profiled step is step ``warmup``
-        delay[0] = 3.0 if step + 1 == warmup else 1.0
+        delay[0] = 4.0 if step + 1 == warmup else 1.0
 
     try:
         _steps(model, batches, off, after=slow_profiled_step)
@@ -98,12 +98,12 @@ def test_outside_time_comes_from_the_last_warm_up_step(tmp_path, warmup):
         off.close()
         sched.close()
     if warmup == 1:
-        assert outside >= 3.0
+        assert outside >= 4.0
     else:
-        assert 0.5 < outside < 2.0
-    # the head runs in the gap after the last layer's forward, timed in the profiled step itself (3 s of sleep);
+        assert 0.5 < outside < 3.0
+    # the head runs in the gap after the last layer's forward, timed in the profiled step itself (4 s of sleep);
     # between layers nothing is timed
-    assert 3.0 <= gaps[-1] < 4.0 and all(g is None for g in gaps[:-1]), gaps
+    assert 4.0 <= gaps[-1] < 5.5 and all(g is None for g in gaps[:-1]), gaps
 
 
 @pytest.mark.parametrize("floored", [False, True])
