@@ -115,8 +115,8 @@ PROFILE_HOST = [
     "dsx_auto_budget_host_hp_sel",
 ]
 ALL_CONFIGS = CONFIGS + MEGATRON_OFFLOAD + PROFILE_HOST
-# configs whose only offload tier is the SSD (staged through the host pool); these and every run whose plan wrote
-# to the drive also measure the drive, and the JSON sets the tier's rates against the drive's
+# configs whose only offload tier is the SSD (staged through the host pool); these and every run whose measured
+# steps wrote to the drive also measure the drive, and the JSON sets the tier's rates against the drive's
 SSD_ONLY = ("dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel")
 # configs whose steps take seconds (bandwidth-bound copies): fewer steps, same warm-up rule
 SLOW = ("save_on_cpu", "hooks_offload", "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_host")

@@ -149,8 +149,9 @@ class ReadPath:
                 buf = tmp[1] if tmp is not None else aligned_empty(size, self._cuda)
                 t_drive = time.perf_counter()
                 self.ssd.io.pread(buf, ssd_off).result()
-                # the drive's span alone: the copy on, which may wait for the GPU to reach the read's point of
-                # issue, is not the drive's time (a wait it causes is the consumer's GPU wait)
+                # the drive's span alone: the copy on to the device, which may wait for the GPU to reach the
+                # read's point of issue, is not the drive's time (a wait it causes is the consumer's GPU wait);
+                # bytes that then fail their check were still read by the drive
                 self.sched.telemetry.add_transfer("ssd_read", e.nbytes, t_drive, time.perf_counter(), e.name)
             else:
                 buf = host[1]

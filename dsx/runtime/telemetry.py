@@ -53,8 +53,9 @@ class StepRecord:
 class StepTelemetry:
     """Thread-safe accumulator; I/O threads add transfer time and bytes, the compute thread adds stalls.
 
-    Times are wall-clock seconds from :func:`time.perf_counter`; transfer time (queued to seen done), summed
-    over transfers, can exceed the step time when transfers overlap each other.
+    Times are wall-clock seconds from :func:`time.perf_counter`; transfer time (queued to seen done; for the SSD
+    tier the drive's call alone), summed over transfers, can exceed the step time when transfers overlap each
+    other.
     """
 
     def __init__(self, keep_events: bool = False) -> None:

@@ -92,6 +92,37 @@ def test_ssd_runs_report_the_tier_rates_beside_the_drive_rates(tmp_path) -> None
         assert entry[f"{way}_fraction"] == pytest.approx(want)
 
 
+def test_every_run_that_wrote_to_the_drive_measures_it(tmp_path, monkeypatch) -> None:
+    """Not only the SSD-only configs: a run whose measured steps wrote to the SSD tier gets the drive's rates
+    measured beside it (a real file) and its tier rates set against them; a run that wrote nothing there is not
+    probed. (On the CPU a budget plan moves nothing, so the runs are real and their telemetry says the drive was
+    written, as a GPU run's whose plan puts layers on the SSD does.)"""
+    real = bench_offload._guarded
+
+    def wrote_to_the_drive(name, args, ssd, budget):
+        res = real(name, args, ssd, budget)
+        if name == "dsx_auto_budget":
+            tel = res["telemetry"]
+            tel["bytes_by_tier"].update(ssd=4e9, ssd_read=4e9)
+            tel["GBps_by_tier"].update(ssd=2.0, ssd_read=1.5)
+        return res
+
+    monkeypatch.setattr(bench_offload, "_guarded", wrote_to_the_drive)
+    out = bench_offload.main(["--quick", "--in-process", "--configs", "dsx_auto_budget", "dsx_auto_budget_host",
+                              "--ssd-gb", "0.5", "--auto-budget-gb", "0.0001", "--io-backend", "posix",
+                              "--ssd-dir", str(tmp_path), "--out", str(tmp_path)])  # fmt: skip
+    rows = {r["config"]: r for r in out["results"]}
+    assert (
+        rows["dsx_auto_budget"]["drive_GBps"]["write"] > 0
+        and "drive_GBps" not in rows["dsx_auto_budget_host"]
+    )
+    entry = out["ratios"]["ssd_tier_vs_drive"]
+    assert set(entry) == {"dsx_auto_budget"} and entry["dsx_auto_budget"]["tier_read_GBps"] == [1.5]
+    assert entry["dsx_auto_budget"]["read_fraction"] == pytest.approx(
+        1.5 / rows["dsx_auto_budget"]["drive_GBps"]["read"]
+    )
+
+
 def test_a_drive_that_cannot_be_measured_is_recorded_and_left_out(tmp_path) -> None:
     missing = bench_offload._drive_rates(str(tmp_path / "gone"), 4)
     assert "not a writable directory" in missing["error"] and "write" not in missing

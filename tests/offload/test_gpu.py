@@ -762,6 +762,7 @@ def test_gpu_kvikio_pool_is_widened_to_the_ssd_pool(tmp_path, monkeypatch):
     path = str(tmp_path / "f.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     sched = Scheduler(SchedulerConfig(io_workers=6), device=torch.device("cuda"))
+    be = None
     try:
         monkeypatch.delenv("KVIKIO_NTHREADS", raising=False)
         kvikio.defaults.set("num_threads", 1)
@@ -777,7 +778,6 @@ def test_gpu_kvikio_pool_is_widened_to_the_ssd_pool(tmp_path, monkeypatch):
         for f in [be.pread(out[i * part : (i + 1) * part], i * part) for i in range(4)]:
             f.result()
         assert torch.equal(out, data)
-        be.close()
         kvikio.defaults.set("num_threads", 8)  # wider already: left as it is
         select_backend("kvikio", path, fd, sched).close()
         assert kvikio_threads() == 8
@@ -786,6 +786,8 @@ def test_gpu_kvikio_pool_is_widened_to_the_ssd_pool(tmp_path, monkeypatch):
         select_backend("kvikio", path, fd, sched).close()
         assert kvikio_threads() == 1
     finally:
+        if be is not None:
+            be.close()
         kvikio.defaults.set("num_threads", before)
         os.close(fd)
         sched.close()

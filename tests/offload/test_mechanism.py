@@ -198,7 +198,7 @@ def test_the_ssd_tier_is_timed_by_its_drive_calls_alone(tmp_path, monkeypatch):
     step = sched.telemetry.history[0]
     assert step.bytes_by_tier["ssd"] > 0 and step.bytes_by_tier["ssd_read"] == step.bytes_by_tier["ssd"]
     assert step.busy_by_tier["ssd"] < 0.4, step.busy_by_tier  # not the 0.8 s at the gate
-    assert step.busy_by_tier["ssd_read"] < 0.12, step.busy_by_tier  # not the checks' 0.25 s each
+    assert step.busy_by_tier["ssd_read"] < 0.2, step.busy_by_tier  # not the checks' 0.25 s each
 
 
 def test_recompute_all_bitwise(tmp_path):
