@@ -6,13 +6,13 @@
 #                                         offload-8b-capacity [1-6|3 LEN|7 ROUND SIDE|8 LEN] | offload-8b-pool ROUND |
 #                                         offload-8b-pool-capacity host|ssd LEN |
 #                                         offload-8b-2gpu | offload-long |
-#                                         offload-ssd | pinning | main | wheel
+#                                         offload-ssd | ssd-threads | pinning | main | wheel
 # Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
 # docs/performance.md cites) and a copy to $OUT/results/. docs/performance.md, "GPU suites", says what each runs.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
-suite=${1:?usage: gpu_run.sh tests|build-ops|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-6|3 LEN|7 ROUND SIDE|8 LEN]|offload-8b-pool ROUND|offload-8b-pool-capacity host|ssd LEN|offload-8b-2gpu|offload-long|offload-ssd|pinning|main|wheel}
+suite=${1:?usage: gpu_run.sh tests|build-ops|gather|gnn|rgnn|hetero [MODELS]|hetero-scale [MODEL]|hetero-large [MODEL]|offload|offload-hide|offload-8b|offload-8b-peers|offload-8b-sweep [1|2|3]|offload-8b-megatron|offload-8b-capacity [1-6|3 LEN|7 ROUND SIDE|8 LEN]|offload-8b-pool ROUND|offload-8b-pool-capacity host|ssd LEN|offload-8b-2gpu|offload-long|offload-ssd|ssd-threads|pinning|main|wheel}
 end=$((SECONDS + 570))  # what a suite may use of the command's 600 s
 ngpu=$(nvidia-smi -L 2>/dev/null | tee "$OUT/nvidia-smi.log" | wc -l)
 failed=0  # the script's exit status: 1 if any step failed or had no time left
@@ -258,6 +258,9 @@ print('dsx_auto_budget_sel', rows[0]['seq_len'])") \
                # the drive measured after each
     run bench-offload-ssd 560 python benchmarks/bench_offload_ssd.py --out "$RES"
     keep bench_offload_ssd ;;
+  ssd-threads)  # the drive under the SSD tier's calls on 1 and 6 threads (kvikio's pool, and posix) against the
+                # one-request probe, 2 GiB each way, 3 rounds
+    run bench-ssd-threads 200 python benchmarks/bench_ssd_threads.py --out "$RES"; keep bench_ssd_threads ;;
   pinning)  # the activation pool's pinning, pin_memory=True against in place, at 4 and 32 GiB, while the GPU
             # computes: 3 interleaved rounds, each pin in a process of its own
     run bench-pinning 400 python benchmarks/bench_pinning.py --out "$RES"; keep bench_pinning ;;

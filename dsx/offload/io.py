@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import threading
 from concurrent.futures import Future
@@ -27,8 +26,6 @@ from dsx.offload.align import ALIGN, aligned_empty
 from dsx.ops.aio import async_io_status
 from dsx.runtime.scheduler import FutureSet, Scheduler
 
-logger = logging.getLogger(__name__)
-
 __all__ = [
     "AioBackend",
     "IOBackend",
@@ -38,7 +35,6 @@ __all__ = [
     "describe_backends",
     "kvikio_threads",
     "select_backend",
-    "widen_kvikio_pool",
 ]
 
 
@@ -60,9 +56,7 @@ class IOBackend:
 
     def __init__(self, path: str, fd: int, scheduler: Scheduler | None = None) -> None:
         self.path, self.fd = path, fd
-        sched = scheduler or defaults.scheduler()
-        self._pool = sched.executor("ssd")
-        self.threads = sched.threads("ssd")  # how many of its calls can be in flight at once
+        self._pool = (scheduler or defaults.scheduler()).executor("ssd")
         self._lock = threading.Lock()
         self._pending = FutureSet()  # this backend's calls not yet done (the pool is shared)
         self._closed = False
@@ -187,8 +181,9 @@ class KvikioBackend(IOBackend):
     """kvikio ``CuFile``: GDS when the driver supports it, else its POSIX compat mode.
 
     ``raw_*_async`` blocks the calling thread in compat mode, so this uses ``pread``/``pwrite`` futures
-    and waits on them from our I/O threads. Opening one widens kvikio's thread pool to the SSD pool's size
-    (:func:`widen_kvikio_pool`).
+    and waits on them from our I/O threads. kvikio serves them on its own process-wide pool, of
+    ``KVIKIO_NTHREADS`` threads (one by default), which dsx leaves as it is: whether more threads pay depends on
+    the drive (``benchmarks/bench_ssd_threads.py`` measures it; docs/performance.md has its figures).
     """
 
     name = "kvikio"
@@ -198,10 +193,6 @@ class KvikioBackend(IOBackend):
         import kvikio
 
         self._f = kvikio.CuFile(path, "r+")
-        try:
-            widen_kvikio_pool(self.threads)
-        except Exception as exc:  # the tier still works, one request at a time
-            logger.warning("dsx activation offload: kvikio's thread pool could not be widened (%s)", exc)
 
     def _pwrite(self, buf: torch.Tensor, offset: int) -> int:
         return int(self._f.pwrite(buf.numpy(), buf.numel(), offset).get())
@@ -221,25 +212,6 @@ def kvikio_threads() -> int:
     return int(kvikio.defaults.get("num_threads"))
 
 
-def widen_kvikio_pool(threads: int) -> int:
-    """Give kvikio's process-wide thread pool at least ``threads`` threads, unless the environment variable
-    ``KVIKIO_NTHREADS`` sets its size; the size it has now.
-
-    kvikio runs each ``pread``/``pwrite`` as tasks of ``KVIKIO_TASK_SIZE`` (4 MiB) on that pool, which has one
-    thread unless told otherwise: the SSD pool's calls in flight then reach the drive one task at a time, a
-    write queued behind a read, however many the SSD pool runs. With as many kvikio threads as the SSD pool has,
-    the drive gets as many requests at once as dsx has in flight. The pool is the process's, so it is only
-    widened, never narrowed.
-    """
-    import kvikio.defaults
-
-    now = kvikio_threads()
-    if "KVIKIO_NTHREADS" not in os.environ and now < threads:
-        kvikio.defaults.set("num_threads", threads)  # (waits for the pool's running tasks, then regrows it)
-        now = kvikio_threads()
-    return now
-
-
 _BACKENDS = {"posix": PosixBackend, "aio": AioBackend, "kvikio": KvikioBackend}
 
 
@@ -253,7 +225,7 @@ def describe_backends() -> dict[str, dict[str, Any]]:
         ok = torch.cuda.is_available()
         mode = "compat" if getattr(kvikio.defaults, "compat_mode", lambda: True)() else "GDS"
         try:
-            threads = f", a pool of {kvikio_threads()} thread(s) (the SSD tier widens it to io_workers)"
+            threads = f", a pool of {kvikio_threads()} thread(s) (KVIKIO_NTHREADS)"
         except Exception:  # (a kvikio without defaults.get)
             threads = ""
         out["kvikio"] = {

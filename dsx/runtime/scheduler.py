@@ -112,19 +112,15 @@ class Scheduler:
             return self._streams[name]
 
     # -------------------------------------------------------------------------------------------- pools
-    def threads(self, pool: str) -> int:
-        """How many threads the named pool (one of :data:`POOLS`) runs."""
-        if pool not in POOLS:
-            raise ValueError(f"dsx scheduler: unknown pool {pool!r}; the pools are {sorted(POOLS)}")
-        return POOLS[pool] or self.config.io_workers
-
     def executor(self, pool: str) -> ThreadPoolExecutor:
         """The named thread pool (one of :data:`POOLS`), started on first use."""
-        workers = self.threads(pool)
+        if pool not in POOLS:
+            raise ValueError(f"dsx scheduler: unknown pool {pool!r}; the pools are {sorted(POOLS)}")
         with self._lock:
             if self._closed:
                 raise RuntimeError("dsx scheduler is closed; submit work before engine.dsx.close()")
             if pool not in self._pools:
+                workers = POOLS[pool] or self.config.io_workers
                 self._pools[pool] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"dsx-{pool}")
             return self._pools[pool]
 

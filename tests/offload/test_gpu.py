@@ -596,11 +596,14 @@ def test_gpu_profiling_over_a_slow_drive_measures_as_with_every_input_in_the_poo
     rounding (a read's buffer, allocated when the read is asked for, counts as that layer's input while the
     drive still reads it, not as background), and each layer's backward time leaves out the wait for the
     drive, as does the time outside the layers, taken from the last of two warm-up steps (where the host runs
-    ahead of the GPU: what it leaves out there is the GPU's idle time)."""
+    ahead of the GPU: what it leaves out there is the GPU's idle time). The head queues about 50 ms of GPU work
+    outside the layers: this small model's own is less than the profiled step's synchronizations stretch its
+    layers by, and would be floored to 0 either way."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     delay = 0.3
     model, _, step = _gpt_step(64, 2)
+    model.head.register_forward_hook(lambda *a: torch.cuda._sleep(100_000_000))
     step()
     budget = 0.55 * step() / 2**30
     _, every = _auto_peaks(model, step, budget, profile_mode="recompute+host", profile_warmup_steps=2)
@@ -613,6 +616,9 @@ def test_gpu_profiling_over_a_slow_drive_measures_as_with_every_input_in_the_poo
     for a, b in zip(slow.profiles, every.profiles):
         assert a.bwd_s < b.bwd_s + delay / 2, (a.index, a.bwd_s, b.bwd_s)
     # (left in, the waits would lengthen it; counted twice, they would take it to its floor, 0)
+    assert every.outside_s > 0.02, (
+        f"no time outside the layers ({every.outside_s} s): the check below is void"
+    )
     assert 0 < slow.outside_s < every.outside_s + delay / 2, (slow.outside_s, every.outside_s)
 
 
@@ -748,26 +754,22 @@ def test_gpu_ssd_reads_are_timed_by_the_drive_not_by_the_copy_on(tmp_path):
     assert_same_grads(want, got)
 
 
-def test_gpu_kvikio_pool_is_widened_to_the_ssd_pool(tmp_path, monkeypatch):
-    """Opening a kvikio tier gives kvikio's one-thread pool as many threads as the SSD pool has, so that the
-    drive sees the calls in flight at once; never fewer than it had, and none where ``KVIKIO_NTHREADS`` says.
-    Concurrent calls through the widened pool read back what they wrote."""
+def test_gpu_kvikio_tier_leaves_kvikios_pool_as_it_is(tmp_path):
+    """kvikio's process-wide pool keeps its size when a tier opens (``KVIKIO_NTHREADS``; more threads read slower
+    on the lent disk), ``dsx report``'s line says it, and calls in flight at once read back what they wrote."""
     if not describe_backends()["kvikio"]["available"]:
         pytest.skip(f"kvikio: {describe_backends()['kvikio']['reason']}")
-    import kvikio.defaults
-
     from dsx.offload.io import kvikio_threads, select_backend
 
     before = kvikio_threads()
+    assert f"a pool of {before} thread(s)" in describe_backends()["kvikio"]["reason"]
     path = str(tmp_path / "f.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     sched = Scheduler(SchedulerConfig(io_workers=6), device=torch.device("cuda"))
     be = None
     try:
-        monkeypatch.delenv("KVIKIO_NTHREADS", raising=False)
-        kvikio.defaults.set("num_threads", 1)
         be = select_backend("kvikio", path, fd, sched)
-        assert be.threads == 6 and kvikio_threads() == 6
+        assert be.name == "kvikio" and kvikio_threads() == before
         part = 16 << 20
         data = torch.randint(
             0, 256, (4 * part,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
@@ -778,17 +780,9 @@ def test_gpu_kvikio_pool_is_widened_to_the_ssd_pool(tmp_path, monkeypatch):
         for f in [be.pread(out[i * part : (i + 1) * part], i * part) for i in range(4)]:
             f.result()
         assert torch.equal(out, data)
-        kvikio.defaults.set("num_threads", 8)  # wider already: left as it is
-        select_backend("kvikio", path, fd, sched).close()
-        assert kvikio_threads() == 8
-        kvikio.defaults.set("num_threads", 1)
-        monkeypatch.setenv("KVIKIO_NTHREADS", "1")  # the user's choice stands
-        select_backend("kvikio", path, fd, sched).close()
-        assert kvikio_threads() == 1
     finally:
         if be is not None:
             be.close()
-        kvikio.defaults.set("num_threads", before)
         os.close(fd)
         sched.close()
 
