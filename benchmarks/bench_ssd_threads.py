@@ -1,4 +1,4 @@
-"""How the drive serves the SSD tier's file calls on more threads: kvikio's pool size against the one-request probe.
+"""How a drive serves the SSD tier's file calls on more threads: kvikio's pool size against the one-request probe.
 
 The SSD tier's kvikio backend hands each call to kvikio, which cuts it into 4 MiB tasks (``KVIKIO_TASK_SIZE``)
 and runs them on its process-wide pool of ``KVIKIO_NTHREADS`` threads, one by default. Whether more threads
@@ -7,12 +7,15 @@ between interleaved tasks. This times, in one directory, a write then a read of 
 
 - ``probe``: ``dsx report --io``'s sequential 4 MiB O_DIRECT write and read, one request at a time;
 - ``kvikio`` at each ``--threads`` count: one ``CuFile.pwrite`` / ``pread`` of the whole buffer (pinned, as the
-  tier's staging slots are), the pool resized before (where kvikio imports: the GPU machine);
-- ``posix`` at each count: the same 4 MiB tasks on a pool of that many threads (``os.pwrite`` / ``os.preadv``).
+  tier's staging slots are), the pool resized before (where kvikio imports: the GPU machine; its compat mode
+  decides O_DIRECT or not per direction, and the JSON records its settings);
+- ``posix`` at each count: the same 4 MiB tasks on a pool of that many threads (``os.pwrite`` / ``os.preadv``),
+  O_DIRECT where the filesystem takes it, as the tier's own file is opened.
 
 Writes are timed to the end of an ``fsync``, and the file's pages are dropped before the read, so both rates
-are the drive's, not the page cache's. ``--repeats`` rounds, the ways in alternate order; the JSON gives each
-way's rates per round, and per way and count the median, range and ratio to one thread.
+are the drive's, not the page cache's. ``--repeats`` rounds, the ways and the thread counts in alternate order;
+the JSON gives each way's rates per round, and per way and count the median, range and ratio of medians to one
+thread.
 
     python benchmarks/bench_ssd_threads.py --out benchmarks/results      # suite ssd-threads
     python benchmarks/bench_ssd_threads.py --quick --out /tmp/x          # CPU smoke test (posix and probe)
@@ -51,6 +54,19 @@ def _kvikio() -> Any:
         return None
 
 
+def _kvikio_settings(kvikio: Any) -> dict[str, Any] | None:
+    """The kvikio settings that decide how its calls reach the drive (each left out where this kvikio lacks it)."""
+    if kvikio is None:
+        return None
+    out = {}
+    for key in ("compat_mode", "task_size", "auto_direct_io_read", "auto_direct_io_write"):
+        try:
+            out[key] = str(kvikio.defaults.get(key))
+        except Exception:
+            continue
+    return out
+
+
 def _drop_pages(path: str) -> None:
     """Flush the file and drop its pages, so that the next read comes from the drive."""
     fd = os.open(path, os.O_RDONLY)
@@ -69,7 +85,7 @@ def _kvikio_rates(kvikio: Any, buf: Any, path: str, threads: int) -> tuple[float
     f = kvikio.CuFile(path, "r+")
     try:
         t = time.perf_counter()
-        f.pwrite(buf.numpy(), n, 0).get()
+        done = f.pwrite(buf.numpy(), n, 0).get()
         _drop_pages(path)
         w = n / (time.perf_counter() - t) / 1e9
         t = time.perf_counter()
@@ -77,15 +93,18 @@ def _kvikio_rates(kvikio: Any, buf: Any, path: str, threads: int) -> tuple[float
         r = n / (time.perf_counter() - t) / 1e9
     finally:
         f.close()
-    if got != n:
-        raise OSError(f"kvikio read {got} of {n} bytes")
+    if done != n or got != n:
+        raise OSError(f"kvikio wrote {done} and read {got} of {n} bytes")
     return w, r
 
 
 def _posix_rates(buf: Any, path: str, threads: int) -> tuple[float, float]:
     mv, n = memoryview(buf.numpy()), buf.numel()
     tasks = range(0, n, TASK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:  # (tmpfs and some overlays refuse O_DIRECT: buffered there, its pages dropped before the read)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with ThreadPoolExecutor(threads) as pool:
             t = time.perf_counter()
@@ -154,7 +173,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--mb", type=int, default=None, help="MiB written and read a way (default 2048; --quick 64)"
     )
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 6], help="thread counts of kvikio and posix")
+    p.add_argument(
+        "--threads", type=int, nargs="+", default=[1, 2, 4, 8], help="thread counts of kvikio and posix"
+    )
     p.add_argument("--repeats", type=int, default=3, help="rounds")
     p.add_argument("--name", default="bench_ssd_threads", help="result file name")
     args = p.parse_args(argv)
@@ -177,7 +198,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             for rnd in range(args.repeats):
                 for way in ways if rnd % 2 == 0 else ways[::-1]:
-                    for threads in [1] if way == "probe" else args.threads:
+                    counts = args.threads if rnd % 2 == 0 else args.threads[::-1]
+                    for threads in [1] if way == "probe" else counts:
                         row: dict[str, Any] = {"round": rnd, "way": way, "threads": threads}
                         try:
                             if way == "probe":
@@ -191,7 +213,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 )
                             else:
                                 row["write_GBps"], row["read_GBps"] = _posix_rates(buf, path, threads)
-                        except OSError as exc:  # a full disk: recorded, the other ways go on
+                        except (
+                            OSError,
+                            RuntimeError,
+                        ) as exc:  # a full disk (kvikio raises RuntimeError): recorded
                             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                         print(row, flush=True)
                         rows.append(row)
@@ -200,8 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 kvikio.defaults.set("num_threads", before)
     summary = summarize(rows)
     env = environment()
-    compat = str(kvikio.defaults.get("compat_mode")) if kvikio else None
-    result = {"config": {**vars(args), "mb": mb, "kvikio_compat_mode": compat}, "env": env, "rows": rows,
+    result = {"config": {**vars(args), "mb": mb, "kvikio": _kvikio_settings(kvikio)}, "env": env, "rows": rows,
               "summary": summary}  # fmt: skip
     write_json(result, args.out, args.name)
     save_png(

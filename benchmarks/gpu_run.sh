@@ -258,8 +258,8 @@ print('dsx_auto_budget_sel', rows[0]['seq_len'])") \
                # the drive measured after each
     run bench-offload-ssd 560 python benchmarks/bench_offload_ssd.py --out "$RES"
     keep bench_offload_ssd ;;
-  ssd-threads)  # the drive under the SSD tier's calls on 1 and 6 threads (kvikio's pool, and posix) against the
-                # one-request probe, 2 GiB each way, 3 rounds
+  ssd-threads)  # the drive under 4 MiB tasks on 1, 2, 4 and 8 threads (kvikio's pool, and posix O_DIRECT) against
+                # the one-request probe, 2 GiB each way, 3 rounds
     run bench-ssd-threads 200 python benchmarks/bench_ssd_threads.py --out "$RES"; keep bench_ssd_threads ;;
   pinning)  # the activation pool's pinning, pin_memory=True against in place, at 4 and 32 GiB, while the GPU
             # computes: 3 interleaved rounds, each pin in a process of its own

@@ -26,7 +26,10 @@ def test_each_way_and_thread_count_is_timed_and_summarized(tmp_path) -> None:
     )
     saved = json.loads((tmp_path / "bench_ssd_threads.json").read_text())
     assert saved["summary"] == summary and (tmp_path / "bench_ssd_threads.png").stat().st_size > 0
-    assert not list(tmp_path.glob("tmp*/f"))  # the file is removed with its directory
+    # the drive's file goes with its directory: only the results are left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_ssd_threads.json", "bench_ssd_threads.png"]
+    # the thread counts in alternate order, as the ways
+    assert [r["threads"] for r in rows if r["round"] == 1 and r["way"] == "posix"] == [3, 1]
 
 
 def test_bad_sizes_are_refused(capsys) -> None:

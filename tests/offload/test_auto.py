@@ -77,7 +77,7 @@ def test_outside_time_comes_from_the_last_warm_up_step(tmp_path, warmup):
     """The step's time outside the layers is the last warm-up step's wall time less the profiled layers'
     (the profiled step's synchronizations stretch its own); with one warm-up step, the first step, which pays
     for lazy initialisation, it is the profiled step's. Here the head sleeps 1 s in every step but the
-    profiled one, where it sleeps 4 s: a warm-up step's outside time stays under 3 s, allowing 1.5 s of stretch
+    profiled one, where it sleeps 4 s: a warm-up step's outside time stays under 3 s, allowing 2 s of stretch
     from a loaded two-core machine."""
     model, batches, _ = _reference(5, warmup + 2)
     delay = [1.0]

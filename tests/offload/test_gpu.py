@@ -755,8 +755,8 @@ def test_gpu_ssd_reads_are_timed_by_the_drive_not_by_the_copy_on(tmp_path):
 
 
 def test_gpu_kvikio_tier_leaves_kvikios_pool_as_it_is(tmp_path):
-    """kvikio's process-wide pool keeps its size when a tier opens (``KVIKIO_NTHREADS``; more threads read slower
-    on the lent disk), ``dsx report``'s line says it, and calls in flight at once read back what they wrote."""
+    """kvikio's process-wide pool keeps the size ``KVIKIO_NTHREADS`` gives it when a tier opens, ``dsx report``'s line
+    says that size, and calls in flight at once read back what they wrote."""
     if not describe_backends()["kvikio"]["available"]:
         pytest.skip(f"kvikio: {describe_backends()['kvikio']['reason']}")
     from dsx.offload.io import kvikio_threads, select_backend
@@ -765,7 +765,7 @@ def test_gpu_kvikio_tier_leaves_kvikios_pool_as_it_is(tmp_path):
     assert f"a pool of {before} thread(s)" in describe_backends()["kvikio"]["reason"]
     path = str(tmp_path / "f.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    sched = Scheduler(SchedulerConfig(io_workers=6), device=torch.device("cuda"))
+    sched = Scheduler(SchedulerConfig(io_workers=4), device=torch.device("cuda"))
     be = None
     try:
         be = select_backend("kvikio", path, fd, sched)
