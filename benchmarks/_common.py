@@ -27,6 +27,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_OUT",
+    "HelpFormatter",
     "add_common_args",
     "device_name",
     "environment",
@@ -40,6 +41,11 @@ __all__ = [
 ]
 
 DEFAULT_OUT = "benchmarks/results"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with the module docstring as written (its examples, its lists) and every option's default."""
+
 
 # Distributions whose versions a result should carry; absent ones are recorded as None (not installed).
 _DISTS = (

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_args, environment, save_png, write_json
+from _common import HelpFormatter, add_common_args, environment, save_png, write_json
 
 
 def collect(results: Path, prefix: str) -> list[dict[str, Any]]:
@@ -51,12 +51,7 @@ def collect(results: Path, prefix: str) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        description=__doc__,
-        formatter_class=type(
-            "Fmt", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}
-        ),
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_common_args(p)
     p.add_argument("prefixes", nargs="+", help="file-name prefixes of the A/B stages in --out")
     p.add_argument("--name", default="ab_summary")

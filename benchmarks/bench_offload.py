@@ -68,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _kernel_trace
 import _memory_trace
 from _common import (
+    HelpFormatter,
     add_common_args,
     device_name,
     environment,
@@ -749,12 +750,7 @@ def _child(name: str, argv: list[str], budget: float | None, timeout_s: float) -
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        description=__doc__,
-        formatter_class=type(
-            "Fmt", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}
-        ),
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_common_args(p)
     p.add_argument("--configs", nargs="+", default=CONFIGS, choices=ALL_CONFIGS,
                    help=f"strategies; also, by name: {', '.join(MEGATRON_OFFLOAD)} (megatron-core's fine-grained "

@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import add_common_args, environment, save_png, write_json
+from _common import HelpFormatter, add_common_args, environment, save_png, write_json
 
 __all__ = ["WAYS", "main"]
 
@@ -177,10 +177,7 @@ def _plot(summary: dict[str, Any], title: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        pass
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_common_args(p)
     p.add_argument(
         "--sizes-gib", type=float, nargs="+", help="buffer sizes; none given: 4 32 (--quick: 1/16 1/8)"

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_args, environment, host_probe_s, save_png, write_json
+from _common import HelpFormatter, add_common_args, environment, host_probe_s, save_png, write_json
 
 from dsx.runtime.events import EventWaiter
 
@@ -88,12 +88,7 @@ def trial(mode: str, args: argparse.Namespace, cyc_ms: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        description=__doc__,
-        formatter_class=type(
-            "Fmt", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}
-        ),
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_common_args(p)
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--waiters", type=int, default=4)
