@@ -116,9 +116,6 @@ PROFILE_HOST = [
     "dsx_auto_budget_host_hp_sel",
 ]
 ALL_CONFIGS = CONFIGS + MEGATRON_OFFLOAD + PROFILE_HOST
-# configs whose only offload tier is the SSD (staged through the host pool); these and every run whose measured
-# steps wrote to the drive also measure the drive, and the JSON sets the tier's rates against the drive's
-SSD_ONLY = ("dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel")
 # configs whose steps take seconds (bandwidth-bound copies): fewer steps, same warm-up rule
 SLOW = ("save_on_cpu", "hooks_offload", "dsx_ssd", "dsx_ssd_noverify", "dsx_ssd_sel", "dsx_host")
 NEEDS_BUDGET = (
@@ -986,10 +983,9 @@ def _run_one(
             child_argv += ["--copy-gb", str(run_args.copy_gb)]
         # bandwidth-bound configs (SSD on a slow disk, synchronous copies) get twice the time
         res = _child(name, child_argv, budget, args.child_timeout * (2 if name in SLOW else 1))
-    if "error" not in res and (
-        name in SSD_ONLY or res.get("telemetry", {}).get("bytes_by_tier", {}).get("ssd")
-    ):
-        # the drive's own rate, measured beside every run that wrote to it, as `dsx report --io` measures it
+    if "error" not in res and res.get("telemetry", {}).get("bytes_by_tier", {}).get("ssd"):
+        # the drive's own rate, measured beside every run whose measured steps wrote to it, as `dsx report --io`
+        # measures it; the JSON sets the tier's rates against it
         res["drive_GBps"] = _drive_rates(ssd, 64 if args.quick else 2048)
     return res
 
