@@ -103,16 +103,7 @@ def _optional_rows(rows: list[Row]) -> None:
         if _version("kvikio-cu13") is None and _version("kvikio-cu12") is None and _version("kvikio") is None:
             return "not installed (pip install dsx[gds])"
         kv = importlib.import_module("kvikio")
-        import kvikio.defaults as d
-
-        # kvikio >= 25 replaced defaults.compat_mode() by get("compat_mode") (ON/OFF/AUTO) and
-        # is_compat_mode_preferred() (what AUTO resolved to: POSIX I/O instead of GPUDirect Storage).
-        setting = d.get("compat_mode") if hasattr(d, "get") else d.compat_mode()
-        setting = getattr(setting, "name", setting)
-        if hasattr(d, "is_compat_mode_preferred"):
-            live = "POSIX compat mode" if d.is_compat_mode_preferred() else "GPUDirect Storage"
-            return f"{kv.__version__}, compat_mode={setting} -> {live}"
-        return f"{kv.__version__}, compat_mode={setting}"
+        return f"{kv.__version__}, {importlib.import_module('dsx.offload.io').kvikio_mode()}"
 
     _probe(rows, "io", "kvikio", kvikio)
     _probe(

@@ -33,6 +33,7 @@ __all__ = [
     "PosixBackend",
     "auto_choice",
     "describe_backends",
+    "kvikio_mode",
     "kvikio_threads",
     "select_backend",
 ]
@@ -205,6 +206,22 @@ class KvikioBackend(IOBackend):
         self._f.close()
 
 
+def kvikio_mode() -> str:
+    """kvikio's ``compat_mode`` setting and what it resolves to here, e.g. ``"compat_mode=AUTO -> POSIX compat
+    mode"`` (kvikio must import). kvikio >= 25 holds the setting as an enum (ON / OFF / AUTO) behind
+    ``defaults.get`` and says what AUTO chose through ``is_compat_mode_preferred()``; older releases had a
+    boolean ``defaults.compat_mode()``."""
+    import kvikio.defaults as d
+
+    if hasattr(d, "is_compat_mode_preferred"):
+        setting = d.get("compat_mode")
+        live = "POSIX compat mode" if d.is_compat_mode_preferred() else "GPUDirect Storage"
+        return f"compat_mode={getattr(setting, 'name', setting)} -> {live}"
+    return (
+        "compat_mode=ON -> POSIX compat mode" if d.compat_mode() else "compat_mode=OFF -> GPUDirect Storage"
+    )
+
+
 def kvikio_threads() -> int:
     """The number of threads of kvikio's process-wide pool (kvikio must import)."""
     import kvikio.defaults
@@ -223,14 +240,13 @@ def describe_backends() -> dict[str, dict[str, Any]]:
         import kvikio.defaults  # a submodule: not loaded by ``import kvikio`` in 26.x
 
         ok = torch.cuda.is_available()
-        mode = "compat" if getattr(kvikio.defaults, "compat_mode", lambda: True)() else "GDS"
         try:
             threads = f", a pool of {kvikio_threads()} thread(s) (KVIKIO_NTHREADS)"
         except Exception:  # (a kvikio without defaults.get)
             threads = ""
         out["kvikio"] = {
             "available": ok,
-            "reason": f"kvikio {kvikio.__version__}, {mode} mode{threads}"
+            "reason": f"kvikio {kvikio.__version__}, {kvikio_mode()}{threads}"
             if ok
             else "kvikio imports but CUDA is unavailable",
         }

@@ -754,6 +754,26 @@ def test_gpu_ssd_reads_are_timed_by_the_drive_not_by_the_copy_on(tmp_path):
     assert_same_grads(want, got)
 
 
+def test_gpu_report_says_which_mode_kvikio_runs_in() -> None:
+    """Both ``dsx report`` lines name the mode kvikio's setting resolves to: ON is its POSIX compat mode, OFF
+    GPUDirect Storage (the setting alone; no file is opened)."""
+    if not describe_backends()["kvikio"]["available"]:
+        pytest.skip(f"kvikio: {describe_backends()['kvikio']['reason']}")
+    import kvikio
+    import kvikio.defaults
+
+    from dsx.report import collect
+
+    for mode, live in (
+        (kvikio.CompatMode.ON, "POSIX compat mode"),
+        (kvikio.CompatMode.OFF, "GPUDirect Storage"),
+    ):
+        with kvikio.defaults.set("compat_mode", mode):
+            want = f"compat_mode={mode.name} -> {live}"
+            assert want in describe_backends()["kvikio"]["reason"]
+            assert any(r["item"] == "kvikio" and want in r["value"] for r in collect()["rows"]), want
+
+
 def test_gpu_kvikio_tier_leaves_kvikios_pool_as_it_is(tmp_path):
     """kvikio's process-wide pool keeps the size ``KVIKIO_NTHREADS`` gives it when a tier opens, ``dsx report``'s line
     says that size, and calls in flight at once read back what they wrote."""
