@@ -175,9 +175,15 @@ class NeighborSampler:
 
 def fanout_take(rowptr: torch.Tensor, nodes: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(CSR start, edges taken) of ``nodes`` at fanout ``k`` (``-1``: every edge)."""
+    start, _, take = _fanout(rowptr, nodes, k)
+    return start, take
+
+
+def _fanout(rowptr: torch.Tensor, nodes: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(CSR start, degree, edges taken at fanout ``k``) of ``nodes``."""
     start = rowptr[nodes]
     deg = rowptr[nodes + 1] - start
-    return start, (deg if k < 0 else deg.clamp(max=k))
+    return start, deg, (deg if k < 0 else deg.clamp(max=k))
 
 
 def sample_positions(
@@ -190,17 +196,16 @@ def sample_positions(
     """For frontier ``nodes`` of the CSR ``rowptr``: (owner index into ``nodes``, CSR edge position) of every
     sampled edge, grouped by owner. ``total`` (the number of sampled edges, if known) saves a host
     synchronisation."""
-    start, take = fanout_take(rowptr, nodes, k)
+    # (each launch counts: a heterogeneous batch calls this once per edge type and hop)
+    start, deg, take = _fanout(rowptr, nodes, k)
     if total is None:
         total = int(take.sum())
     dev = rowptr.device
-    ar = torch.arange(nodes.numel(), device=dev)
-    owner = torch.repeat_interleave(ar, take, output_size=total)
+    owner = torch.repeat_interleave(take, output_size=total)  # = repeat_interleave(arange(n), take)
     first = torch.cumsum(take, 0) - take
     slot = torch.arange(total, device=dev) - first[owner]  # 0 .. take-1 within each node
     if k < 0:
         return owner, start[owner] + slot
-    deg = rowptr[nodes + 1] - start
     pos = floyd(deg, k, generator)[owner, slot]
     return owner, start[owner] + pos
 
@@ -217,13 +222,13 @@ def claim_nodes(
     ``rank`` (1-based) numbers them; the map holds every node's local id afterwards.
     """
     e = nbr.numel()
-    ar = torch.arange(e, device=nbr.device)
+    claims = torch.arange(-(e + 2), -2, device=nbr.device)  # entry i's claim: i - (e + 2)
     cur = node_map[nbr]
-    node_map.scatter_reduce_(0, nbr, torch.where(cur >= 0, cur, ar - (e + 2)), "amin")
+    node_map.scatter_reduce_(0, nbr, torch.where(cur >= 0, cur, claims), "amin")
     claim = node_map[nbr]
-    first = claim == ar - (e + 2)
+    first = claim == claims
     rank = torch.cumsum(first, 0)  # 1-based number of the claim among the new nodes
-    new_of = count + rank - 1
+    new_of = rank + (count - 1)
     local = torch.where(claim >= 0, claim, new_of[(claim + (e + 2)).clamp_(0, max(e - 1, 0))])
     node_map[nbr] = local  # every write to one node writes the same value
     return local, first, rank

@@ -59,6 +59,12 @@ class HeteroClassifier(nn.Module):
             [_layer(model, layers, (node_types, edge_types), hidden, heads) for _ in range(num_layers)]
         )
         self.head = nn.Linear(hidden, classes)
+        # dsx's RGCN / RGAT reaching every node type: the layers run on one [num_nodes, hidden] tensor in the
+        # typed layout's order (what RelationalHetero concatenates and splits on every call), so ReLU is one
+        # launch and backward sums no per-type slices; the same values as the per-type dicts
+        self._one_tensor = layers == "dsx" and model in ("rgcn", "rgat") and set(node_types) <= {
+            e[-1] for e in edge_types
+        }
 
     def forward(
         self,
@@ -72,6 +78,8 @@ class HeteroClassifier(nn.Module):
                 h[t] = self.proj[t](x_dict[t].to(self.proj[t].weight.dtype))
             else:
                 h[t] = self.embed[t].expand(num_nodes_dict[t], -1)
+        if getattr(self, "_one_tensor", False) and h:  # (absent on modules pickled before it)
+            return self._forward_one_tensor(h, edge_index_dict)
         for i, conv in enumerate(self.convs):
             out = conv(h, edge_index_dict)
             # a type no edge type reaches keeps its rows (HGT and PyG's to_hetero return no output for it)
@@ -79,6 +87,19 @@ class HeteroClassifier(nn.Module):
             if i + 1 < len(self.convs):
                 h = {t: F.relu(v) for t, v in h.items()}
         return self.head(h[self.target])
+
+    def _forward_one_tensor(
+        self, h: dict[str, torch.Tensor], edge_index_dict: Mapping[tuple[str, str, str], torch.Tensor]
+    ) -> torch.Tensor:
+        sizes = {t: v.size(0) for t, v in h.items()}
+        layout = self.convs[0].prepare_graph(sizes, edge_index_dict, next(iter(h.values())).device)[0]
+        x = layout.concat(h)
+        for i, conv in enumerate(self.convs):
+            x = conv.conv(x, layout.edge_index, layout.edge_type)  # every node's row: all types are reached
+            if i + 1 < len(self.convs):
+                x = F.relu(x)
+        start = layout.offset[self.target]
+        return self.head(x[start : start + sizes[self.target]])
 
 
 def _layer(model: str, layers: str, metadata, hidden: int, heads: int) -> nn.Module:
