@@ -179,7 +179,9 @@ def fanout_take(rowptr: torch.Tensor, nodes: torch.Tensor, k: int) -> tuple[torc
     return start, take
 
 
-def _fanout(rowptr: torch.Tensor, nodes: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fanout(
+    rowptr: torch.Tensor, nodes: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(CSR start, degree, edges taken at fanout ``k``) of ``nodes``."""
     start = rowptr[nodes]
     deg = rowptr[nodes + 1] - start

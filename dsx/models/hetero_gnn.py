@@ -62,9 +62,9 @@ class HeteroClassifier(nn.Module):
         # dsx's RGCN / RGAT reaching every node type: the layers run on one [num_nodes, hidden] tensor in the
         # typed layout's order (what RelationalHetero concatenates and splits on every call), so ReLU is one
         # launch and backward sums no per-type slices; the same values as the per-type dicts
-        self._one_tensor = layers == "dsx" and model in ("rgcn", "rgat") and set(node_types) <= {
-            e[-1] for e in edge_types
-        }
+        self._one_tensor = (
+            layers == "dsx" and model in ("rgcn", "rgat") and set(node_types) <= {e[-1] for e in edge_types}
+        )
 
     def forward(
         self,
@@ -78,7 +78,7 @@ class HeteroClassifier(nn.Module):
                 h[t] = self.proj[t](x_dict[t].to(self.proj[t].weight.dtype))
             else:
                 h[t] = self.embed[t].expand(num_nodes_dict[t], -1)
-        if getattr(self, "_one_tensor", False) and h:  # (absent on modules pickled before it)
+        if self._one_tensor and h:
             return self._forward_one_tensor(h, edge_index_dict)
         for i, conv in enumerate(self.convs):
             out = conv(h, edge_index_dict)
