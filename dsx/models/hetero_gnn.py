@@ -91,11 +91,12 @@ class HeteroClassifier(nn.Module):
     def _forward_one_tensor(
         self, h: dict[str, torch.Tensor], edge_index_dict: Mapping[tuple[str, str, str], torch.Tensor]
     ) -> torch.Tensor:
+        # each layer through its module call, so that hooks and activation offload's recompute see every layer
         sizes = {t: v.size(0) for t, v in h.items()}
         layout = self.convs[0].prepare_graph(sizes, edge_index_dict, next(iter(h.values())).device)[0]
         x = layout.concat(h)
         for i, conv in enumerate(self.convs):
-            x = conv.conv(x, layout.edge_index, layout.edge_type)  # every node's row: all types are reached
+            x = conv(x, edge_index_dict, sizes)  # every node's row: all types are reached
             if i + 1 < len(self.convs):
                 x = F.relu(x)
         start = layout.offset[self.target]

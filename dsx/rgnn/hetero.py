@@ -239,8 +239,21 @@ class RelationalHetero(nn.Module):
         self.dst_node_types = {e[-1] for e in self.edge_types}
 
     def forward(
-        self, x_dict: Mapping[str, torch.Tensor], edge_index_dict: Mapping[EdgeType, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
+        self,
+        x_dict: Mapping[str, torch.Tensor] | torch.Tensor,
+        edge_index_dict: Mapping[EdgeType, torch.Tensor],
+        sizes: Mapping[str, int] | None = None,
+    ) -> dict[str, torch.Tensor] | torch.Tensor:
+        """``x_dict`` per node type in, the destination types' rows out; or, with ``sizes`` (each node type's
+        row count, in layout order), one layout-order tensor in and the conv's whole output out, for a stack
+        of layers that all node types reach (no concatenation and split between layers)."""
+        if isinstance(x_dict, torch.Tensor):
+            if sizes is None:
+                raise ValueError(
+                    "a layout-order tensor needs sizes: each node type's row count, in layout order"
+                )
+            layout = self.prepare_graph(sizes, edge_index_dict, x_dict.device)[0]
+            return self.conv(x_dict, layout.edge_index, layout.edge_type)
         sizes = {t: x.size(0) for t, x in x_dict.items()}
         device = next(iter(x_dict.values())).device if x_dict else None
         layout = self.prepare_graph(sizes, edge_index_dict, device)[0]

@@ -152,6 +152,8 @@ def test_bad_input_is_named(data) -> None:
     x["field"] = torch.randn(sizes["field"], 4)
     with pytest.raises(ValueError, match="different feature widths"):
         conv(x, eid)
+    with pytest.raises(ValueError, match="a layout-order tensor needs sizes"):
+        conv(torch.randn(sum(sizes.values()), 8), eid)
 
 
 def test_a_models_hgt_layers_share_one_prepared_graph_and_clear_cache_drops_it(data) -> None:
@@ -233,8 +235,10 @@ def test_prepare_graph_and_transform_refuse_what_cannot_work(data) -> None:
 def test_a_model_on_one_layout_tensor_matches_its_per_type_layers(data, model_name, device) -> None:
     """HeteroClassifier runs dsx's RGCN / RGAT on one layout-order tensor when every node type is reached; the
     per-type path (each layer through RelationalHetero, dicts between) is its reference: same outputs and
-    gradients on fresh random features."""
+    gradients on fresh random features, with each layer recomputed as activation offload does or not, every
+    layer called as a module."""
     from dsx.models.hetero_gnn import HeteroClassifier
+    from dsx.offload.checkpointing import checkpointed
 
     torch.manual_seed(7)
     model = HeteroClassifier(model_name, data.metadata(), {t: 8 for t in data.node_types}, 8, 4, heads=2).to(
@@ -244,18 +248,37 @@ def test_a_model_on_one_layout_tensor_matches_its_per_type_layers(data, model_na
         for conv in model.convs:
             conv.conv.kernel_backend = "reference"
     assert model._one_tensor
+    calls, inner = (
+        [],
+        [],
+    )  # the layers' module calls (offload's hooks and recompute hang on them), their convs'
+    for conv in model.convs:
+        conv.register_forward_pre_hook(lambda m, a, kw: calls.append(m), with_kwargs=True)
+        conv.conv.register_forward_pre_hook(lambda m, a: inner.append(m))
     for b in _batches(data):
         x = {t: torch.randn(b[t].num_nodes, 8, device=device) for t in b.node_types}
         edges = {e: ei.to(device) for e, ei in b.edge_index_dict.items()}
         sizes = {t: b[t].num_nodes for t in b.node_types}
         outs, grads = [], []
-        for one in (True, False):
+        for one, recompute in ((True, True), (True, False), (False, False)):
             model._one_tensor = one
+            saved: dict = {}
+            for i, conv in enumerate(model.convs):  # as activation offload recomputes a whole layer
+                checkpointed(conv, recompute, i, saved, reentrant=True)
             model.zero_grad()
+            calls.clear()
+            inner.clear()
             out = model(x, edges, sizes)
             out.square().sum().backward()
+            assert calls == list(model.convs)
+            assert len(inner) == len(calls) * (2 if recompute else 1)  # a recomputed layer runs again
+            for i, conv in enumerate(model.convs):
+                checkpointed(conv, False, i, saved)
             outs.append(out.detach())
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        torch.testing.assert_close(outs[0], outs[2])
+        for n in grads[0]:
+            torch.testing.assert_close(grads[0][n], grads[2][n], msg=n)
         torch.testing.assert_close(outs[0], outs[1])
         assert grads[0].keys() == grads[1].keys() and grads[0]
         for n in grads[0]:
