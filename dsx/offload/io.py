@@ -208,18 +208,16 @@ class KvikioBackend(IOBackend):
 
 def kvikio_mode() -> str:
     """kvikio's ``compat_mode`` setting and what it resolves to here, e.g. ``"compat_mode=AUTO -> POSIX compat
-    mode"`` (kvikio must import). kvikio >= 25 holds the setting as an enum (ON / OFF / AUTO) behind
-    ``defaults.get`` and says what AUTO chose through ``is_compat_mode_preferred()``; older releases had a
-    boolean ``defaults.compat_mode()``."""
+    mode"`` (kvikio must import). kvikio >= 25.04 reads the setting (ON / OFF / AUTO) through ``defaults.get``
+    and says what AUTO chose through ``is_compat_mode_preferred()``; before, ``defaults.compat_mode()`` gave
+    the setting alone (a bool, later the enum)."""
     import kvikio.defaults as d
 
-    if hasattr(d, "is_compat_mode_preferred"):
-        setting = d.get("compat_mode")
-        live = "POSIX compat mode" if d.is_compat_mode_preferred() else "GPUDirect Storage"
-        return f"compat_mode={getattr(setting, 'name', setting)} -> {live}"
-    return (
-        "compat_mode=ON -> POSIX compat mode" if d.compat_mode() else "compat_mode=OFF -> GPUDirect Storage"
-    )
+    if not hasattr(d, "is_compat_mode_preferred"):
+        setting = d.compat_mode()
+        return f"compat_mode={getattr(setting, 'name', setting)}"
+    live = "POSIX compat mode" if d.is_compat_mode_preferred() else "GPUDirect Storage"
+    return f"compat_mode={d.get('compat_mode').name} -> {live}"
 
 
 def kvikio_threads() -> int:
@@ -240,13 +238,18 @@ def describe_backends() -> dict[str, dict[str, Any]]:
         import kvikio.defaults  # a submodule: not loaded by ``import kvikio`` in 26.x
 
         ok = torch.cuda.is_available()
+        # what kvikio says of itself; a kvikio that cannot say is still usable
+        try:
+            mode = f", {kvikio_mode()}"
+        except Exception as exc:
+            mode = f", compat mode unknown ({type(exc).__name__})"
         try:
             threads = f", a pool of {kvikio_threads()} thread(s) (KVIKIO_NTHREADS)"
         except Exception:  # (a kvikio without defaults.get)
             threads = ""
         out["kvikio"] = {
             "available": ok,
-            "reason": f"kvikio {kvikio.__version__}, {kvikio_mode()}{threads}"
+            "reason": f"kvikio {kvikio.__version__}{mode}{threads}"
             if ok
             else "kvikio imports but CUDA is unavailable",
         }
