@@ -24,6 +24,7 @@ thread.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -36,6 +37,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import HelpFormatter, add_common_args, environment, save_png, write_json
+
+from dsx.offload.io import kvikio_mode
 
 __all__ = ["main", "summarize"]
 
@@ -61,9 +64,12 @@ def _kvikio_settings(kvikio: Any) -> dict[str, Any] | None:
     out = {}
     for key in ("compat_mode", "task_size", "auto_direct_io_read", "auto_direct_io_write"):
         try:
-            out[key] = str(kvikio.defaults.get(key))
+            value = kvikio.defaults.get(key)
         except Exception:
             continue
+        out[key] = getattr(value, "name", None) or str(value)  # an enum by its name: AUTO, not 2
+    with contextlib.suppress(Exception):
+        out["compat_mode_resolved"] = kvikio_mode()
     return out
 
 
