@@ -252,6 +252,11 @@ class RelationalHetero(nn.Module):
                 raise ValueError(
                     "a layout-order tensor needs sizes: each node type's row count, in layout order"
                 )
+            if x_dict.size(0) != sum(sizes.values()):
+                raise ValueError(
+                    f"a layout-order tensor of {x_dict.size(0)} rows for sizes {dict(sizes)} "
+                    f"({sum(sizes.values())} rows)"
+                )
             layout = self.prepare_graph(sizes, edge_index_dict, x_dict.device)[0]
             return self.conv(x_dict, layout.edge_index, layout.edge_type)
         sizes = {t: x.size(0) for t, x in x_dict.items()}

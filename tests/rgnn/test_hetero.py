@@ -154,6 +154,8 @@ def test_bad_input_is_named(data) -> None:
         conv(x, eid)
     with pytest.raises(ValueError, match="a layout-order tensor needs sizes"):
         conv(torch.randn(sum(sizes.values()), 8), eid)
+    with pytest.raises(ValueError, match=rf"tensor of {sum(sizes.values()) + 1} rows for sizes"):
+        conv(torch.randn(sum(sizes.values()) + 1, 8), eid, sizes)
 
 
 def test_a_models_hgt_layers_share_one_prepared_graph_and_clear_cache_drops_it(data) -> None:
@@ -231,8 +233,8 @@ def test_prepare_graph_and_transform_refuse_what_cannot_work(data) -> None:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("model_name", ["rgcn", "rgat"])
-def test_a_model_on_one_layout_tensor_matches_its_per_type_layers(data, model_name, device) -> None:
+@pytest.mark.parametrize("model_name,target", [("rgcn", "paper"), ("rgat", "paper"), ("rgcn", "author")])
+def test_a_model_on_one_layout_tensor_matches_its_per_type_layers(data, model_name, target, device) -> None:
     """HeteroClassifier runs dsx's RGCN / RGAT on one layout-order tensor when every node type is reached; the
     per-type path (each layer through RelationalHetero, dicts between) is its reference: same outputs and
     gradients on fresh random features, with each layer recomputed as activation offload does or not, every
@@ -241,9 +243,8 @@ def test_a_model_on_one_layout_tensor_matches_its_per_type_layers(data, model_na
     from dsx.offload.checkpointing import checkpointed
 
     torch.manual_seed(7)
-    model = HeteroClassifier(model_name, data.metadata(), {t: 8 for t in data.node_types}, 8, 4, heads=2).to(
-        device
-    )
+    feats = {t: 8 for t in data.node_types}
+    model = HeteroClassifier(model_name, data.metadata(), feats, 8, 4, heads=2, target=target).to(device)
     if device == "cpu":  # the PyTorch twins; on CUDA the generated kernels
         for conv in model.convs:
             conv.conv.kernel_backend = "reference"
