@@ -66,9 +66,32 @@ def test_a_bad_config_is_a_clear_error(tmp_path: Path, content: str | bytes | No
     assert "Traceback" not in out.stderr
 
 
+def test_async_io_is_usable_only_where_deepspeed_loads_it() -> None:
+    """dsx calls async_io usable only where DeepSpeed loads it: prebuilt, or past DeepSpeed's compatibility probe,
+    which its JIT load runs before it looks in the extension cache. A cached build loads then without
+    compiling; where dsx says no, the reason says what to install."""
+    script = """
+import sys
+from deepspeed.ops.op_builder import AsyncIOBuilder
+from dsx.ops.aio import async_io_status
+from dsx.ops.cache import is_cached, is_prebuilt
+ok, why = async_io_status()
+print(ok, is_cached("async_io"), why)
+if not ok:
+    sys.exit(0 if "libaio" in why or "DeepSpeed" in why else 4)
+if not (is_prebuilt("async_io") or AsyncIOBuilder().is_compatible(verbose=False)):
+    sys.exit(5)  # DeepSpeed would refuse to load what dsx calls usable
+if is_cached("async_io"):
+    AsyncIOBuilder().load(verbose=False)  # a cached build: loads without compiling
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=launcher_env(), capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, (out.stdout, out.stderr[-2000:])
+
+
 def test_async_io_without_libaio_says_what_to_install(tmp_path: Path) -> None:
     """A config that asks for DeepSpeed's aio backend by name on a machine without the libaio headers (in a
-    fresh extension cache: a build cached by another run would make async_io usable without them)."""
+    fresh extension cache)."""
     env = launcher_env()
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
     probe = "import sys; from dsx.ops.aio import async_io_status; sys.exit(3 if async_io_status()[0] else 0)"

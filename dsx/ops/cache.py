@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["extensions_root", "is_cached"]
+__all__ = ["extensions_root", "is_cached", "is_prebuilt"]
 
 
 def extensions_root() -> Path:
@@ -31,7 +31,7 @@ def extensions_root() -> Path:
     return Path(get_default_build_root()) / f"{py}_{accel}"
 
 
-def _prebuilt(name: str) -> bool:
+def is_prebuilt(name: str) -> bool:
     """Whether DeepSpeed was installed with this op compiled in (``DS_BUILD_*=1``): then nothing is built."""
     try:
         from deepspeed.git_version_info import installed_ops
@@ -57,7 +57,7 @@ def _built_for_this_torch(build_dir: Path) -> bool:
 
 def is_cached(name: str) -> bool:
     """Whether the op ``name`` loads without compiling: prebuilt into DeepSpeed, or built for this torch."""
-    if _prebuilt(name):
+    if is_prebuilt(name):
         return True
     build_dir = extensions_root() / name
     return (build_dir / f"{name}.so").is_file() and _built_for_this_torch(build_dir)
