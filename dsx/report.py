@@ -73,7 +73,13 @@ def _deepspeed_rows(rows: list[Row]) -> None:
             builder = ALL_OPS.get(name)
             if builder is None:
                 continue
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            # quiet, into a real file: DeepSpeed's compile probes redirect sys.stderr's file descriptor, and a
+            # stream without one fails them (async_io would read as incompatible)
+            with (
+                open(os.devnull, "w") as quiet,
+                contextlib.redirect_stdout(quiet),
+                contextlib.redirect_stderr(quiet),
+            ):
                 ok = builder.is_compatible(verbose=False)
             state = "built" if name in built else ("jit" if ok else "incompatible")
             out.append(f"{name}:{state}")

@@ -39,3 +39,23 @@ def test_report_bad_io_path(tmp_path) -> None:
     out = _dsx("report", "--io", str(tmp_path / "missing"))
     assert out.returncode == 2
     assert "not an existing directory" in out.stdout and "Traceback" not in out.stdout + out.stderr
+
+
+def test_the_ops_row_agrees_with_deepspeeds_own_probe(tmp_path) -> None:
+    """Each DeepSpeed op the report lists as jit or incompatible is what DeepSpeed's ``is_compatible`` says when
+    called as a job calls it (in an empty extension cache, so that no op shows as built)."""
+    env = {**launcher_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    script = """
+import json
+from deepspeed.ops.op_builder.all_ops import ALL_OPS
+from dsx.report import collect
+row = next(r["value"] for r in collect()["rows"] if r["item"] == "ops (compatible / built)")
+states = dict(p.split(":") for p in row.split(", "))
+print(json.dumps({n: [s, "jit" if ALL_OPS[n].is_compatible(verbose=False) else "incompatible"] for n, s in states.items()}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    states = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "async_io" in states and "cpu_adam" in states, states
+    assert all(got == want for got, want in states.values()), states
