@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "add_common_args",
     "device_name",
     "environment",
+    "exit_if_any_failed",
     "host_probe_s",
     "is_peer",
     "median_runs",
@@ -168,6 +170,14 @@ def write_json(result: dict[str, Any], out: str | os.PathLike[str], name: str) -
     data.setdefault("env", environment())
     path.write_text(json.dumps(_jsonable(data), indent=2, allow_nan=False) + "\n")
     return path
+
+
+def exit_if_any_failed(rows: list[dict[str, Any]], out: str | os.PathLike[str], name: str) -> None:
+    """Exit non-zero, naming the JSON, when a row carries an ``error``: the results are written first, so a
+    failed run's rows can be read, and the suite's log shows it failed."""
+    failed = sum("error" in r for r in rows)
+    if failed:
+        sys.exit(f"{failed} run(s) failed: see 'rows' in {out}/{name}.json")
 
 
 def save_png(fig: Any, out: str | os.PathLike[str], name: str, dpi: int = 120) -> Path:

@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import HelpFormatter, add_common_args, environment, save_png, write_json
+from _common import HelpFormatter, add_common_args, environment, exit_if_any_failed, save_png, write_json
 
 from dsx.offload.io import kvikio_mode
 
@@ -236,10 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.out,
         args.name,
     )
-    if any("error" in r for r in rows):
-        sys.exit(
-            f"{sum('error' in r for r in rows)} run(s) failed: see 'rows' in {args.out}/{args.name}.json"
-        )
+    exit_if_any_failed(rows, args.out, args.name)
     return result
 
 
