@@ -151,7 +151,6 @@ class HeteroNeighborSampler:
         pending = self._next_totals(0, {input_type: seeds}, None) if seeds.numel() else {}
         totals = dict(zip(pending, torch.stack(list(pending.values())).tolist())) if pending else {}
         touched: list[tuple[str, torch.Tensor]] = []
-        out_nodes = None
         try:
             for h in range(hops):
                 # Sample every edge type from its destination type's frontier; group sources by type.
@@ -170,15 +169,13 @@ class HeteroNeighborSampler:
                 # Relabel each source type's neighbors of this hop together (one local id per node).
                 nbr, first, rank = {}, {}, {}
                 for t, group in parts.items():
-                    srcs = [self.col[et][epos].long() for et, _, epos in group]
-                    nbr[t] = srcs[0] if len(srcs) == 1 else torch.cat(srcs)  # (fresh tensors: no copy needed)
+                    nbr[t] = torch.cat([self.col[et][epos].long() for et, _, epos in group])
                     touched.append((t, nbr[t]))  # undone by the except clause if the hop fails
                     local, first[t], rank[t] = claim_nodes(maps[t], nbr[t], count[t])
                     start = 0
                     for et, owner, _ in group:
                         rows[et].append(local[start : start + owner.numel()])
-                        # the frontier's local ids start at offset (owner is fresh: no copy at offset 0)
-                        cols[et].append(owner + offset[et[2]] if offset[et[2]] else owner)
+                        cols[et].append(owner + offset[et[2]])  # the frontier's local ids start at offset
                         start += owner.numel()
                 # One synchronisation: every type's new-node count and the next hop's edge counts.
                 nxt = self._next_totals(h + 1, nbr, first) if h + 1 < hops else {}
@@ -201,11 +198,11 @@ class HeteroNeighborSampler:
         finally:
             for t, v in n_ids.items():  # reset only the touched entries
                 if v:
-                    maps[t].index_fill_(0, out_nodes[t] if out_nodes is not None else torch.cat(v), -1)
+                    maps[t][torch.cat(v)] = -1
         # one launch per edge type: rows then columns, as one [2 * E] buffer seen as [2, E]
         edge_index = {
             et: torch.cat(rows[et] + cols[et]).view(2, -1) if rows[et] else empty.view(2, 0)
             for et in self.edge_types
         }
-        e_id = {et: (v[0] if len(v) == 1 else torch.cat(v)) if v else empty for et, v in eids.items()}
+        e_id = {et: torch.cat(v) if v else empty for et, v in eids.items()}
         return HeteroSampledSubgraph(out_nodes, edge_index, e_id, input_type, seeds.numel(), n_nodes, n_edges)

@@ -198,7 +198,6 @@ def sample_positions(
     """For frontier ``nodes`` of the CSR ``rowptr``: (owner index into ``nodes``, CSR edge position) of every
     sampled edge, grouped by owner. ``total`` (the number of sampled edges, if known) saves a host
     synchronisation."""
-    # (each launch counts: a heterogeneous batch calls this once per edge type and hop)
     start, deg, take = _fanout(rowptr, nodes, k)
     if total is None:
         total = int(take.sum())
