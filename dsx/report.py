@@ -65,8 +65,8 @@ def _deepspeed_rows(rows: list[Row]) -> None:
     def ops() -> str:
         from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
-        ext = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-        built = {p.name for p in ext.glob("*/*") if p.is_dir()} if ext.exists() else set()
+        from dsx.ops.cache import is_cached, is_prebuilt
+
         want = ["async_io", "cpu_adam", "cpu_adagrad", "fused_adam", "transformer_inference", "gds"]
         out = []
         for name in want:
@@ -81,7 +81,9 @@ def _deepspeed_rows(rows: list[Row]) -> None:
                 contextlib.redirect_stderr(quiet),
             ):
                 ok = builder.is_compatible(verbose=False)
-            state = "built" if name in built else ("jit" if ok else "incompatible")
+            # a cached build loads only past the same probe (DeepSpeed runs it first), a prebuilt one always
+            built = is_prebuilt(name) or (ok and is_cached(name))
+            state = "built" if built else ("jit" if ok else "incompatible")
             out.append(f"{name}:{state}")
         return ", ".join(out)
 
