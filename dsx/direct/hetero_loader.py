@@ -203,15 +203,17 @@ class HeteroNeighborLoader(PipelinedLoader):
             self.input_type, self.input_nodes[input_id]
         )  # host ids: range-checked there
         batch, dev = HeteroData(), self.device
-        for t in self.node_types:
+        n_ids = {t: out.n_id[t].to(dev, non_blocking=True) for t in self.node_types}
+        for t, n_id in n_ids.items():
             store = batch[t]
-            n_id = out.n_id[t].to(dev, non_blocking=True)
             store.num_nodes, store.n_id = n_id.numel(), n_id
             store.num_sampled_nodes = out.num_sampled_nodes[t]
-            if t in self._x:
-                store.x = gather_rows(*self._x[t][:2], n_id, dev)
-            if t in self.y:
-                store.y = self.y[t][n_id]
+        with self._gathering(*n_ids.values()):
+            for t, n_id in n_ids.items():
+                if t in self._x:
+                    batch[t].x = gather_rows(*self._x[t][:2], n_id, dev)
+                if t in self.y:
+                    batch[t].y = self.y[t][n_id]
         for et in self.edge_types:
             store = batch[et]
             store.edge_index = out.edge_index[et].to(dev, non_blocking=True)

@@ -136,10 +136,11 @@ class NeighborLoader(PipelinedLoader):
         batch.n_id, batch.e_id = n_id, out.e_id.to(self.device, non_blocking=True)
         batch.batch_size, batch.input_id = out.batch_size, input_id.to(self.device)
         batch.num_sampled_nodes, batch.num_sampled_edges = out.num_sampled_nodes, out.num_sampled_edges
-        if self.x is not None:
-            batch.x = gather_rows(self.x, self._ut, n_id, self.device)
-        if self.y is not None:
-            batch.y = self.y[n_id]
+        with self._gathering(n_id):
+            if self.x is not None:
+                batch.x = gather_rows(self.x, self._ut, n_id, self.device)
+            if self.y is not None:
+                batch.y = self.y[n_id]
         return batch
 
     def _unified_tensors(self) -> list[Any]:

@@ -9,10 +9,16 @@ in order from the loader's random generator) and, on GPUs, its ``"loader"`` stre
 batch's deadline (:meth:`Scheduler.wait <dsx.runtime.scheduler.Scheduler.wait>`: the time it blocks is the
 loader's exposed stall in the telemetry), its stream waits on the batch's event and the tensors are
 ``record_stream``-ed, so the caching allocator never recycles them early.
+
+A batch's feature and label gathers run on a second stream, ``"gather"``, after the sampling that gave their
+node ids. Sampling synchronises with the host once per hop; on the loader stream, each of those waits would
+also wait for the previous batch's gathers, which read host-memory features over the host link for
+milliseconds, and the loader's thread (its pace sets the pipeline's when the step is shorter) would idle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import warnings
@@ -172,8 +178,9 @@ def _record_stream(v: Any, stream: torch.cuda.Stream) -> None:
 class PipelinedLoader:
     """Seeds, epochs, rank shares and the scheduler pipeline of a neighbor loader (see the module's doc).
 
-    Subclasses set :attr:`input_nodes` (host int64 seed ids) and implement ``_make(chunk) -> batch`` and
-    ``_unified_tensors()`` (the unified tables whose deferred checks surface at an epoch's end).
+    Subclasses set :attr:`input_nodes` (host int64 seed ids) and implement ``_make(chunk) -> batch`` (whose
+    feature and label gathers run inside :meth:`_gathering`) and ``_unified_tensors()`` (the unified tables
+    whose deferred checks surface at an epoch's end).
     """
 
     input_nodes: torch.Tensor
@@ -217,6 +224,7 @@ class PipelinedLoader:
         self._runs = itertools.count()
         self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
         self.rank, self.world_size, self.seed, self.epoch = rank, world_size, int(opt["seed"]), 0
+        self._thread = threading.local()  # ``side``: the gather stream of the batch this thread prepares
         self.transform = opt["transform"]
         if self.transform is not None and not callable(self.transform):
             raise TypeError(
@@ -290,6 +298,20 @@ class PipelinedLoader:
     def _unified_tensors(self) -> list[Any]:
         return []
 
+    @contextlib.contextmanager
+    def _gathering(self, *ids: torch.Tensor) -> Iterator[None]:
+        """Run a batch's gathers by node ``ids`` on the pipeline's gather stream, after the work so far on the
+        current stream (which made ``ids``); outside the pipeline, on the current stream."""
+        side = getattr(self._thread, "side", None)
+        if side is None:
+            yield
+            return
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        for t in ids:  # read there: not recycled for the loader stream's next batch before the gathers ran
+            t.record_stream(side)
+        with torch.cuda.stream(side):
+            yield
+
     @property
     def scheduler(self) -> Scheduler:
         """The scheduler that prepares this loader's batches (see ``scheduler=``)."""
@@ -317,23 +339,28 @@ class PipelinedLoader:
             )
         return out
 
-    def _prepare(self, chunk: torch.Tensor, stream: Any) -> tuple[Any, Any]:
-        """One batch, on the scheduler's loader thread: sampled and gathered on ``stream`` (CUDA) and
-        followed by an event the caller's stream waits on."""
+    def _prepare(self, chunk: torch.Tensor, stream: Any, side: Any) -> tuple[Any, Any]:
+        """One batch, on the scheduler's loader thread: sampled on ``stream`` and gathered on ``side`` (CUDA),
+        followed by an event, after both, that the caller's stream waits on."""
         if stream is None:
             return self._transformed(chunk), None
         torch.cuda.set_device(self.device)  # the pool's thread is shared with other loaders
-        with torch.cuda.stream(stream):
-            batch = self._transformed(chunk)
-            ready = torch.cuda.Event()
-            ready.record(stream)
+        self._thread.side = side
+        try:
+            with torch.cuda.stream(stream):
+                batch = self._transformed(chunk)
+        finally:
+            self._thread.side = None
+        side.wait_stream(stream)
+        ready = torch.cuda.Event()
+        ready.record(side)
         return batch, ready
 
     def _pipelined(self, chunks: list[torch.Tensor]) -> Iterator[Any]:
         sched = self.scheduler
-        stream = None
+        stream = side = None
         if self.device.type == "cuda":
-            stream = sched.stream("loader")
+            stream, side = sched.stream("loader"), sched.stream("gather")
             if stream is None or stream.device != self.device:
                 raise ValueError(
                     f"{type(self).__name__} on {self.device} needs a scheduler on that device, got one on "
@@ -347,7 +374,7 @@ class PipelinedLoader:
             item = next(todo, None)
             if item is not None:
                 label = f"{run}:{item[0]}"
-                fut = sched.submit(self._prepare, item[1], stream, pool="loader", deadline=label)
+                fut = sched.submit(self._prepare, item[1], stream, side, pool="loader", deadline=label)
                 inflight.append((label, fut))
 
         try:
@@ -375,3 +402,4 @@ class PipelinedLoader:
                 wait_futures([f for _, f in inflight])
             if stream is not None:  # later work on the caller's stream (a synchronous epoch) comes after
                 torch.cuda.current_stream(self.device).wait_stream(stream)
+                torch.cuda.current_stream(self.device).wait_stream(side)

@@ -2,7 +2,8 @@
 
 Streams and thread pools are created here and nowhere else, by name: activation offload's copies run on
 the ``"offload"`` and ``"prefetch"`` streams and its file I/O on the ``"io"`` and ``"ssd"`` pools; the GNN
-loaders prepare their next batches on the ``"loader"`` pool and stream. So one object sees every transfer of
+loaders prepare their next batches on the ``"loader"`` pool and stream, and gather their features on the
+``"gather"`` stream. So one object sees every transfer of
 the rank, and its telemetry tells where a step waited.
 
 Work items may be submitted with the point by which they must be done (a label such as

@@ -350,6 +350,47 @@ def test_same_seed_same_batches_with_and_without_prefetch(data, device) -> None:
     sched.close()
 
 
+@pytest.mark.gpu
+def test_pipelined_batches_are_gathered_on_the_gather_stream_and_arrive_with_their_gathers_done() -> None:
+    """Gathers run on the scheduler's ``"gather"`` stream, not the ``"loader"`` stream whose per-hop host
+    reads would then wait for them. Wide host-memory rows make each batch's gather take milliseconds over the
+    host link, and the step reads every batch's features at once on its own stream: a batch handed over
+    before its gather finished compares unequal."""
+    g = torch.Generator().manual_seed(11)
+    n, width = 60_000, 2048
+    data = HeteroData()
+    data["paper"].x = torch.randn(n, width, generator=g)
+    data["paper"].y = torch.randint(0, 9, (n,), generator=g)
+    data[CITES].edge_index = torch.randint(0, n, (2, 600_000), generator=g)
+    sched = Scheduler(SchedulerConfig(), device=torch.device("cuda", 0))
+    loader = HeteroNeighborLoader(data, [12, 8], ("paper", None), batch_size=256, shuffle=True, prefetch=2,
+                                  device="cuda", scheduler=sched)  # fmt: skip
+    want, labels = data["paper"].x.cuda(), data["paper"].y.cuda()
+    ut = loader._x["paper"][1]
+    streams: list[int] = []
+    real = ut.gather
+
+    def gather(*args, **kwargs):
+        streams.append(torch.cuda.current_stream().stream_id)
+        return real(*args, **kwargs)
+
+    ut.gather = gather
+    rows = 0
+    for i, b in enumerate(loader):
+        n_id = b["paper"].n_id
+        assert torch.equal(b["paper"].x, want[n_id]), f"batch {i}: features read before their gather ended"
+        assert torch.equal(b["paper"].y, labels[n_id])
+        rows += n_id.numel()
+        if i == 12:
+            break
+    assert rows > 13 * 256 * 8, rows  # thousands of 8 KB rows a batch: each gather takes milliseconds
+    assert streams and set(streams) == {sched.stream("gather").stream_id} != {
+        sched.stream("loader").stream_id
+    }
+    loader.close()
+    sched.close()
+
+
 def test_one_host_read_per_hop(data, monkeypatch) -> None:
     csr = {et: to_csr(data[et].edge_index, data[et[2]].num_nodes)[:2] for et in data.edge_types}
     nodes = {t: data[t].num_nodes for t in data.node_types}

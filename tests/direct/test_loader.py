@@ -146,7 +146,8 @@ def test_the_loader_creates_no_thread_or_stream_of_its_own(monkeypatch, data, de
         assert started and all(name.startswith("dsx-loader") for name in started), started
         assert len(started) == 1  # the scheduler's one loader thread, for both epochs
         if device == "cuda":
-            assert len(made_streams) == 1 and set(sched._streams) == {"loader"}  # the scheduler's stream
+            # the scheduler's streams: sampling's and the gathers'
+            assert len(made_streams) == 2 and set(sched._streams) == {"loader", "gather"}
         else:
             assert made_streams == []
     finally:
