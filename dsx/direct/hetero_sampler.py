@@ -139,7 +139,7 @@ class HeteroNeighborSampler:
             raise ValueError(f"input type {input_type!r} is not a node type of this graph {self.node_types}")
         seeds = seeds_on(seeds, self.num_nodes[input_type], self.device, f"seed ids of {input_type!r}")
         dev, maps, hops = self.device, self._maps, self.num_hops
-        maps[input_type][seeds] = torch.arange(seeds.numel(), device=dev)
+        maps[input_type].index_put_((seeds,), torch.arange(seeds.numel(), device=dev))
         empty = torch.empty(0, dtype=torch.long, device=dev)
         n_ids = {t: [seeds] if t == input_type else [] for t in self.node_types}
         count = {t: seeds.numel() if t == input_type else 0 for t in self.node_types}
@@ -165,11 +165,13 @@ class HeteroNeighborSampler:
                     )
                     parts.setdefault(et[0], []).append((et, owner, epos))
                     n_edges[et].append(total)
-                    eids[et].append(epos if et not in self.edge_id else self.edge_id[et][epos])
+                    eids[et].append(
+                        epos if et not in self.edge_id else self.edge_id[et].index_select(0, epos)
+                    )
                 # Relabel each source type's neighbors of this hop together (one local id per node).
                 nbr, first, rank = {}, {}, {}
                 for t, group in parts.items():
-                    nbr[t] = torch.cat([self.col[et][epos].long() for et, _, epos in group])
+                    nbr[t] = torch.cat([self.col[et].index_select(0, epos).long() for et, _, epos in group])
                     touched.append((t, nbr[t]))  # undone by the except clause if the hop fails
                     local, first[t], rank[t] = claim_nodes(maps[t], nbr[t], count[t])
                     start = 0
@@ -193,12 +195,12 @@ class HeteroNeighborSampler:
             out_nodes = {t: torch.cat(v) if v else empty for t, v in n_ids.items()}
         except BaseException:
             for t, ids in touched:  # a failed hop leaves claims (< -1) or local ids on its neighbors
-                maps[t][ids] = -1
+                maps[t].index_fill_(0, ids, -1)
             raise
         finally:
             for t, v in n_ids.items():  # reset only the touched entries
                 if v:
-                    maps[t][torch.cat(v)] = -1
+                    maps[t].index_fill_(0, torch.cat(v), -1)
         # one launch per edge type: rows then columns, as one [2 * E] buffer seen as [2, E]
         edge_index = {
             et: torch.cat(rows[et] + cols[et]).view(2, -1) if rows[et] else empty.view(2, 0)
