@@ -17,7 +17,8 @@ figure is the median batch time with its spread (min, max), and the epoch time i
 batches of an epoch (extrapolated, and said so in the JSON). ``prep_ms`` is dsx's per-batch graph
 preparation (typed layout and ``dsx.rgnn.prepare``) timed alone on the same batches; ``--prepare-graph
 loader`` moves it from the step into the loader's pipeline (``dsx.rgnn.PrepareGraph``), and ``--breakdown``
-shows what the step waits for. ``--learn-steps N`` then trains dsx_gpu and the fastest PyG pipeline N steps
+shows what the step waits for: its stages, dsx's loader alone and step alone (a batch time near the larger of
+the two is a pipeline that overlaps them), and a profile of dsx's steps. ``--learn-steps N`` then trains dsx_gpu and the fastest PyG pipeline N steps
 each from the same initial weights, once for each of ``--learn-seeds`` seeds, and records the loss curves and
 the validation accuracies: the same learning, not only the same speed, judged against the seed-to-seed spread.
 ``--merge`` keeps the models of an earlier run's JSON that this run does not run (one model per job; each model
@@ -79,8 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "go on with their sample order)")  # fmt: skip
     p.add_argument("--breakdown", type=int, default=0, metavar="N",
                    help="also time N batches per pipeline stage by stage (wait for the batch, forward, "
-                        "backward, optimizer) and trace dsx's steps with torch.profiler: where a batch's time "
-                        "goes")  # fmt: skip
+                        "backward, optimizer), dsx's loader alone and step alone, and trace dsx's steps with "
+                        "torch.profiler: where a batch's time goes")  # fmt: skip
     p.add_argument("--prepare-graph", choices=["step", "loader"], default="step",
                    help="where dsx prepares each batch's graph: in the training step (the layers' first call) "
                         "or in the loader's pipeline (dsx.rgnn.PrepareGraph)")  # fmt: skip
@@ -157,6 +158,38 @@ class _Pipeline:
             for key, a, z in zip(ms, t, t[1:]):
                 ms[key].append(1e3 * (z - a))
         return {k: statistics.median(v) for k, v in ms.items()}
+
+    def alone(self, n: int) -> dict[str, float]:
+        """Median ms per batch of the loader alone (``n`` batches, no step: its own pace) and of the step
+        alone (on ``n`` batches taken first: the step's pace). A pipeline whose batch time is near the larger
+        of the two overlaps them; near their sum, it runs them one after the other."""
+        self._close_iterator()
+        it = iter(self.loader)
+        loader_ms = []
+        for i in range(n + 2):  # (the first two start the pipeline)
+            _sync(self.dev)
+            t0 = time.perf_counter()
+            b = next(it)
+            _sync(self.dev)
+            if i >= 2:
+                loader_ms.append(1e3 * (time.perf_counter() - t0))
+        ready = [next(it) for _ in range(n + 1)]
+        it.close()  # (the loader's prefetched batches are dropped: nothing samples while the step runs)
+        step_ms = []
+        self.step(ready[0])
+        for b in ready[1:]:
+            _sync(self.dev)
+            t0 = time.perf_counter()
+            self.step(b)
+            _sync(self.dev)
+            step_ms.append(1e3 * (time.perf_counter() - t0))
+        return {"loader_alone": statistics.median(loader_ms), "step_alone": statistics.median(step_ms)}
+
+    def _close_iterator(self) -> None:
+        close = getattr(self._it, "close", None)  # dsx's loaders iterate in a generator
+        if close is not None:
+            close()
+        self._it = None
 
     @property
     def workers(self) -> int:
@@ -488,6 +521,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         by = {p.name: p for p in pipes}
         if args.breakdown:
             out["breakdown_ms"] = {p.name: p.stages(args.breakdown) for p in pipes}
+            for p in pipes:
+                if p.name.startswith("dsx"):
+                    out["breakdown_ms"][p.name].update(p.alone(args.breakdown))
             traces = Path(args.trace_dir or tempfile.mkdtemp(prefix="bench_hetero_traces_")) / model_name
             out["trace"] = {p.name: _trace(p, 3, traces) for p in pipes if p.name.startswith("dsx")}
             print(model_name, "breakdown", out["breakdown_ms"], out["trace"], flush=True)

@@ -141,3 +141,43 @@ def test_drain_stops_at_its_cap_when_the_loader_keeps_ahead() -> None:
     pipe = _pipe("dsx_gpu", _ReadyLoader(), 0.005)
     assert pipe.buffered() == 3
     assert pipe.drain(warmup=2) == 2 + 4 * 3
+
+
+class _PacedLoader:
+    """A loader that makes each batch in ``delay`` seconds, in a generator (as dsx's loaders iterate), and
+    counts the iterations closed."""
+
+    prefetch = 0
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.closed = delay, 0
+
+    def __iter__(self):
+        try:
+            for i in range(10_000):
+                time.sleep(self.delay)
+                yield torch.full((4,), float(i))
+        finally:
+            self.closed += 1
+
+
+def test_alone_times_the_loader_and_the_step_apart() -> None:
+    """--breakdown's loader-alone and step-alone figures: a 30 ms loader and a 5 ms step are told apart (the
+    pipeline's time is near the larger when they overlap, near the sum when they do not), and the iteration the
+    pipeline had open and the one the measure opened are both closed."""
+    mod = load_example("benchmarks/bench_hetero.py")
+    steps: list[torch.Tensor] = []
+
+    class Pipe(mod._Pipeline):
+        def step(self, b=None) -> torch.Tensor:
+            steps.append(b)
+            time.sleep(0.005)
+            return torch.zeros(())
+
+    loader = _PacedLoader(0.03)
+    pipe = Pipe("dsx_gpu", loader, torch.nn.Linear(1, 1), torch.device("cpu"), "paper")
+    pipe.next_batch()  # an open iteration, as after the timed batches
+    got = pipe.alone(4)
+    assert 25 <= got["loader_alone"] < 200 and got["step_alone"] < 20, got
+    assert loader.closed == 2 and pipe._it is None
+    assert len(steps) == 5 and all(b is not None for b in steps)  # the step ran on the batches taken first
