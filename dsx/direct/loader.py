@@ -70,7 +70,9 @@ class NeighborLoader(PipelinedLoader):
     transform:
         As in PyG: a function applied to each batch before it is returned. It runs in the pipeline, on the
         loader's thread and (CUDA) stream, so its work overlaps the caller's step on the batch before
-        (``dsx.rgnn.PrepareGraph`` prepares the relational layers' graph there).
+        (``dsx.rgnn.PrepareGraph`` prepares the relational layers' graph there). It runs after the batch's
+        ``x`` / ``y`` gathers, unless it has ``reads_features = False`` (as ``PrepareGraph``, which reads only
+        the edges and the node counts): then the two overlap.
     """
 
     def __init__(

@@ -56,6 +56,9 @@ PYG_UNSUPPORTED = {
 }  # fmt: skip
 
 _loader_ids = itertools.count()
+# ``side``: the gather stream of the batch this thread prepares (a pool thread prepares one batch at a time);
+# kept off the loaders, which stay picklable
+_preparing = threading.local()
 
 
 class LoaderOptions(TypedDict, total=False):
@@ -224,7 +227,6 @@ class PipelinedLoader:
         self._runs = itertools.count()
         self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
         self.rank, self.world_size, self.seed, self.epoch = rank, world_size, int(opt["seed"]), 0
-        self._thread = threading.local()  # ``side``: the gather stream of the batch this thread prepares
         self.transform = opt["transform"]
         if self.transform is not None and not callable(self.transform):
             raise TypeError(
@@ -302,7 +304,7 @@ class PipelinedLoader:
     def _gathering(self, *ids: torch.Tensor) -> Iterator[None]:
         """Run a batch's gathers by node ``ids`` on the pipeline's gather stream, after the work so far on the
         current stream (which made ``ids``); outside the pipeline, on the current stream."""
-        side = getattr(self._thread, "side", None)
+        side = getattr(_preparing, "side", None)
         if side is None:
             yield
             return
@@ -331,6 +333,10 @@ class PipelinedLoader:
         batch = self._make(chunk)
         if self.transform is None:
             return batch
+        side = getattr(_preparing, "side", None)
+        if side is not None and getattr(self.transform, "reads_features", True):
+            # a transform may read x / y: its work on the loader stream waits for their gathers
+            torch.cuda.current_stream(self.device).wait_stream(side)
         out = self.transform(batch)
         if not hasattr(out, "stores"):  # the pipeline records its tensors on the training stream
             raise TypeError(
@@ -345,12 +351,12 @@ class PipelinedLoader:
         if stream is None:
             return self._transformed(chunk), None
         torch.cuda.set_device(self.device)  # the pool's thread is shared with other loaders
-        self._thread.side = side
+        _preparing.side = side
         try:
             with torch.cuda.stream(stream):
                 batch = self._transformed(chunk)
         finally:
-            self._thread.side = None
+            _preparing.side = None
         side.wait_stream(stream)
         ready = torch.cuda.Event()
         ready.record(side)

@@ -305,6 +305,8 @@ class PrepareGraph:
     #: a loader refuses more prefetched batches than this: the caches keep four batches' graphs (the step's,
     #: the prefetched ones, an evaluation batch), so more would push prepared graphs out before their step
     max_prefetch = _GRAPHS_KEPT - 2
+    #: the loaders run it without waiting for the batch's feature gathers: it reads edges and node counts only
+    reads_features = False
 
     def __init__(self, model: nn.Module) -> None:
         self.layers = [m for m in model.modules() if callable(getattr(m, "prepare_graph", None))]

@@ -20,6 +20,7 @@ from dsx.direct import (
     unified,
 )
 from dsx.direct.sampler import to_csr
+from dsx.models.hetero_gnn import HeteroClassifier
 from dsx.runtime.scheduler import Scheduler
 from tests.harness import REPO, launch
 
@@ -350,20 +351,26 @@ def test_same_seed_same_batches_with_and_without_prefetch(data, device) -> None:
     sched.close()
 
 
-@pytest.mark.gpu
-def test_pipelined_batches_are_gathered_on_the_gather_stream_and_arrive_with_their_gathers_done() -> None:
-    """Gathers run on the scheduler's ``"gather"`` stream, not the ``"loader"`` stream whose per-hop host
-    reads would then wait for them. Wide host-memory rows make each batch's gather take milliseconds over the
-    host link, and the step reads every batch's features at once on its own stream: a batch handed over
-    before its gather finished compares unequal."""
+def _wide_rows_graph(n: int = 60_000, width: int = 2048) -> HeteroData:
+    """Papers with 8 KB feature rows citing each other at random: a batch of 1024 seeds at fanouts [10, 10]
+    gathers tens of thousands of rows, milliseconds over the host link."""
     g = torch.Generator().manual_seed(11)
-    n, width = 60_000, 2048
     data = HeteroData()
     data["paper"].x = torch.randn(n, width, generator=g)
     data["paper"].y = torch.randint(0, 9, (n,), generator=g)
-    data[CITES].edge_index = torch.randint(0, n, (2, 600_000), generator=g)
+    data[CITES].edge_index = torch.randint(0, n, (2, 10 * n), generator=g)
+    return data
+
+
+@pytest.mark.gpu
+def test_pipelined_batches_are_gathered_on_the_gather_stream_and_arrive_with_their_gathers_done() -> None:
+    """Gathers run on the scheduler's ``"gather"`` stream, not the ``"loader"`` stream whose per-hop host
+    reads would then wait for them. Each batch's gather takes milliseconds over the host link, and the step
+    reads every batch's features at once on its own stream: a batch handed over before its gather finished
+    compares unequal."""
+    data = _wide_rows_graph()
     sched = Scheduler(SchedulerConfig(), device=torch.device("cuda", 0))
-    loader = HeteroNeighborLoader(data, [12, 8], ("paper", None), batch_size=256, shuffle=True, prefetch=2,
+    loader = HeteroNeighborLoader(data, [10, 10], ("paper", None), batch_size=1024, shuffle=True, prefetch=2,
                                   device="cuda", scheduler=sched)  # fmt: skip
     want, labels = data["paper"].x.cuda(), data["paper"].y.cuda()
     ut = loader._x["paper"][1]
@@ -383,10 +390,43 @@ def test_pipelined_batches_are_gathered_on_the_gather_stream_and_arrive_with_the
         rows += n_id.numel()
         if i == 12:
             break
-    assert rows > 13 * 256 * 8, rows  # thousands of 8 KB rows a batch: each gather takes milliseconds
+    assert rows > 13 * 10_000, rows  # over 10,000 rows of 8 KB a batch: each gather takes milliseconds
     assert streams and set(streams) == {sched.stream("gather").stream_id} != {
         sched.stream("loader").stream_id
     }
+    loader.close()
+    sched.close()
+
+
+@pytest.mark.gpu
+def test_a_transform_reads_the_gathered_features_unless_it_says_it_reads_none() -> None:
+    """A transform runs on the loader stream after the batch's gathers on the gather stream: a copy of ``x`` it
+    takes there equals the table's rows. ``dsx.rgnn.PrepareGraph`` says it reads no features, and runs beside
+    the gathers; its batches come out whole too."""
+    data = _wide_rows_graph()
+    sched = Scheduler(SchedulerConfig(), device=torch.device("cuda", 0))
+    want = data["paper"].x.cuda()
+
+    def copy_x(batch):
+        batch["paper"].x_seen = batch["paper"].x.clone()
+        return batch
+
+    loader = HeteroNeighborLoader(data, [10, 10], ("paper", None), batch_size=1024, shuffle=True, prefetch=2,
+                                  device="cuda", scheduler=sched, transform=copy_x)  # fmt: skip
+    for i, b in enumerate(loader):
+        assert torch.equal(b["paper"].x_seen, want[b["paper"].n_id]), f"batch {i}: the transform ran early"
+        if i == 12:
+            break
+    loader.close()
+    model = HeteroClassifier("rgcn", data.metadata(), {"paper": 2048}, 16, 9).cuda()
+    prep = rg.PrepareGraph(model)
+    assert prep.reads_features is False
+    loader = HeteroNeighborLoader(data, [10, 10], ("paper", None), batch_size=1024, shuffle=True, prefetch=2,
+                                  device="cuda", scheduler=sched, transform=prep)  # fmt: skip
+    for i, b in enumerate(loader):
+        assert torch.equal(b["paper"].x, want[b["paper"].n_id]) and b.prepared_graph, f"batch {i}"
+        if i == 6:
+            break
     loader.close()
     sched.close()
 

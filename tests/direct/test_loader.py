@@ -326,3 +326,16 @@ def test_a_given_csr_samples_as_the_edge_list_and_a_bad_one_is_named(data) -> No
     for message, given in bad.items():
         with pytest.raises(ValueError, match=message):
             NeighborLoader({**given, "x": data.x}, [2])
+
+
+def test_a_loader_pickles_and_copies_into_one_that_makes_the_same_batches(data) -> None:
+    """A loader holds no per-thread or per-process state (the pipeline's is kept off it): pickled, or deep-copied,
+    it makes the batches the original makes."""
+    import copy
+    import pickle
+
+    loader = NeighborLoader(data, [4, 3], batch_size=200, shuffle=True, seed=2, prefetch=0)
+    twins = [pickle.loads(pickle.dumps(loader)), copy.deepcopy(loader)]
+    want = list(loader)
+    for twin in twins:
+        assert all(_same(a, b) for a, b in zip(want, twin, strict=True))
