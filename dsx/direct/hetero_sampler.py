@@ -112,7 +112,7 @@ class HeteroNeighborSampler:
                     f"and col 1-D; got {tuple(rowptr.shape)} and {tuple(col.shape)}"
                 )
             self.rowptr[et], self.col[et] = rowptr.long(), col
-        self.edge_id = edge_id or {}
+        self.edge_id = {tuple(et): ids.to(self.device) for et, ids in (edge_id or {}).items()}
         self.generator = generator
         self.node_types = list(self.num_nodes)
         self._maps = {

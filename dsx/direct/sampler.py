@@ -110,7 +110,7 @@ class NeighborSampler:
         self.rowptr = rowptr.long()
         self.col = col
         self.num_neighbors = [int(k) for k in num_neighbors]
-        self.edge_id = edge_id
+        self.edge_id = None if edge_id is None else edge_id.to(rowptr.device)  # (index_select: one device)
         self.device = rowptr.device
         self.num_nodes = rowptr.numel() - 1
         self.generator = generator
