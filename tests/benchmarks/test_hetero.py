@@ -144,17 +144,21 @@ def test_drain_stops_at_its_cap_when_the_loader_keeps_ahead() -> None:
 
 
 class _PacedLoader:
-    """A loader that makes each batch in ``delay`` seconds, in a generator (as dsx's loaders iterate), and
-    counts the iterations closed."""
+    """A loader that makes each batch in ``delay`` seconds, ``batches`` an epoch, in a generator (as dsx's
+    loaders iterate), and counts the iterations closed and the batches its ``transform`` saw."""
 
     prefetch = 0
 
-    def __init__(self, delay: float) -> None:
-        self.delay, self.closed = delay, 0
+    def __init__(self, delay: float, batches: int = 10_000) -> None:
+        self.delay, self.batches, self.closed, self.transformed = delay, batches, 0, 0
+
+    def transform(self, b: torch.Tensor) -> torch.Tensor:
+        self.transformed += 1
+        return b
 
     def __iter__(self):
         try:
-            for i in range(10_000):
+            for i in range(self.batches):
                 time.sleep(self.delay)
                 yield torch.full((4,), float(i))
         finally:
@@ -163,8 +167,9 @@ class _PacedLoader:
 
 def test_alone_times_the_loader_and_the_step_apart() -> None:
     """--breakdown's loader-alone and step-alone figures: a 30 ms loader and a 5 ms step are told apart (the
-    pipeline's time is near the larger when they overlap, near the sum when they do not), and the iteration the
-    pipeline had open and the one the measure opened are both closed."""
+    pipeline's time is near the larger when they overlap, near the sum when they do not); the iteration the
+    pipeline had open and those the measure opened are closed, epochs shorter than the measure roll over, and
+    the loader's transform runs again before each step (its cache may have dropped the batch's work)."""
     mod = load_example("benchmarks/bench_hetero.py")
     steps: list[torch.Tensor] = []
 
@@ -180,4 +185,7 @@ def test_alone_times_the_loader_and_the_step_apart() -> None:
     got = pipe.alone(4)
     assert 25 <= got["loader_alone"] < 200 and got["step_alone"] < 20, got
     assert loader.closed == 2 and pipe._it is None
-    assert len(steps) == 5 and all(b is not None for b in steps)  # the step ran on the batches taken first
+    assert len(steps) == 5 and loader.transformed == 5  # the step ran on the batches taken first
+    short = _PacedLoader(0.001, batches=3)  # 11 batches needed: four epochs
+    Pipe("dsx_host", short, torch.nn.Linear(1, 1), torch.device("cpu"), "paper").alone(4)
+    assert short.closed == 4 and [float(b[0]) for b in steps[-5:]] == [0.0, 1.0, 2.0, 0.0, 1.0]
