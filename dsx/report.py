@@ -89,6 +89,25 @@ def _deepspeed_rows(rows: list[Row]) -> None:
 
     _probe(rows, "deepspeed", "ops (compatible / built)", ops)
 
+    def locks() -> str:
+        from dsx.ops.cache import build_lock, extensions_root
+
+        root = extensions_root()
+        found = (
+            [(d.name, build_lock(d.name)) for d in sorted(root.iterdir()) if d.is_dir()]
+            if root.is_dir()
+            else []
+        )
+        held = [
+            f"{name}: lock {lock[1] / 60:.0f} min old ({lock[0]})" for name, lock in found if lock is not None
+        ]
+        if not held:
+            return "none"
+        # torch's JIT load waits while the file exists: one left by a build that died holds every later load
+        return "; ".join(held) + ": remove a lock whose op no process on this machine is building"
+
+    _probe(rows, "deepspeed", "op build locks", locks)
+
 
 def _optional_rows(rows: list[Row]) -> None:
     def triton() -> str:

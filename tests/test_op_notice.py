@@ -102,3 +102,22 @@ def test_default_root_matches_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.setattr("torch.utils.cpp_extension.get_default_build_root", lambda: str(tmp_path))
     assert Path(_get_build_directory("probe", verbose=False)) == notice.extensions_root() / "probe"
+
+
+def test_an_old_build_lock_is_named_with_what_to_do(ext_dir: Path) -> None:
+    """torch's JIT load waits while ``<cache>/<op>/lock`` exists; a build that died leaves it. The notice names a
+    lock older than any build takes (a real file, aged), and says nothing of a young one (a build that runs)."""
+    import os
+    import time
+
+    lock = ext_dir / "cpu_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    young = notice.announce_builds(_config("gpt_offload_cpu.json"), stream=io.StringIO())
+    assert young is not None and "build lock" not in young
+    notice._announced.clear()
+    old = time.time() - notice.STALE_LOCK_S - 120
+    os.utime(lock, (old, old))
+    line = notice.announce_builds(_config("gpt_offload_cpu.json"), stream=io.StringIO())
+    assert line is not None and f"cpu_adam's build lock {lock} is 12 min old" in line, line
+    assert "remove it" in line and "deepspeed_shm_comm's build lock" not in line

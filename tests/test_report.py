@@ -35,6 +35,27 @@ def test_report_json_with_io(tmp_path) -> None:
     assert not list(tmp_path.iterdir()), "the probe file must be removed"
 
 
+def test_report_names_torch_build_locks(tmp_path) -> None:
+    """The locks torch's JIT load leaves in the extension cache (where a build that died leaves one, every later
+    load of the op waits): none in an empty cache; one named with its op, path and age."""
+    env = launcher_env()
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path)
+    run = dict(cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+
+    def locks() -> str:
+        out = subprocess.run([sys.executable, "-m", "dsx.cli", "report", "--json"], **run)
+        assert out.returncode == 0, out.stderr
+        return {r["item"]: r["value"] for r in json.loads(out.stdout)["rows"]}["op build locks"]
+
+    assert locks() == "none"
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "lock").touch()
+    got = locks()
+    assert (
+        got.startswith(f"cpu_adam: lock 0 min old ({tmp_path / 'cpu_adam' / 'lock'})") and "remove" in got
+    ), got
+
+
 def test_report_bad_io_path(tmp_path) -> None:
     out = _dsx("report", "--io", str(tmp_path / "missing"))
     assert out.returncode == 2

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
-__all__ = ["extensions_root", "is_cached", "is_prebuilt"]
+__all__ = ["build_lock", "extensions_root", "is_cached", "is_prebuilt"]
 
 
 def extensions_root() -> Path:
@@ -61,3 +62,18 @@ def is_cached(name: str) -> bool:
         return True
     build_dir = extensions_root() / name
     return (build_dir / f"{name}.so").is_file() and _built_for_this_torch(build_dir)
+
+
+def build_lock(name: str) -> tuple[Path, float] | None:
+    """torch's build lock of the op ``name`` and its age in seconds, or None where there is none.
+
+    torch's JIT load creates ``<cache>/<name>/lock`` while one process builds the op, and every other process
+    that loads it polls until the file is gone. A build that died (a killed rank, a closed terminal) leaves the
+    file, and every later load of the op waits on it forever: nothing in the file tells a live build from a dead
+    one, so only its age and the user can.
+    """
+    path = extensions_root() / name / "lock"
+    try:
+        return path, max(0.0, time.time() - path.stat().st_mtime)
+    except OSError:
+        return None

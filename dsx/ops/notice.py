@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from dsx.ops.aio import async_io_status
-from dsx.ops.cache import extensions_root, is_cached
+from dsx.ops.cache import build_lock, extensions_root, is_cached
 
 __all__ = [
     "OpBuild",
@@ -49,6 +49,9 @@ _COMPILE_S = {
 GATHER_OP = "dsx_unified_gather"  # UnifiedGatherBuilder.NAME, without importing DeepSpeed's builders here
 
 _announced: set[str] = set()  # ops already named in this process: one line per op and process at most
+
+# A build lock older than this is named in the notice: no build of these ops takes that long on a small machine.
+STALE_LOCK_S = 600.0
 
 
 def _device(section: Any) -> str:
@@ -147,6 +150,13 @@ def announce(builds: Iterable[OpBuild], stream: TextIO | None = None) -> str | N
         f"dsx: first run: compiling {ops}; the start waits {_about(sum(b.seconds for b in todo))} "
         f"this once, later runs load the build from {extensions_root()}"
     )
+    for b in todo:
+        lock = build_lock(b.name)
+        if lock is not None and lock[1] >= STALE_LOCK_S:
+            line += (
+                f". {b.name}'s build lock {lock[0]} is {lock[1] / 60:.0f} min old: a build that died leaves it, "
+                "and the start then waits on it forever; if no build of that op runs on this machine, remove it"
+            )
     if os.environ.get("LOCAL_RANK", "0") in ("", "0"):  # the ranks of a machine share the cache
         print(line, file=stream or sys.stderr, flush=True)
     return line
