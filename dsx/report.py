@@ -65,7 +65,7 @@ def _deepspeed_rows(rows: list[Row]) -> None:
     def ops() -> str:
         from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
-        from dsx.ops.cache import is_cached, is_prebuilt
+        from dsx.ops.cache import is_built
 
         want = ["async_io", "cpu_adam", "cpu_adagrad", "fused_adam", "transformer_inference", "gds"]
         out = []
@@ -81,9 +81,7 @@ def _deepspeed_rows(rows: list[Row]) -> None:
                 contextlib.redirect_stderr(quiet),
             ):
                 ok = builder.is_compatible(verbose=False)
-            # a cached build loads only past the same probe (DeepSpeed runs it first), a prebuilt one always
-            built = is_prebuilt(name) or (ok and is_cached(name))
-            state = "built" if built else ("jit" if ok else "incompatible")
+            state = "built" if is_built(name, ok) else ("jit" if ok else "incompatible")
             out.append(f"{name}:{state}")
         return ", ".join(out)
 

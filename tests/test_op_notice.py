@@ -121,3 +121,16 @@ def test_an_old_build_lock_is_named_with_what_to_do(ext_dir: Path) -> None:
     line = notice.announce_builds(_config("gpt_offload_cpu.json"), stream=io.StringIO())
     assert line is not None and f"cpu_adam's build lock {lock} is 12 min old" in line, line
     assert "remove it" in line and "deepspeed_shm_comm's build lock" not in line
+
+
+def test_a_cached_op_counts_as_built_only_past_its_probe(ext_dir: Path) -> None:
+    """DeepSpeed runs an op's compatibility probe before it looks in torch's cache: a cached build whose probe
+    fails does not load, so it is not built; one that passes is (a real file in the cache, no build file)."""
+    from dsx.ops.cache import is_built
+
+    assert not is_built("cpu_adagrad", compatible=True)  # nothing cached
+    so = ext_dir / "cpu_adagrad" / "cpu_adagrad.so"
+    so.parent.mkdir(parents=True)
+    so.write_bytes(b"\x7fELF")
+    assert is_built("cpu_adagrad", compatible=True)
+    assert not is_built("cpu_adagrad", compatible=False)

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["build_lock", "extensions_root", "is_cached", "is_prebuilt"]
+__all__ = ["build_lock", "extensions_root", "is_built", "is_cached", "is_prebuilt"]
 
 
 def extensions_root() -> Path:
@@ -62,6 +62,13 @@ def is_cached(name: str) -> bool:
         return True
     build_dir = extensions_root() / name
     return (build_dir / f"{name}.so").is_file() and _built_for_this_torch(build_dir)
+
+
+def is_built(name: str, compatible: bool) -> bool:
+    """Whether the DeepSpeed op ``name`` loads without compiling, given what its builder's ``is_compatible``
+    said: prebuilt into DeepSpeed always; a build in the cache only past that probe, which DeepSpeed runs before
+    it looks in the cache (a cached async_io whose libaio-dev was removed does not load)."""
+    return is_prebuilt(name) or (compatible and is_cached(name))
 
 
 def build_lock(name: str) -> tuple[Path, float] | None:
