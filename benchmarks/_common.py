@@ -1,6 +1,9 @@
 """Shared plumbing for ``benchmarks/bench_*.py``: the run's environment, the CLI flags, JSON and PNG output.
 
 Every benchmark writes ``<out>/<name>.json`` (environment + config + every figure) and ``<out>/<name>.png``.
+A benchmark that runs several shapes (``bench_offload.py``, ``plan_frontier.py``, ``bench_hetero_scale.py``)
+keeps one file all the same: each shape is a section of it (``write_section``), written by its own command and
+left alone by the others' commands, and its PNG draws every section, a panel each (``save_sections_png``).
 Usage::
 
     from benchmarks._common import add_common_args, environment, save_png, write_json
@@ -36,10 +39,13 @@ __all__ = [
     "host_probe_s",
     "is_peer",
     "median_runs",
+    "read_sections",
     "save_png",
+    "save_sections_png",
     "utc_now",
     "versions",
     "write_json",
+    "write_section",
 ]
 
 DEFAULT_OUT = "benchmarks/results"
@@ -169,6 +175,70 @@ def write_json(result: dict[str, Any], out: str | os.PathLike[str], name: str) -
     data = dict(result)
     data.setdefault("env", environment())
     path.write_text(json.dumps(_jsonable(data), indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def read_sections(out: str | os.PathLike[str], name: str) -> dict[str, dict[str, Any]]:
+    """The sections of ``<out>/<name>.json`` by name, in the file's order; none when the file does not exist.
+
+    A file that is not JSON, or holds no ``sections`` (a result of another layout), stops the run with what to
+    do before it writes anything: it is not overwritten."""
+    path = Path(out) / f"{name}.json"
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        sections = data.get("sections") if isinstance(data, dict) else None
+        if not isinstance(sections, dict) or not all(isinstance(s, dict) for s in sections.values()):
+            raise ValueError("no 'sections' of results at its top")
+    except (OSError, ValueError) as e:  # (ValueError: JSONDecodeError and UnicodeDecodeError too)
+        raise SystemExit(
+            f"{path} is not a file of benchmark result sections ({e}); a run that writes there stops before it "
+            "writes anything: move the file away, or give another --out"
+        ) from None
+    return sections
+
+
+def write_section(
+    result: dict[str, Any], out: str | os.PathLike[str], name: str, section: str
+) -> tuple[Path, dict[str, dict[str, Any]]]:
+    """Write ``result`` as section ``section`` of ``<out>/<name>.json`` (strict JSON; adds ``env`` if missing),
+    keeping the file's other sections as they are and where they are (a new section goes last). Returns the
+    path and every section, to draw them."""
+    if not section or not section.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"a section name is letters, digits, '_' and '-', not {section!r}")
+    sections = read_sections(out, name)
+    data = dict(result)
+    data.setdefault("env", environment())
+    sections[section] = data
+    path = write_json({"name": name, "sections": sections}, out, name)
+    return path, json.loads(path.read_text())["sections"]
+
+
+def save_sections_png(
+    sections: dict[str, dict[str, Any]],
+    draw: Any,
+    out: str | os.PathLike[str],
+    name: str,
+    size: tuple[float, float] = (13.0, 5.0),
+    dpi: int = 110,
+) -> Path:
+    """One PNG of every section, a panel each from the top in the file's order: ``draw(panel, section,
+    result)`` draws one section into ``panel`` (a matplotlib SubFigure: ``panel.subplots()``,
+    ``panel.suptitle()``); ``size`` is one panel's width and height in inches."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(out) / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = plt.figure(figsize=(size[0], size[1] * max(len(sections), 1)), layout="constrained")
+    panels = fig.subfigures(max(len(sections), 1), 1, squeeze=False).ravel()
+    for panel, (section, result) in zip(panels, sections.items()):
+        draw(panel, section, result)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
     return path
 
 

@@ -1,9 +1,11 @@
-"""Summarise interleaved A/B rounds of ``bench_offload.py`` (runs written as
-``<prefix>_<variant>_<round>.json``): each variant's median step against its own round's ``none`` run.
+"""Summarise interleaved A/B rounds of ``bench_offload.py`` (runs written as sections
+``<prefix>_<variant>_<round>`` of ``<out>/bench_offload.json``): each variant's median step against its own
+round's ``none`` run.
 
 Usage::
 
-    python benchmarks/ab_summary.py --name ab_summary bench_offload_ab
+    python benchmarks/bench_offload.py --configs none --section ab_none_1 --out /tmp/ab   # ... every round
+    python benchmarks/ab_summary.py --out /tmp/ab ab
 
 Writes ``<out>/<name>.json`` (every run: step, ratio, bytes moved, GPU waits for reads) and a PNG of the ratios.
 """
@@ -11,25 +13,24 @@ Writes ``<out>/<name>.json`` (every run: step, ratio, bytes moved, GPU waits for
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import HelpFormatter, add_common_args, environment, save_png, write_json
+from _common import HelpFormatter, add_common_args, environment, read_sections, save_png, write_json
 
 
-def collect(results: Path, prefix: str) -> list[dict[str, Any]]:
-    """Every run of ``prefix``: variant, round, median step, ratio to the round's no-offload step."""
+def collect(results: Path, prefix: str, file: str = "bench_offload") -> list[dict[str, Any]]:
+    """Every run of ``prefix`` among the sections of ``<results>/<file>.json``: variant, round, median step,
+    ratio to the round's no-offload step."""
     runs: dict[tuple[str, int], dict[str, Any]] = {}
-    for path in sorted(results.glob(f"{prefix}_*.json")):
+    for section, data in read_sections(results, file).items():
         # (a variant is one word: a prefix that extends another, x and x_y, must not lend x its runs)
-        m = re.fullmatch(rf"{re.escape(prefix)}_([A-Za-z0-9]+)_(\d+)\.json", path.name)
+        m = re.fullmatch(rf"{re.escape(prefix)}_([A-Za-z0-9]+)_(\d+)", section)
         if m is None:
             continue
-        data = json.loads(path.read_text())
         res = data["results"][0]
         if "error" in res:
             continue
@@ -53,11 +54,12 @@ def collect(results: Path, prefix: str) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_common_args(p)
-    p.add_argument("prefixes", nargs="+", help="file-name prefixes of the A/B stages in --out")
+    p.add_argument("prefixes", nargs="+", help="section-name prefixes of the A/B stages")
+    p.add_argument("--file", default="bench_offload", help="the runs' result file in --out, without .json")
     p.add_argument("--name", default="ab_summary")
     p.add_argument("--target", type=float, default=0.97)
     args = p.parse_args(argv)
-    rows = [r for prefix in args.prefixes for r in collect(Path(args.out), prefix)]
+    rows = [r for prefix in args.prefixes for r in collect(Path(args.out), prefix, args.file)]
     if not rows:
         raise SystemExit(f"no A/B runs under {args.out} for {args.prefixes}")
     by_variant: dict[str, list[int]] = {}  # variant -> [runs at or above the target, runs]

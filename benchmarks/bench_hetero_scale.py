@@ -13,14 +13,15 @@ epoch-rate ratio of every count over one GPU. Arguments after ``--`` go to the e
     python benchmarks/bench_hetero_scale.py --gpus 1,2 --repeats 3 --merge -- --model rgat --scale 1 \\
         --epochs 2
     # paper features beyond GPU memory (one H100: 59.6M papers x 768 bf16 = 91.6 GB), the graph built on the GPU:
-    python benchmarks/bench_hetero_scale.py --name bench_hetero_large --gpus 1 --repeats 1 -- --model rgcn \\
+    python benchmarks/bench_hetero_scale.py --section large --gpus 1 --repeats 1 -- --model rgcn \\
         --scale 81 --features 768 --feature-dtype bf16 --graph-layout csr --split 0.01,0.001,0.001 --epochs 2
 
-The JSON holds a section per model (the example's ``--model``) under ``models``, each with the config and the
-environment it ran with: models may run in separate commands, even on separate machines, so a ratio only ever
-compares the GPU counts of one section. ``--merge`` keeps the other models' sections of ``<out>/<name>.json``
-and replaces this model's (a file of the earlier layout, one model's ``runs`` at the top, is upgraded first);
-without it the file holds this run's model alone.
+``<out>/bench_hetero_scale.json`` holds a section per setting (``--section``: ``scale``, the default, and
+``large``), and each section a part per model (the example's ``--model``) under ``models``, each with the config
+and the environment it ran with: models may run in separate commands, even on separate machines, so a ratio
+only ever compares the GPU counts of one model. ``--merge`` keeps the section's other models and replaces this
+model's; without it the section holds this run's model alone. Other sections are always kept;
+``bench_hetero_scale.png`` draws every section, a panel each.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_args, environment, save_png, write_json
+from _common import add_common_args, environment, read_sections, save_sections_png, write_section
 
 from dsx.runtime.process import deepspeed_launcher, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+NAME = "bench_hetero_scale"  # the result file, <out>/NAME.json and .png
 EXAMPLE = ROOT / "examples" / "rgnn" / "train_sampled.py"
 
 
@@ -55,14 +57,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     add_common_args(p)
-    p.add_argument("--name", default="bench_hetero_scale", help="result name (JSON and PNG)")
+    p.add_argument("--section", default="scale",
+                   help=f"the section of <out>/{NAME}.json this run writes (the others are kept)")  # fmt: skip
     p.add_argument("--gpus", default="1,2", help="comma-separated rank counts per job")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every rank count")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a job may take")
     p.add_argument(
         "--merge",
         action="store_true",
-        help="keep the other models' sections of <out>/<name>.json, replace this one's",
+        help="keep the section's other models, replace this one's",
     )
     return p.parse_args(argv), extra
 
@@ -75,36 +78,19 @@ def example_model(extra: list[str]) -> str:
     return p.parse_known_args(extra)[0].model
 
 
-def upgrade(res: dict[str, Any]) -> dict[str, Any]:
-    """``res`` in the layout by model: a result of the earlier layout (one model's ``runs``, ``graph``... at
-    the top) becomes the section of its model, everything it held kept, its config and env too. A result
-    already by model is returned as it is."""
-    if "models" in res:
-        return res
-    model = (res.get("graph") or {}).get("model")  # absent when every job failed: the example's arguments say
-    if model is None:
-        model = example_model((res.get("config") or {}).get("example_args") or [])
-    return {"config": res.get("config"), "env": res.get("env"), "models": {model: dict(res)}}
-
-
-def _earlier(path: Path) -> dict[str, dict[str, Any]]:
-    """``--merge``: the model sections of ``path`` (none when it does not exist), read before any job runs so
-    that a file that cannot be merged into stops the run before its minutes on the GPUs."""
-    if not path.exists():
+def _earlier(out: str, section: str, merge: bool) -> dict[str, dict[str, Any]]:
+    """With ``merge``, the models of ``section`` in ``<out>/NAME.json`` (none when there is none); read before
+    any job runs, merging or not, so that a file whose sections cannot be kept stops the run before its minutes
+    on the GPUs."""
+    res = read_sections(out, NAME).get(section)
+    if res is None or not merge:
         return {}
-    try:
-        res = json.loads(path.read_text())
-        if not isinstance(res, dict) or not ({"models", "runs"} & res.keys()):
-            raise ValueError("neither 'models' nor 'runs' at its top")
-        models = upgrade(res)["models"]
-        if not isinstance(models, dict) or not all(
-            isinstance(s, dict) and "runs" in s for s in models.values()
-        ):
-            raise ValueError("'models' is not a section with 'runs' per model")
-    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError and UnicodeDecodeError too
+    models = res.get("models")
+    if not isinstance(models, dict) or not all(isinstance(s, dict) and "runs" in s for s in models.values()):
         raise SystemExit(
-            f"--merge: cannot merge into {path}: {e}. Move it away, or run without --merge to replace it"
-        ) from None
+            f"--merge: cannot merge into section {section!r} of {Path(out) / NAME}.json: it holds no part with "
+            "'runs' per model. Run without --merge to replace the section"
+        )
     return models
 
 
@@ -222,14 +208,9 @@ def _peak(section: dict[str, Any]) -> float | None:
     return max((r["peak_gpu_gb"] or 0) for r in ok) if ok else None
 
 
-def plot(res: dict[str, Any], out: str, name: str) -> None:
-    """Left: per model, a bar per GPU count (median epoch, min..max) with its rate over one GPU. Right: the
-    memory of the model with the largest training peak, and each model's peak beside it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def draw(panel: Any, section: str, res: dict[str, Any]) -> None:
+    """One section's panel. Left: per model, a bar per GPU count (median epoch, min..max) with its rate over one
+    GPU. Right: the memory of the model with the largest training peak, and each model's peak beside it."""
     models: dict[str, dict[str, Any]] = res["models"]
     counts = list(dict.fromkeys(n for s in models.values() for n in s["runs"]))
     sizes = {m: _graph_size(s.get("graph") or {}) for m, s in models.items()}
@@ -239,8 +220,8 @@ def plot(res: dict[str, Any], out: str, name: str) -> None:
     show_device = len(set(devices.values())) > 1
     ran = {v for v in sizes.values() if v}
     show_size = len(ran) > 1
-    # wider by model: the memory panel has a peak bar per model beside its four
-    fig, axes = plt.subplots(1, 2, figsize=(12 + 1.5 * (len(models) - 1), 4.6))
+    # the memory plot widens by model: a peak bar per model beside its four
+    axes = panel.subplots(1, 2, width_ratios=[1, 1 + 0.25 * (len(models) - 1)])
     width = 0.8 / max(len(counts), 1)
     colors = ["tab:blue", "tab:cyan", "tab:purple", "tab:olive"]
     for k, n in enumerate(counts):
@@ -275,7 +256,7 @@ def plot(res: dict[str, Any], out: str, name: str) -> None:
     repeats = sorted({(s.get("config") or {}).get("repeats") for s in models.values()} - {None})
     axes[0].set_ylabel(f"epoch time, s (median of {'/'.join(map(str, repeats))}; bars: min..max)")
     one_device = "" if show_device else next(iter(devices.values()), "")
-    axes[0].set_title(", ".join(models) + (f" on {ran.pop()}" if len(ran) == 1 else "")
+    axes[0].set_title(f"{section}: " + ", ".join(models) + (f" on {ran.pop()}" if len(ran) == 1 else "")
                       + (f", {one_device}" if one_device else ""))  # fmt: skip
     peaks = {m: _peak(s) for m, s in models.items()}
     big = max(models, key=lambda m: -1 if peaks[m] is None else peaks[m])
@@ -302,13 +283,12 @@ def plot(res: dict[str, Any], out: str, name: str) -> None:
     differ = any([s["graph"].get(k) for k in keys] != [g.get(k) for k in keys] for s in models.values()
                  if s.get("graph"))  # fmt: skip
     axes[1].set_title("memory" + (f" (graph and GPU of {big}'s run)" if differ else ""))
-    save_png(fig, out, name)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args, extra = parse_args(argv)
     model = example_model(extra)
-    models = _earlier(Path(args.out) / f"{args.name}.json") if args.merge else {}
+    models = _earlier(args.out, args.section, args.merge)
     if models:
         print(f"--merge: keeping {', '.join(m for m in models if m != model) or 'no other model'}; "
               f"{model} {'replaced' if model in models else 'added'}", flush=True)  # fmt: skip
@@ -320,8 +300,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         signal.signal(signal.SIGTERM, before)
     models[model] = section  # a model already there keeps its place, so the plot's order stays
     res = {"config": section["config"], "env": section["env"], "models": models}
-    write_json(res, args.out, args.name)
-    plot(res, args.out, args.name)
+    _, sections = write_section(res, args.out, NAME, args.section)
+    save_sections_png(sections, draw, args.out, NAME, size=(14.0, 4.8))
     return res
 
 

@@ -27,6 +27,11 @@ of megatron-core layers was seen to keep ~3.8 GB per layer allocated between ste
     python benchmarks/bench_offload.py --hidden 2048 --layers 8 --seq-len 2048 --micro-batch 8
     python benchmarks/bench_offload.py --quick        # CPU smoke test with the small torch GPT
 
+Every shape is a section of one file: ``--section NAME`` writes (or, with ``--merge``, adds to) that section of
+``<out>/bench_offload.json`` and leaves the others as they are; ``bench_offload.png`` draws every section, a
+panel each. The GPU suites' sections: ``h2048`` (the GPT above), ``llama``, ``hide``, ``long``, ``8b``,
+``8b_capacity``, ``8b_pool``, ``8b_pool_capacity`` (docs/performance.md says what each is).
+
 Capacity: ``--micro-batches`` and ``--seq-lens`` run configs at several sizes (rows ``config@mbN``,
 ``config@seqN``; a run out of memory, without a plan under its budget or out of time is an error row, and the
 config's larger sizes in that round are not run), and the JSON gives the largest each trained (``limit_found``:
@@ -52,7 +57,6 @@ import contextlib
 import dataclasses
 import gc
 import json
-import os
 import re
 import signal
 import statistics
@@ -75,9 +79,10 @@ from _common import (
     host_probe_s,
     is_peer,
     median_runs,
-    save_png,
+    read_sections,
+    save_sections_png,
     utc_now,
-    write_json,
+    write_section,
 )
 from _hook_offload import SavedTensorOffload
 from _megatron_offload import (
@@ -780,9 +785,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of every config, interleaved (the JSON gives each config's median and spread)")  # fmt: skip
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--name", default="bench_offload", help="JSON/PNG file name (several runs side by side)")
+    p.add_argument("--name", default="bench_offload",
+                   help="the result file, <out>/<name>.json and .png (a benchmark built on this one names its own)")  # fmt: skip
+    p.add_argument("--section", default="default",
+                   help="the file's section this run writes: one shape a section (the file's other sections are "
+                        "kept)")  # fmt: skip
     p.add_argument("--merge", action="store_true",
-                   help="add this run's rows to <out>/<name>.json (same model and step settings), replacing "
+                   help="add this run's rows to the section (same model and step settings), replacing "
                         "rows of the same name: a sweep too long for one job runs in parts, and a budget "
                         "relative to recompute's peak may use the earlier part's measurement")  # fmt: skip
     p.add_argument("--merge-repeat", action="store_true",
@@ -867,6 +876,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.warmup, args.steps, args.pool_gb = 2, 2, 0.25  # auto: its warm-up steps, then the profiled one
     if args.ssd_gb is None:  # the SSD file the pool's size, unless capped apart
         args.ssd_gb = args.pool_gb
+    if not args.one:  # a file whose sections cannot be kept stops the run before its first config, not after
+        read_sections(args.out, args.name)
     earlier, parts = _earlier(args) if args.merge and not args.one else ([], [])
     # each row names its part, and each part its device: rows merged from another machine are not comparable
     # with this run's (a part none of whose rows is left is marked superseded)
@@ -876,7 +887,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     elsewhere = sorted({p.get("device") for p in parts[:-1] if p.get("device") not in (None, device)})
     if elsewhere:
-        print(f"bench_offload --merge: {args.name}.json holds rows from {elsewhere}, this run is on {device!r}: "
+        print(f"bench_offload --merge: {args.name}.json's section {args.section!r} holds rows from {elsewhere}, "
+              f"this run is on {device!r}: "
               "compare rows of one device only (each row's part names its device)", file=sys.stderr)  # fmt: skip
     new: list[dict[str, Any]] = []  # this run's rows
     results = [*earlier, *new]
@@ -951,7 +963,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 flush=True,
             )
     out = _write(results, args, parts)
-    _plot(results, args.out, args.name, out["parts"])
+    save_sections_png(read_sections(args.out, args.name), _draw, args.out, args.name)
     return out
 
 
@@ -1135,12 +1147,12 @@ MERGE_SAME = ("model", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "s
 
 
 def _earlier(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``--merge``: the rows and parts of ``<out>/<name>.json`` (none if it does not exist); a file made with
-    other model or step settings is refused, naming them."""
-    path = Path(args.out) / f"{args.name}.json"
-    if not path.exists():
+    """``--merge``: the rows and parts of the file's ``--section`` (none if it does not exist); a section made
+    with other model or step settings is refused, naming them."""
+    path = f"{Path(args.out) / args.name}.json's section {args.section!r}"
+    before = read_sections(args.out, args.name).get(args.section)
+    if before is None:
         return [], []
-    before = json.loads(path.read_text())
     theirs = {"vocab": 256, **before.get("config", {})}  # (files from before --vocab ran at 256)
     if theirs.get("ssd_gb") is None:  # (files from before --ssd-gb had an SSD file of the pool's size)
         theirs["ssd_gb"] = theirs.get("pool_gb")
@@ -1148,7 +1160,7 @@ def _earlier(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
     if differ:
         raise SystemExit(
             f"--merge: {path} was run with other settings {differ} (theirs, this run's); run with the same "
-            "settings, or write to another --name"
+            "settings, or write to another --section"
         )
     env = before.get("env") or {}
     parts = before.get("parts") or [
@@ -1230,25 +1242,33 @@ def _write(
     out = {"name": "bench_offload", "env": environment(), "config": vars(args), "parts": parts or [],
            "model": "megatron-core GPTModel" if _megatron(args) else "dsx torch GPT",
            "results": results, "ratios": ratios}  # fmt: skip
-    write_json(out, args.out, args.name)
+    write_section(out, args.out, args.name, args.section)
     return out
 
 
-def _plot(
-    results: list[dict[str, Any]], out: str | os.PathLike[str], name: str, parts: list[dict[str, Any]] = ()
-) -> None:
-    import matplotlib
+def _shape(result: dict[str, Any]) -> str:
+    """The shape a section ran, for its panel's title: model, width, layers, sequence, micro-batch."""
+    c = result.get("config") or {}
+    model = "Llama" if c.get("model") == "llama" else "GPT"
+    seq = "lengths swept" if c.get("seq_lens") else f"seq {c.get('seq_len')}"
+    mb = "micro-batches swept" if c.get("micro_batches") else f"micro-batch {c.get('micro_batch')}"
+    return f"{model} h{c.get('hidden')} x {c.get('layers')} layers, {seq}, {mb}"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _draw(panel: Any, section: str, result: dict[str, Any]) -> None:
+    """One section's panel: a sequence-length sweep draws throughput against length
+    (:func:`_draw_lengths`); anything else each strategy's step time against its activation peak, and its
+    throughput."""
+    results, parts = result.get("results") or [], result.get("parts") or []
+    title = f"{section}: {_shape(result)}"
     ok = [r for r in results if "error" not in r]
     if not ok:
+        panel.suptitle(f"{title}: no config trained", fontsize=10)
         return
     if all("@seq" in r["config"] for r in results) and len({r["seq_len"] for r in results}) > 1:
-        _plot_lengths(results, out, name, plt, parts)
+        _draw_lengths(panel, results, parts, title)
         return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.2, 1]})
+    a, b = panel.subplots(1, 2, width_ratios=[1.2, 1])
     # the trade-off: lower left is better; dsx points in one colour, baselines in another; every repeat a
     # point, each config named once, at its median
     med = median_runs(ok)
@@ -1278,12 +1298,9 @@ def _plot(
         devices = ", ".join(sorted({str(p.get("device")) for p in live}))
         runs = f"{len(live)} runs merged ({devices})"
     else:
-        runs = "one run"
-    fig.suptitle(
-        f"Activation offload strategies: same model, same data, {runs} (each config in its own process)"
-    )
-    fig.tight_layout()
-    save_png(fig, out, name)
+        runs = f"one run ({(result.get('env') or {}).get('device', '?')})"
+    panel.suptitle(f"{title}: activation offload strategies, same model and data, {runs}; each config in its "
+                   "own process", fontsize=10)  # fmt: skip
 
 
 def _gpu_kind(device: str) -> str:
@@ -1301,18 +1318,12 @@ def _part_kinds(results: list[dict[str, Any]], parts: list[dict[str, Any]]) -> d
     return kinds if len(set(kinds.values())) > 1 else {}
 
 
-def _plot_lengths(
-    results: list[dict[str, Any]],
-    out: str | os.PathLike[str],
-    name: str,
-    plt: Any,
-    parts: list[dict[str, Any]] = (),
-) -> None:
+def _draw_lengths(panel: Any, results: list[dict[str, Any]], parts: list[dict[str, Any]], title: str) -> None:
     """A sequence-length sweep (``--seq-lens``): tokens/s against length, a line per config (its median run at
     each length), and a cross where a config first failed (out of GPU memory, killed for host memory, or
     otherwise, as the cross's label says) at the length it failed. Where the merged parts ran on more than one
     kind of GPU, each config's label names the ones its rows came from."""
-    fig, a = plt.subplots(figsize=(9, 4.8))
+    a = panel.subplots()
     kinds = _part_kinds(results, list(parts))
     by: dict[str, list[dict[str, Any]]] = {}
     for r in results:
@@ -1348,11 +1359,10 @@ def _plot_lengths(
     a.set_ylim(bottom=0)
     a.grid(alpha=0.3)
     a.legend(fontsize=8)
-    a.set_title(
-        "Longest sequence: throughput at each length each config trained; x: its first failure", fontsize=10
+    panel.suptitle(
+        f"{title}: the longest sequence, throughput at each length each config trained; x: its first failure",
+        fontsize=10,
     )
-    fig.tight_layout()
-    save_png(fig, out, name)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@
 #                                         offload-8b-pool-capacity host|ssd LEN |
 #                                         offload-8b-2gpu | offload-long |
 #                                         offload-ssd | ssd-threads | pinning | main | wheel
-# Logs go to $OUT (default ./out); benchmarks write benchmarks/results/<name>.{json,png} (the names
-# docs/performance.md cites) and a copy to $OUT/results/. docs/performance.md, "GPU suites", says what each runs.
+# Logs go to $OUT (default ./out); each benchmark writes benchmarks/results/<benchmark>.{json,png}, a section of
+# it per shape (the sections docs/performance.md cites; a suite replaces or adds to its own and keeps the others),
+# and a copy to $OUT/results/. docs/performance.md, "GPU suites", says what each runs.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-$PWD/out}")
 RES=benchmarks/results && mkdir -p "$OUT/results" "$RES" && export PYTHONUNBUFFERED=1
@@ -75,41 +76,41 @@ need = scale * MAG_NODES['paper'] * row
 if need > 0.85 * avail:
     sys.exit(f'{need / 1e9:.0f} GB of features beyond this GPU are more than 85 % of the host memory available ({avail / 1e9:.0f} GB)')
 print(scale)") || { log "hetero-large: not run: the host cannot hold features beyond this GPU's memory"; exit 1; }
-    run bench-hetero-large 560 python benchmarks/bench_hetero_scale.py --out "$RES" --name bench_hetero_large \
+    run bench-hetero-large 560 python benchmarks/bench_hetero_scale.py --out "$RES" --section large \
       --gpus 1 --repeats 1 --timeout 540 -- --model "${2:-rgcn}" --scale "$scale" --features 768 --feature-dtype bf16 \
-      --graph-layout csr --split 0.01,0.001,0.001 --epochs 2 --loader-probe 20; keep bench_hetero_large ;;
+      --graph-layout csr --split 0.01,0.001,0.001 --epochs 2 --loader-probe 20; keep bench_hetero_scale ;;
   offload)  # every strategy at hidden 2048, micro-batch 8, each in its own process; the planner's frontier on it
     run bench-offload 540 python benchmarks/bench_offload.py --warmup 2 --steps 3 --pool-gb 20 --child-timeout 80 \
       --configs none recompute save_on_cpu ds_cpu_ckpt megatron_selective dsx_host_sel dsx_auto_budget_sel \
-      dsx_auto_hide_sel dsx_auto_hide --name bench_offload --out "$RES"
-    run plan-frontier 60 python benchmarks/plan_frontier.py "$RES/bench_offload.json" --config dsx_auto_hide_sel \
-      --name plan_frontier --out "$RES"
+      dsx_auto_hide_sel dsx_auto_hide --section h2048 --out "$RES"
+    run plan-frontier 60 python benchmarks/plan_frontier.py "$RES/bench_offload.json" --section h2048 \
+      --config dsx_auto_hide_sel --out "$RES"
     keep bench_offload plan_frontier ;;
   offload-hide)  # the Llama decoder's no-budget plan beside no offload, 3 interleaved runs
     run bench-offload-hide 540 python benchmarks/bench_offload.py --model llama --hidden 2048 --layers 8 --heads 16 \
       --kv-heads 4 --ffn-hidden 5632 --seq-len 4096 --micro-batch 4 --warmup 2 --steps 8 --repeats 3 --pool-gb 8 \
-      --child-timeout 100 --configs none dsx_auto_hide --name bench_offload_hide --out "$RES"
-    keep bench_offload_hide ;;
+      --child-timeout 100 --configs none dsx_auto_hide --section hide --out "$RES"
+    keep bench_offload ;;
   offload-8b)  # the Llama-3-8B layer at sequence 8192, micro-batch 2 (activations, not gradients, set the peak): no
                 # offload, full recompute and dsx at recompute's peak (SwiGLU activation recomputable: _sel), 3
                 # interleaved runs, in a new JSON (the sweep's parts merge into it: run them after this, on the same
                 # machine); then the lower bound and the planner's frontier on that run's profiles
     run bench-offload-8b 500 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" --configs none recompute \
-      dsx_auto_budget_sel --name bench_offload_8b --out "$RES"
-    run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" \
-      --config dsx_auto_budget_sel --name plan_frontier_8b --out "$RES"
-    keep bench_offload_8b plan_frontier_8b ;;
+      dsx_auto_budget_sel --section 8b --out "$RES"
+    run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload.json" --section 8b \
+      --config dsx_auto_budget_sel --out "$RES"
+    keep bench_offload plan_frontier ;;
   offload-8b-peers)  # the same shape: the peers that peak at full recompute's memory or below (DeepSpeed's
-                     # cpu_checkpointing, a saved-tensor-hook offload), 3 interleaved runs, merged into
-                     # bench_offload_8b.json beside offload-8b's rows (run that first, on the same machine), so that
-                     # the frontier draws every peer and checks dsx against each; then the frontier again
+                     # cpu_checkpointing, a saved-tensor-hook offload), 3 interleaved runs, merged into section
+                     # 8b beside offload-8b's rows (run that first, on the same machine), so that the frontier
+                     # draws every peer and checks dsx against each; then the frontier again
     run bench-offload-8b-peers 480 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" --configs ds_cpu_ckpt \
-      hooks_offload --merge --name bench_offload_8b --out "$RES"
-    run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" \
-      --config dsx_auto_budget_sel --name plan_frontier_8b --out "$RES"
-    keep bench_offload_8b plan_frontier_8b ;;
+      hooks_offload --merge --section 8b --out "$RES"
+    run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload.json" --section 8b \
+      --config dsx_auto_budget_sel --out "$RES"
+    keep bench_offload plan_frontier ;;
   offload-8b-sweep)  # dsx over budgets at the 8B shape (multiples of recompute's peak), 3 interleaved runs each,
-                    # merged into bench_offload_8b.json beside offload-8b's baselines (run that first, on the same
+                    # merged into section 8b beside offload-8b's baselines (run that first, on the same
                     # machine: the merge warns when the file's rows come from another device): part 1 (the
                     # default) 1.15x 1.3x, part 2 1.5x 1.75x, part 3 2x and no budget; the whole command's time
                     # goes to the runs (plan_frontier.py needs no GPU: run it on the merged JSON anywhere)
@@ -120,21 +121,21 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
       *) log "offload-8b-sweep: part 1, 2 or 3, not ${2}"; exit 2 ;;
     esac
     run bench-offload-8b-sweep 565 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" --configs "${configs[@]}" \
-      --budget-scales "${scales[@]}" --merge --name bench_offload_8b --out "$RES"
-    keep bench_offload_8b ;;
-  offload-8b-megatron)  # megatron-core's own ways at the 8B shape, merged into bench_offload_8b.json as the peers
+      --budget-scales "${scales[@]}" --merge --section 8b --out "$RES"
+    keep bench_offload ;;
+  offload-8b-megatron)  # megatron-core's own ways at the 8B shape, merged into section 8b as the peers
                         # are: selective recompute and fine-grained offload of the attention core, of all of
                         # attention, of every set; 3 interleaved runs; then the frontier again
     run bench-offload-8b-megatron 500 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" --configs megatron_selective \
-      megatron_offload_core_attn megatron_offload_attn megatron_offload_all --merge --name bench_offload_8b \
+      megatron_offload_core_attn megatron_offload_attn megatron_offload_all --merge --section 8b \
       --out "$RES"
-    run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload_8b.json" \
-      --config dsx_auto_budget_sel --name plan_frontier_8b --out "$RES"
-    keep bench_offload_8b plan_frontier_8b ;;
+    run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload.json" --section 8b \
+      --config dsx_auto_budget_sel --out "$RES"
+    keep bench_offload plan_frontier ;;
   offload-8b-capacity)  # the longest sequence at the 8B layer (micro-batch 1) on an H100's memory (each process
                         # capped at 85 GB on a larger card), ZeRO-2 with the optimizer on the CPU: one round per part,
                         # each config's sizes ascending (it stops at its first failure); part 1 writes
-                        # bench_offload_8b_capacity.json, the others merge into it: 1 no offload and full recompute
+                        # section 8b_capacity, the others merge into it: 1 no offload and full recompute
                         # (their static memory sets dsx's budget), 2 and 3 dsx given the whole card (split so that
                         # each fits one command: steps take longer as the sequence grows), 4 full recompute at longer
                         # lengths, 5 DeepSpeed's cpu_checkpointing, 6 megatron's offload of every module and the
@@ -168,7 +169,7 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
          esac
          at=$(python -c "
 import json, sys
-d = json.load(open('$RES/bench_offload_8b_capacity.json'))
+d = json.load(open('$RES/bench_offload.json'))['sections']['8b_capacity']
 if '$4' == 'peer':
     at = d['ratios']['longest_sequence']['at_best_peer']
     print(at['peer'].split('@')[0], at['seq_len'])
@@ -195,13 +196,13 @@ print('dsx_auto_budget_sel', rows[0]['seq_len'])") \
     run bench-offload-8b-capacity 560 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --warmup 2 --steps 3 \
       --pool-gb 48 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 --child-timeout "$child" \
-      --configs "${configs[@]}" --seq-lens "${sizes[@]}" "${merge[@]}" "${repeat[@]}" --name bench_offload_8b_capacity \
+      --configs "${configs[@]}" --seq-lens "${sizes[@]}" "${merge[@]}" "${repeat[@]}" --section 8b_capacity \
       --out "$RES"
-    keep bench_offload_8b_capacity ;;
+    keep bench_offload ;;
   offload-8b-pool)  # the capacity suite's settings at sequence 65536 with the host pool capped at 12 GB (a rank's
                     # share when the ranks of a node share its memory) and a 48 GB SSD tier: full recompute, dsx with
                     # the host tier alone and dsx with the SSD tier beside it; ROUND (1, 2, 3): one interleaved round
-                    # a command, round 1 writing bench_offload_8b_pool.json, the others adding their runs to it
+                    # a command, round 1 writing section 8b_pool, the others adding their runs to it
     case ${2:-1} in
       1) merge=() ;;
       2|3) merge=(--merge --merge-repeat) ;;
@@ -211,12 +212,12 @@ print('dsx_auto_budget_sel', rows[0]['seq_len'])") \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --seq-len 65536 --warmup 2 --steps 3 \
       --pool-gb 12 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 \
       --child-timeout 150 \
-      --configs recompute dsx_auto_budget_host_sel dsx_auto_budget_sel "${merge[@]}" --name bench_offload_8b_pool \
+      --configs recompute dsx_auto_budget_host_sel dsx_auto_budget_sel "${merge[@]}" --section 8b_pool \
       --out "$RES"
-    keep bench_offload_8b_pool ;;
+    keep bench_offload ;;
   offload-8b-pool-capacity)  # the longest sequence dsx trains with the host pool capped at 12 GB, with the host tier
                              # alone (host) or the SSD tier beside it (ssd), one config and LEN a command, merged into
-                             # bench_offload_8b_pool_capacity.json: where the pool cannot hold what recomputed layers
+                             # section 8b_pool_capacity: where the pool cannot hold what recomputed layers
                              # start from, the drive does. Both profile with the layers' inputs moved off the card
                              # (profile_mode recompute+host: past full recompute's longest sequence its profiling
                              # does not fit); the first command also measures full recompute at a short length,
@@ -227,13 +228,14 @@ print('dsx_auto_budget_sel', rows[0]['seq_len'])") \
       *) log "offload-8b-pool-capacity host|ssd LEN, not '${2:-}'"; exit 2 ;;
     esac
     sizes=("$cfg=${3:?offload-8b-pool-capacity host|ssd LEN}")
-    [ -f "$RES/bench_offload_8b_pool_capacity.json" ] || sizes=(recompute=16384 "${sizes[@]}")
+    python -c "import json, sys; sys.exit('8b_pool_capacity' not in json.load(open('$RES/bench_offload.json'))['sections'])" \
+      2>/dev/null || sizes=(recompute=16384 "${sizes[@]}")
     # (expandable allocator segments for every config, as in offload-8b-capacity)
     run bench-offload-8b-pool-capacity 560 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 8 \
       --heads 32 --kv-heads 8 --ffn-hidden 14336 --micro-batch 1 --warmup 2 --steps 3 \
       --pool-gb 12 --ssd-gb 48 --offload-optimizer --gpu-memory-gb 85 --fit-budget --fit-reserve-gb 5 --child-timeout 470 \
-      --configs "${sizes[@]%%=*}" --seq-lens "${sizes[@]}" --merge --name bench_offload_8b_pool_capacity --out "$RES"
-    keep bench_offload_8b_pool_capacity ;;
+      --configs "${sizes[@]%%=*}" --seq-lens "${sizes[@]}" --merge --section 8b_pool_capacity --out "$RES"
+    keep bench_offload ;;
   offload-8b-2gpu)  # on 2+ GPUs: the 8B layer at sequence 65536, one rank a GPU through the deepspeed launcher,
                     # ZeRO-2 with the optimizer on the CPU and dsx's budget plan over host and SSD
                     # (configs/gpt_llama8b_zero2_actoffload.json): the node's first rank logs each rank's share of the
@@ -250,10 +252,10 @@ print('dsx_auto_budget_sel', rows[0]['seq_len'])") \
                  # bound needs): no offload, full recompute and dsx at recompute's peak, 3 interleaved runs; the bound
     run bench-offload-long 500 python benchmarks/bench_offload.py --model llama --hidden 4096 --layers 6 --heads 32 \
       --kv-heads 8 --ffn-hidden 14336 --seq-len 32768 --micro-batch 1 --warmup 2 --steps 3 --repeats 3 --pool-gb 48 \
-      --adam fused --child-timeout 150 --configs none recompute dsx_auto_budget --name bench_offload_long --out "$RES"
-    run plan-frontier-long 60 python benchmarks/plan_frontier.py "$RES/bench_offload_long.json" \
-      --config dsx_auto_budget --name plan_frontier_long --out "$RES"
-    keep bench_offload_long plan_frontier_long ;;
+      --adam fused --child-timeout 150 --configs none recompute dsx_auto_budget --section long --out "$RES"
+    run plan-frontier-long 60 python benchmarks/plan_frontier.py "$RES/bench_offload.json" --section long \
+      --config dsx_auto_budget --out "$RES"
+    keep bench_offload plan_frontier ;;
   offload-ssd)  # the SSD tier at the same shape with its default integrity check and without, 3 interleaved runs each,
                # the drive measured after each
     run bench-offload-ssd 560 python benchmarks/bench_offload_ssd.py --out "$RES"

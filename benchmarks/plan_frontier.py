@@ -1,7 +1,7 @@
 """The planner's frontier on measured profiles: its best step time at each activation budget.
 
-Reads a ``bench_offload`` JSON from a GPU run, takes the per-layer profiles and the tier bandwidths that run's
-dsx ``auto`` config measured, and asks the planner (``dsx.offload.plan.make_plan``) for its best plan at each
+Reads a section of ``bench_offload.json`` from a GPU run, takes the per-layer profiles and the tier bandwidths
+that run's dsx ``auto`` config measured, and asks the planner (``dsx.offload.plan.make_plan``) for its best plan at each
 budget from the lowest any plan reaches up to keeping everything, once with the tiers the run had and once
 with none (keep / recompute / selective recompute only: what offload adds is the gap between the two). The
 PNG draws both frontiers with the measured points of the same run (no offload, full recompute,
@@ -19,7 +19,10 @@ move / recompute choices beats at each budget, from the run's measurements alone
 profiles' times and recompute costs, the tiers' write rates), every other assumption in the plan's favour; the
 PNG draws it, and no measured point may lie under it.
 
-    python benchmarks/plan_frontier.py benchmarks/results/bench_offload.json --input-mib 64
+    python benchmarks/plan_frontier.py benchmarks/results/bench_offload.json --section h2048 --input-mib 64
+
+Each run's frontier is the section of the same name in ``<out>/plan_frontier.json`` (the others kept), and
+``plan_frontier.png`` draws every section, a panel each.
 
 ``--input-mib``: what a recomputed layer keeps to start from (its input hidden state: micro-batch x sequence
 x hidden x 2 bytes in bf16, 64 MiB at 8 x 2048 x 2048), for profiles taken before dsx profiled it.
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_args, environment, is_peer, save_png, write_json
+from _common import add_common_args, environment, is_peer, read_sections, save_sections_png, write_section
 from _common import median_runs as _medians
 
 from dsx.config import ActivationOffloadConfig
@@ -57,11 +60,35 @@ def median_runs(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return _medians([r for r in results if "error" not in r and r.get("activation_peak_gb", 0) > 0])
 
 
-def load_run(path: str, config: str | None) -> tuple[dict[str, Any], list[LayerProfile], list[TierBandwidth]]:
-    """The run, the profiles and bandwidths of ``config``, or of its first dsx config with a profiled plan,
-    preferring one whose profiles measured ``recompute_modules`` (they hold every choice a plan has, so that a
-    bound from them holds for every config of the run)."""
-    run = json.loads(Path(path).read_text())
+def read_run(path: str, section: str | None) -> tuple[str, dict[str, Any]]:
+    """The section of the ``bench_offload`` file at ``path`` named ``section`` (its name and content); with no
+    name, the file's only section. Stops, naming the sections there are, where that is not one."""
+    f = Path(path)
+    sections = read_sections(f.parent, f.stem) if f.suffix == ".json" else {}
+    if not sections:
+        raise SystemExit(f"{path}: no bench_offload result there (a .json file that bench_offload.py wrote)")
+    if section is None and len(sections) == 1:
+        section = next(iter(sections))
+    if section not in sections:
+        raise SystemExit(f"{path}: give --section, one of {', '.join(sections)}" if section is None else
+                         f"{path}: no section {section!r}; it has {', '.join(sections)}")  # fmt: skip
+    return section, sections[section]
+
+
+def load_run(
+    path: str, config: str | None, section: str | None = None
+) -> tuple[dict[str, Any], list[LayerProfile], list[TierBandwidth]]:
+    """The run (``section`` of the file at ``path``), the profiles and bandwidths of ``config``, or of its first
+    dsx config with a profiled plan, preferring one whose profiles measured ``recompute_modules`` (they hold
+    every choice a plan has, so that a bound from them holds for every config of the run)."""
+    section, run = read_run(path, section)
+    return run, *_profiles(run, config, f"{path}, section {section}")
+
+
+def _profiles(
+    run: dict[str, Any], config: str | None, where: str
+) -> tuple[list[LayerProfile], list[TierBandwidth]]:
+    """:func:`load_run`'s profiles and bandwidths of the run ``run``, read from ``where``."""
     fields = {f.name for f in dataclasses.fields(LayerProfile)}
     # a repeated config: the run its measured figures come from
     rows = list(median_runs(run["results"]).values())
@@ -73,9 +100,9 @@ def load_run(path: str, config: str | None) -> tuple[dict[str, Any], list[LayerP
         if plan.get("profiles") and (config is None or r["config"] == config):
             profiles = [LayerProfile(**{k: v for k, v in p.items() if k in fields}) for p in plan["profiles"]]
             tiers = plan["bound"]["tiers"]
-            return run, profiles, [TierBandwidth(t, v["write_Bps"], v["read_Bps"]) for t, v in tiers.items()]
+            return profiles, [TierBandwidth(t, v["write_Bps"], v["read_Bps"]) for t, v in tiers.items()]
     raise SystemExit(
-        f"{path}: no result{f' {config!r}' if config else ''} with a profiled plan (a GPU run of auto)"
+        f"{where}: no result{f' {config!r}' if config else ''} with a profiled plan (a GPU run of auto)"
     )
 
 
@@ -165,13 +192,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("run", help="a bench_offload JSON with a dsx auto result (GPU run)")
+    p.add_argument("--section", default=None,
+                   help="the run's section of that file (default: its only one); the frontier is the section "
+                        "of that name in <out>/<name>.json")  # fmt: skip
     p.add_argument("--config", default=None, help="the result whose profiles to use (default: the first)")
     p.add_argument("--input-mib", type=float, default=0.0,
                    help="a recomputed layer's input, where the profiles lack input_bytes")  # fmt: skip
     p.add_argument("--points", type=int, default=12)
     p.add_argument("--speedup", type=float, default=1.15,
                    help="the speed-up over full recompute at its peak whose budget and bound are reported")  # fmt: skip
-    p.add_argument("--name", default=None, help="JSON/PNG name (default: plan_frontier_<run's name>)")
+    p.add_argument("--name", default="plan_frontier", help="the result file, <out>/<name>.json and .png")
     p.add_argument("--exhaustive-depths", type=int, nargs="+", default=None, metavar="D",
                    help="also try every whole-layer plan (up to 10^7 a depth) at full recompute's measured peak, at "
                         "these prefetch depths: the cost model's best there, beside the planner's local search "
@@ -183,7 +213,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.quick:
         args.points = 4
-    run, profiles, bandwidths = load_run(args.run, args.config)
+    section, run = read_run(args.run, args.section)
+    source = f"{Path(args.run).name}, section {section}"
+    profiles, bandwidths = _profiles(run, args.config, source)
     for prof in profiles:
         if not prof.input_bytes:
             prof.input_bytes = int(args.input_mib * 2**20)
@@ -244,13 +276,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if bound is not None:
         targets["against_bound_and_peers"] = against(points, bound, fronts["offload"])
-    name = args.name or f"plan_frontier_{Path(args.run).stem}"
-    out = {"name": "plan_frontier", "env": environment(), "config": vars(args), "source": args.run,
+    out = {"name": "plan_frontier", "env": environment(), "config": vars(args),
+           "source": source,
            "source_env": run.get("env"), "kind": "cost-model prediction on measured profiles",
            "frontiers": fronts, "targets": targets, "lower_bound": bound,
            "measured": points}  # fmt: skip
-    write_json(out, args.out, name)
-    _plot(out, args.out, name)
+    _, sections = write_section(out, args.out, args.name, section)
+    save_sections_png(sections, _draw, args.out, args.name, size=(14.0, 5.5))
     print(json.dumps(targets, indent=1))
     return out
 
@@ -288,15 +320,10 @@ def against(
     }
 
 
-def _plot(out: dict[str, Any], where: str, name: str) -> None:
-    """Two panels: every point on a log scale, and the targets' region (no offload to 1.3x recompute) on a
-    linear one, where the frontiers, the bounds and the speed-up's line are a few ms apart."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+def _draw(panel: Any, section: str, out: dict[str, Any]) -> None:
+    """One section's panel, two plots: every point on a log scale, and the targets' region (no offload to 1.3x
+    recompute) on a linear one, where the frontiers, the bounds and the speed-up's line are a few ms apart."""
+    axes = panel.subplots(1, 2)
     # (the profiles' recompute_modules, where measured, are choices of both frontiers: the +sel forms)
     styles = {"offload": ("tab:blue", "planner, with the run's tiers (+ rest of step; +sel where profiled)"),
               "recompute_only": ("tab:orange", "planner, keep / recompute only (+ rest of step; +sel where profiled)")}  # fmt: skip
@@ -346,9 +373,8 @@ def _plot(out: dict[str, Any], where: str, name: str) -> None:
         axes[1].set_xlim(0, none["activation_peak_gb"] * 1.05)
     axes[1].set_title("the targets' region", fontsize=9)
     src = out["source_env"] or {}
-    fig.suptitle(f"planner frontier and lower bound on profiles measured on {src.get('device', '?')} "
-                 f"({Path(out['source']).name})", fontsize=10)  # fmt: skip
-    save_png(fig, where, name)
+    panel.suptitle(f"{section}: planner frontier and lower bound on profiles measured on "
+                   f"{src.get('device', '?')} ({out['source']})", fontsize=10)  # fmt: skip
 
 
 if __name__ == "__main__":

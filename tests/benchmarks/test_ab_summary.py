@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 from benchmarks import ab_summary
+from benchmarks._common import write_section
 
 
 def _write(d: Path, name: str, step: float, config: str = "dsx_auto_hide") -> None:
     res = {"config": config, "step_s": step, "event_wait": "spin",
            "telemetry": {"written_gb_per_measured_step": [4.8], "gpu_wait_by_measured_step": [{"unpack": 0.0}]}}  # fmt: skip
-    (d / f"{name}.json").write_text(json.dumps({"env": {"device": "test"}, "results": [res]}))
+    write_section({"env": {"device": "test"}, "results": [res]}, d, "bench_offload", name)
 
 
 def test_runs_pair_with_their_own_round(tmp_path):
@@ -28,7 +28,7 @@ def test_runs_pair_with_their_own_round(tmp_path):
     _write(tmp_path, "bench_x_spin_4", 0.3)  # a round without its no-offload run: left out
     _write(tmp_path, "bench_x_y_none_1", 0.2, config="none")  # another stage whose prefix extends this one
     _write(tmp_path, "bench_x_y_spin_1", 0.3)
-    (tmp_path / "bench_x_poll_5.json").write_text(json.dumps({"env": {}, "results": [{"error": "OOM"}]}))
+    write_section({"env": {}, "results": [{"error": "OOM"}]}, tmp_path, "bench_offload", "bench_x_poll_5")
     rows = ab_summary.collect(tmp_path, "bench_x")
     assert {(r["variant"], r["round"]): r["ratio_vs_none"] for r in rows} == want
     out = ab_summary.main(["--out", str(tmp_path), "--name", "s", "--target", "0.95", "bench_x"])

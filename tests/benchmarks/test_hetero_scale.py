@@ -1,11 +1,10 @@
 """bench_hetero_scale.py on CPU ranks (gloo): the example under the deepspeed launcher on 1 and 2 ranks gives a
 JSON with every job's summary, each rank count's median and the epoch-rate ratio, and a PNG; a job that fails
-is recorded with its log, not lost; models merge into one file by section, and a file of the one-model layout
-is upgraded (the real runs are on the GPU machines)."""
+is recorded with its log, not lost; models merge into their section, and a run of one section keeps the
+file's others (the real runs are on the GPU machines)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 
@@ -19,11 +18,9 @@ TINY = ["--scale", "0.002", "--classes", "8", "--features", "16", "--graph-layou
 
 def test_jobs_on_one_and_two_ranks_and_a_failing_one_merged_by_model(tmp_path, monkeypatch) -> None:
     mod = load_example("benchmarks/bench_hetero_scale.py")
-    res = mod.main(
-        ["--out", str(tmp_path), "--name", "scale", "--gpus", "1,2", "--repeats", "1", "--", *TINY]
-    )
-    saved = json.loads((tmp_path / "scale.json").read_text())
-    assert (tmp_path / "scale.png").stat().st_size > 0 and saved["models"].keys() == {"rgcn"}
+    res = mod.main(["--out", str(tmp_path), "--gpus", "1,2", "--repeats", "1", "--", *TINY])
+    saved = section(tmp_path)
+    assert (tmp_path / "bench_hetero_scale.png").stat().st_size > 0 and saved["models"].keys() == {"rgcn"}
     rgcn = saved["models"]["rgcn"]  # no --model: the example's default
     assert rgcn["runs"].keys() == {"1", "2"}
     for n in ("1", "2"):
@@ -37,9 +34,9 @@ def test_jobs_on_one_and_two_ranks_and_a_failing_one_merged_by_model(tmp_path, m
     assert saved["config"]["example_args"] == rgcn["config"]["example_args"] == TINY
     # a failing job (a fast one), as another model merged into the same file: both sections kept
     bad_args = [*TINY, "--model", "rgat", "--split", "0.9,0.9,0"]
-    bad = mod.main(["--out", str(tmp_path), "--name", "scale", "--gpus", "1", "--repeats", "1", "--merge",
+    bad = mod.main(["--out", str(tmp_path), "--gpus", "1", "--repeats", "1", "--merge",
                     "--", *bad_args])  # fmt: skip
-    merged = json.loads((tmp_path / "scale.json").read_text())
+    merged = section(tmp_path)
     assert list(merged["models"]) == ["rgcn", "rgat"] and merged["models"]["rgcn"] == rgcn
     rgat = merged["models"]["rgat"]
     assert rgat == bad["models"]["rgat"] and rgat["config"]["example_args"] == bad_args
@@ -48,91 +45,36 @@ def test_jobs_on_one_and_two_ranks_and_a_failing_one_merged_by_model(tmp_path, m
     assert rgat["runs"].keys() == {"1"} and rgat["runs"]["1"]["failed"] == 1
     assert rgat["runs"]["1"]["epoch_s"] is None
     assert "exit status" in job["error"] and "split" in job["log_tail"] and "graph" not in rgat
-    assert (tmp_path / "scale.png").stat().st_size > 0
+    assert (tmp_path / "bench_hetero_scale.png").stat().st_size > 0
     # a rerun of a model replaces its section alone, in its place; the job faked (a real one was run above),
     # as rgcn's 1-rank summary with another epoch time
     summary = {**rgcn["runs"]["1"]["jobs"][0], "model": "rgat", "epoch_s": 0.25}
     monkeypatch.setattr(mod, "_launch", lambda n, extra, timeout, cuda: {**summary, "world_size": n})
-    mod.main(["--out", str(tmp_path), "--name", "scale", "--gpus", "1,2", "--repeats", "2", "--merge",
+    mod.main(["--out", str(tmp_path), "--gpus", "1,2", "--repeats", "2", "--merge",
               "--", *TINY, "--model", "rgat"])  # fmt: skip
-    again = json.loads((tmp_path / "scale.json").read_text())
+    again = section(tmp_path)
     assert list(again["models"]) == ["rgcn", "rgat"] and again["models"]["rgcn"] == rgcn
     rgat = again["models"]["rgat"]
     assert rgat["runs"].keys() == {"1", "2"} and rgat["config"]["repeats"] == 2
     assert [r["epoch_s"] for r in rgat["runs"].values()] == [0.25, 0.25] and rgat["graph"]["model"] == "rgat"
     assert rgat["epoch_rate_over_1_rank"] == {"2": 1.0}
-    # without --merge the file holds this run's model alone (the job faked as well)
-    mod.main(["--out", str(tmp_path), "--name", "scale", "--gpus", "1", "--repeats", "1", "--",
+    # another section leaves this one as it was, and the PNG draws both (the job faked as well)
+    mod.main(["--out", str(tmp_path), "--section", "large", "--gpus", "1", "--repeats", "1", "--",
               *TINY, "--model", "hgt"])  # fmt: skip
-    assert json.loads((tmp_path / "scale.json").read_text())["models"].keys() == {"hgt"}
+    assert section(tmp_path) == again and section(tmp_path, "large")["models"].keys() == {"hgt"}
+    drawn = []
+    monkeypatch.setattr(mod, "draw", lambda panel, name, res: drawn.append(name))
+    # without --merge the section holds this run's model alone, the other section kept
+    mod.main(["--out", str(tmp_path), "--gpus", "1", "--repeats", "1", "--", *TINY, "--model", "hgt"])
+    assert section(tmp_path)["models"].keys() == {"hgt"} and section(tmp_path, "large")["models"].keys() == {
+        "hgt"
+    }
+    assert drawn == ["scale", "large"]
 
 
-OLD = {  # a result of the one-model layout (runs at the top), as bench_hetero_scale.py wrote it before
-    "config": {
-        "out": "o",
-        "quick": False,
-        "name": "old",
-        "gpus": "1,2",
-        "repeats": 2,
-        "timeout": 60.0,
-        "example_args": ["--model", "hgt", "--scale", "3"],
-    },
-    "env": {"date_utc": "2030-01-02T03:04:05+00:00", "host": "h", "device": "GPU X", "cpu_count": 7},
-    "runs": {
-        "1": {
-            "jobs": [{"epoch_s": 6.5}, {"epoch_s": 7.5}],
-            "failed": 0,
-            "epoch_s": 7.0,
-            "epoch_s_min": 6.5,
-            "epoch_s_max": 7.5,
-            "val_acc": [0.61, 0.62],
-            "peak_gpu_gb": 3.25,
-        },
-        "2": {
-            "jobs": [{"epoch_s": 4.0}, {"epoch_s": 3.0}],
-            "failed": 0,
-            "epoch_s": 3.5,
-            "epoch_s_min": 3.0,
-            "epoch_s_max": 4.0,
-            "val_acc": [0.63, 0.64],
-            "peak_gpu_gb": 2.75,
-        },
-    },
-    "epoch_rate_over_1_rank": {"2": 2.0},
-    "graph": {
-        "nodes": {"paper": 11},
-        "edges": {"paper__cites__paper": 13},
-        "feature_gb": {"paper": 0.5},
-        "gpu_total_gb": 17.0,
-        "generated_graph_gpu_gb": 1.5,
-        "model": "hgt",
-    },
-    "features_over_gpu_memory": 0.5 / 17.0,
-}
-
-
-def test_upgrade_of_the_one_model_layout(tmp_path, monkeypatch) -> None:
-    mod = load_example("benchmarks/bench_hetero_scale.py")
-    old = copy.deepcopy(OLD)
-    new = mod.upgrade(old)
-    assert old == OLD  # the input is left as it was
-    assert new == {"config": OLD["config"], "env": OLD["env"], "models": {"hgt": OLD}}
-    assert mod.upgrade(copy.deepcopy(new)) == new  # the layout by model is kept as it is
-    # every job failed (no graph): the model comes from the example's arguments, else the example's default
-    failed = {k: v for k, v in OLD.items() if k not in ("graph", "features_over_gpu_memory")}
-    assert mod.upgrade(failed)["models"].keys() == {"hgt"}
-    failed["config"] = {**OLD["config"], "example_args": ["--scale", "3"]}
-    assert mod.upgrade(failed)["models"].keys() == {"rgcn"}
-    # --merge onto a file of that layout: its model's section kept beside this run's (the job faked)
-    (tmp_path / "old.json").write_text(json.dumps(OLD))
-    monkeypatch.setattr(
-        mod, "_launch", lambda n, extra, timeout, cuda: {"error": "exit status 1", "log_tail": "x"}
-    )
-    mod.main(["--out", str(tmp_path), "--name", "old", "--gpus", "1", "--repeats", "1", "--merge", "--",
-              "--model", "rgat"])  # fmt: skip
-    saved = json.loads((tmp_path / "old.json").read_text())
-    assert list(saved["models"]) == ["hgt", "rgat"] and saved["models"]["hgt"] == OLD
-    assert saved["models"]["rgat"]["runs"]["1"]["failed"] == 1 and (tmp_path / "old.png").stat().st_size > 0
+def section(out, name: str = "scale") -> dict:
+    """The section ``name`` of bench_hetero_scale.json in ``out``."""
+    return json.loads((out / "bench_hetero_scale.json").read_text())["sections"][name]
 
 
 def test_merge_into_a_file_it_cannot_read_stops_before_any_job(tmp_path, monkeypatch) -> None:
@@ -142,12 +84,17 @@ def test_merge_into_a_file_it_cannot_read_stops_before_any_job(tmp_path, monkeyp
         raise AssertionError("a job ran")
 
     monkeypatch.setattr(mod, "_launch", launch)
-    path = tmp_path / "c.json"
-    for text in ('{"models": {"rgcn": ', "[1, 2]", '{"figures": {}}', '{"models": {"rgcn": 3}}', "\xff"):
+    path = tmp_path / "bench_hetero_scale.json"
+    texts = ('{"sections": {"scale": ', "[1, 2]", '{"models": {}}', '{"sections": {"scale": 3}}', "\xff")
+    for text in texts:
         path.write_text(text, encoding="latin-1")
-        with pytest.raises(SystemExit, match=re.escape(str(path))):
-            mod.main(["--out", str(tmp_path), "--name", "c", "--gpus", "1", "--repeats", "1", "--merge"])
-        assert path.read_text(encoding="latin-1") == text  # left as it was
+        for merge in ([], ["--merge"]):  # (a run that would replace the section keeps the others)
+            with pytest.raises(SystemExit, match=re.escape(str(path))):
+                mod.main(["--out", str(tmp_path), "--gpus", "1", "--repeats", "1", *merge])
+            assert path.read_text(encoding="latin-1") == text  # left as it was
+    path.write_text('{"sections": {"scale": {"models": {"rgcn": 3}}}}')
+    with pytest.raises(SystemExit, match=re.escape(str(path))):
+        mod.main(["--out", str(tmp_path), "--gpus", "1", "--repeats", "1", "--merge"])
 
 
 def test_a_job_past_its_timeout_is_stopped_with_its_ranks(tmp_path) -> None:
@@ -155,7 +102,7 @@ def test_a_job_past_its_timeout_is_stopped_with_its_ranks(tmp_path) -> None:
 
     mod = load_example("benchmarks/bench_hetero_scale.py")
     # (30 s: two ranks starting on a loaded two-core machine took more than 20 to print their first epoch)
-    res = mod.main(["--out", str(tmp_path), "--name", "slow", "--gpus", "2", "--repeats", "1", "--timeout", "30",
+    res = mod.main(["--out", str(tmp_path), "--gpus", "2", "--repeats", "1", "--timeout", "30",
                     "--", *TINY, "--epochs", "1000"])  # fmt: skip
     run = res["models"]["rgcn"]["runs"]["2"]
     job = run["jobs"][0]

@@ -53,8 +53,8 @@ def test_the_baseline_moves_large_saved_tensors_and_keeps_gradients_bitwise(devi
 def test_bench_offload_runs_the_llama_model_with_its_peers(tmp_path) -> None:
     mod = load_example("benchmarks/bench_offload.py", "bench_offload_llama")
     mod.main(["--quick", "--in-process", "--model", "llama", "--configs", "none", "hooks_offload", "ds_cpu_ckpt", "dsx_host",
-              "--out", str(tmp_path), "--name", "llama"])  # fmt: skip
-    saved = json.loads((tmp_path / "llama.json").read_text())
+              "--out", str(tmp_path), "--section", "llama"])  # fmt: skip
+    saved = json.loads((tmp_path / "bench_offload.json").read_text())["sections"]["llama"]
     rows = {r["config"]: r for r in saved["results"]}
     assert set(rows) == {"none", "hooks_offload", "ds_cpu_ckpt", "dsx_host"}
     ds = rows.pop("ds_cpu_ckpt")

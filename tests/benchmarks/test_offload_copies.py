@@ -3,14 +3,25 @@ every training step and only then; its byte count comes from the same invocation
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from pathlib import Path
 
+import matplotlib
 import pytest
 import torch
 
 from benchmarks import bench_offload
+from benchmarks._common import write_section
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def _section(out: Path, name: str) -> dict:
+    """The section ``name`` of the bench_offload.json in ``out``."""
+    return json.loads((out / "bench_offload.json").read_text())["sections"][name]
 
 
 def _model() -> torch.nn.Module:
@@ -71,13 +82,12 @@ def test_bytes_come_from_the_hide_only_run_at_the_same_micro_batch() -> None:
 def test_ssd_runs_report_the_tier_rates_beside_the_drive_rates(tmp_path) -> None:
     """An SSD-only config's run carries the drive's own rates, measured beside it in the same directory,
     and the JSON sets the tier's rates while it had work (real files) against them, both ways."""
-    import json
     import statistics
 
     # (posix: the auto backend would build DeepSpeed's async_io op where libaio-dev is installed, minutes on CI)
     bench_offload.main(["--quick", "--in-process", "--configs", "dsx_ssd", "--repeats", "2", "--ssd-dir",
-                        str(tmp_path), "--out", str(tmp_path), "--name", "ssd", "--io-backend", "posix"])  # fmt: skip
-    saved = json.loads((tmp_path / "ssd.json").read_text())
+                        str(tmp_path), "--out", str(tmp_path), "--section", "ssd", "--io-backend", "posix"])  # fmt: skip
+    saved = _section(tmp_path, "ssd")
     runs = [r for r in saved["results"] if r["config"] == "dsx_ssd"]
     assert len(runs) == 2 and all("error" not in r for r in runs), runs
     assert [r["ssd_io_backend"] for r in runs] == ["posix", "posix"]  # the file the tier opened
@@ -189,11 +199,10 @@ def test_the_longest_sequence_and_the_speed_at_the_best_peers() -> None:
 def test_a_sequence_sweep_runs_every_length_and_names_its_rows(tmp_path) -> None:
     """Real engines on the CPU: rows per length, named config@seqN, with the length they ran at; a dsx
     budget config without a measured recompute peak at that length says so."""
-    import json
 
     bench_offload.main(["--quick", "--in-process", "--configs", "none", "recompute", "dsx_auto_budget",
-                        "--seq-lens", "16,32", "recompute=32", "--out", str(tmp_path), "--name", "cap"])  # fmt: skip
-    saved = json.loads((tmp_path / "cap.json").read_text())
+                        "--seq-lens", "16,32", "recompute=32", "--out", str(tmp_path), "--section", "cap"])  # fmt: skip
+    saved = _section(tmp_path, "cap")
     rows = {r["config"]: r for r in saved["results"]}
     assert set(rows) == {"none@seq16", "none@seq32", "recompute@seq32", "dsx_auto_budget@seq16",
                          "dsx_auto_budget@seq32"}, sorted(rows)  # fmt: skip
@@ -203,12 +212,10 @@ def test_a_sequence_sweep_runs_every_length_and_names_its_rows(tmp_path) -> None
         assert r["tokens_per_s"] == r["micro_batch"] * r["seq_len"] / r["step_s"]
     assert "sequence 16" in rows["dsx_auto_budget@seq16"]["error"]  # recompute ran at 32 only
     assert saved["ratios"]["longest_sequence"]["largest"]["none"]["seq_len"] == 32
-    assert (tmp_path / "cap.png").stat().st_size > 0
+    assert (tmp_path / "bench_offload.png").stat().st_size > 0
 
 
-def test_a_length_sweep_draws_throughput_against_length_with_each_first_failure(
-    tmp_path, monkeypatch
-) -> None:
+def test_a_length_sweep_draws_throughput_against_length_with_each_first_failure(monkeypatch) -> None:
     rows = [{"config": f"recompute@seq{n}", "seq_len": n, "tokens_per_s": 9e3 - n / 100, "step_s": 1.0,
              "activation_peak_gb": 1.0, "step_s_runs": [1.0]} for n in (1000, 2000)]  # fmt: skip
     rows += [{"config": "none@seq1000", "seq_len": 1000, "tokens_per_s": 1e4, "step_s": 1.0,
@@ -216,16 +223,24 @@ def test_a_length_sweep_draws_throughput_against_length_with_each_first_failure(
              {"config": "none@seq2000", "seq_len": 2000, "error": "OutOfMemoryError: CUDA out of memory"},
              {"config": "recompute@seq3000", "seq_len": 3000, "error": "timed out after 300 s"}]  # fmt: skip
     drawn = []
-    real = bench_offload._plot_lengths
-    monkeypatch.setattr(bench_offload, "_plot_lengths", lambda *a: drawn.append(a[1]) or real(*a))
-    bench_offload._plot(rows, tmp_path, "lengths")
-    assert (tmp_path / "lengths.png").stat().st_size > 0 and drawn == [tmp_path]
+    real = bench_offload._draw_lengths
+    monkeypatch.setattr(bench_offload, "_draw_lengths", lambda *a: drawn.append(a[3]) or real(*a))
+    fig = plt.figure()
+    bench_offload._draw(fig, "lengths", {"results": rows, "config": {"seq_lens": ["1000,2000,3000"]}})
+    assert len(fig.axes) == 1 and drawn == [
+        "lengths: GPT hNone x None layers, lengths swept, micro-batch None"
+    ]
     # one length only: the strategies' chart
-    bench_offload._plot(rows[:1], tmp_path, "one")
-    assert (tmp_path / "one.png").stat().st_size > 0 and drawn == [tmp_path]
+    fig = plt.figure()
+    bench_offload._draw(fig, "one", {"results": rows[:1]})
+    assert len(fig.axes) == 2 and len(drawn) == 1
+    # nothing trained: the panel says so
+    fig = plt.figure()
+    bench_offload._draw(fig, "none", {"results": rows[-1:]})
+    assert not fig.axes and fig.get_suptitle().endswith("no config trained")
 
 
-def test_a_length_sweep_marks_each_config_once_where_it_first_failed(tmp_path, monkeypatch) -> None:
+def test_a_length_sweep_marks_each_config_once_where_it_first_failed() -> None:
     """A longer length that failed in another part is not a second limit; two configs failing at one length get
     labels side by side, not on top of each other."""
     ok = {"tokens_per_s": 1e4, "step_s": 1.0, "activation_peak_gb": 1.0, "step_s_runs": [1.0]}
@@ -233,10 +248,9 @@ def test_a_length_sweep_marks_each_config_once_where_it_first_failed(tmp_path, m
     rows = [{"config": f"{c}@seq1000", "seq_len": 1000, **ok} for c in ("recompute", "none", "dsx")]
     rows += [{"config": f"{c}@seq{n}", "seq_len": n, **oom} for c, n in
              (("recompute", 4000), ("recompute", 3000), ("none", 2000), ("dsx", 2000))]  # fmt: skip
-    figs = []
-    monkeypatch.setattr(bench_offload, "save_png", lambda fig, *a: figs.append(fig))
-    bench_offload._plot(rows, tmp_path, "lengths")
-    texts = figs[0].axes[0].texts
+    fig = plt.figure()
+    bench_offload._draw(fig, "lengths", {"results": rows})
+    texts = fig.axes[0].texts
     assert Counter(t.get_text() for t in texts) == Counter(
         {"recompute: out of memory": 1, "none: out of memory": 1, "dsx: out of memory": 1}
     )
@@ -291,33 +305,31 @@ def test_dsx_profiled_with_its_inputs_on_the_host_trains_as_a_capacity_config(tm
 def test_merged_repeats_keep_the_earlier_rows_and_the_capacity_takes_their_median(tmp_path) -> None:
     """--merge-repeat: interleaved rounds too long for one job run one a part; each part's rows join the earlier
     ones of the same name instead of replacing them, and the longest-sequence figures take the median."""
-    import json
 
     common = ["--quick", "--in-process", "--configs", "none", "--seq-lens", "16", "--out", str(tmp_path),
-              "--name", "r"]  # fmt: skip
+              "--section", "r"]  # fmt: skip
     bench_offload.main(common)
     for _ in range(2):
         bench_offload.main([*common, "--merge", "--merge-repeat"])
-    saved = json.loads((tmp_path / "r.json").read_text())
+    saved = _section(tmp_path, "r")
     rows = [r for r in saved["results"] if r["config"] == "none@seq16"]
     assert [r["part"] for r in rows] == [0, 1, 2]
     assert not any(p.get("superseded") for p in saved["parts"])
     tps = sorted(r["tokens_per_s"] for r in rows)
     assert saved["ratios"]["longest_sequence"]["largest"]["none"]["tokens_per_s"] == tps[1]
     bench_offload.main([*common, "--merge"])  # without it, a part replaces them
-    saved = json.loads((tmp_path / "r.json").read_text())
+    saved = _section(tmp_path, "r")
     assert [r["part"] for r in saved["results"] if r["config"] == "none@seq16"] == [3]
 
 
 def test_a_merge_takes_no_ssd_size_as_the_pools(tmp_path) -> None:
     """A file written without --ssd-gb had an SSD tier the pool's size: a part that names that size merges, one
     with another size is refused."""
-    import json
 
-    common = ["--quick", "--in-process", "--configs", "none", "--out", str(tmp_path), "--name", "s"]
+    common = ["--quick", "--in-process", "--configs", "none", "--out", str(tmp_path), "--section", "s"]
     bench_offload.main(common)
     bench_offload.main([*common, "--merge", "--ssd-gb", "0.25"])  # --quick's pool: the same setting
-    assert len(json.loads((tmp_path / "s.json").read_text())["parts"]) == 2
+    assert len(_section(tmp_path, "s")["parts"]) == 2
     with pytest.raises(SystemExit, match=r"other settings \{'ssd_gb': \(0.25, 0.5\)\}"):
         bench_offload.main([*common, "--merge", "--ssd-gb", "0.5"])
 
@@ -338,12 +350,11 @@ def test_a_size_past_one_that_failed_is_not_run_in_that_round(tmp_path, monkeypa
     """A capacity sweep stops a config at its first failure: its longer sequences, the slowest runs, are recorded
     as not run (in each round), while the other configs run every length; the longest it trained is then a
     limit found, and another config's longest only the longest it was given."""
-    import json
 
     _out_of_memory_from(monkeypatch, "recompute", 16)
     bench_offload.main(["--quick", "--in-process", "--configs", "none", "recompute", "--seq-lens", "8,16,32",
-                        "--repeats", "2", "--out", str(tmp_path), "--name", "stop"])  # fmt: skip
-    saved = json.loads((tmp_path / "stop.json").read_text())
+                        "--repeats", "2", "--out", str(tmp_path), "--section", "stop"])  # fmt: skip
+    saved = _section(tmp_path, "stop")
     by: dict[str, list] = {}
     for r in saved["results"]:
         by.setdefault(r["config"], []).append(r)
@@ -364,14 +375,13 @@ def test_a_size_past_one_that_failed_is_not_run_in_that_round(tmp_path, monkeypa
 def test_a_merged_part_that_did_not_run_a_size_keeps_the_earlier_measurement(tmp_path, monkeypatch) -> None:
     """--merge with a failure: a size the new part ran and failed replaces the earlier rows (it is the newer
     measurement); a size it did not run leaves the earlier rows as they were."""
-    import json
 
     common = ["--quick", "--in-process", "--configs", "recompute", "--seq-lens", "8,16", "--out", str(tmp_path),
-              "--name", "part"]  # fmt: skip
+              "--section", "part"]  # fmt: skip
     bench_offload.main(common)
     _out_of_memory_from(monkeypatch, "recompute", 8)
     bench_offload.main([*common, "--merge"])
-    rows = json.loads((tmp_path / "part.json").read_text())["results"]
+    rows = _section(tmp_path, "part")["results"]
     at8 = [r for r in rows if r["config"] == "recompute@seq8"]
     at16 = [r for r in rows if r["config"] == "recompute@seq16"]
     assert len(at8) == 1 and "out of memory" in at8[0]["error"]
@@ -420,13 +430,12 @@ def test_a_fit_budget_fills_the_capped_gpu_past_the_static_memory() -> None:
 def test_a_run_merged_into_an_earlier_file_keeps_its_rows_and_replaces_same_named_ones(tmp_path) -> None:
     """--merge: a sweep in parts. The second part's rows join the first's; a row it runs again replaces the
     earlier one; the file records both parts; a part with other model or step settings is refused."""
-    import json
 
-    common = ["--quick", "--in-process", "--out", str(tmp_path), "--name", "m"]
+    common = ["--quick", "--in-process", "--out", str(tmp_path), "--section", "m"]
     bench_offload.main([*common, "--configs", "none", "recompute"])
-    first = json.loads((tmp_path / "m.json").read_text())
+    first = _section(tmp_path, "m")
     bench_offload.main([*common, "--configs", "none", "--merge"])
-    saved = json.loads((tmp_path / "m.json").read_text())
+    saved = _section(tmp_path, "m")
     assert sorted(r["config"] for r in saved["results"]) == ["none", "recompute"]
     by = {r["config"]: r for r in saved["results"]}
     assert by["recompute"] == next(r for r in first["results"] if r["config"] == "recompute")
@@ -435,12 +444,19 @@ def test_a_run_merged_into_an_earlier_file_keeps_its_rows_and_replaces_same_name
     assert all(p["device"] == first["env"]["device"] for p in saved["parts"])  # which machine ran each part
     with pytest.raises(SystemExit, match=r"--merge: .* other settings \{'adam': \('foreach', 'fused'\)\}"):
         bench_offload.main([*common, "--configs", "none", "--merge", "--adam", "fused"])
-    assert json.loads((tmp_path / "m.json").read_text()) == saved  # the refused part changed nothing
+    assert _section(tmp_path, "m") == saved  # the refused part changed nothing
     assert {r["config"]: r["part"] for r in saved["results"]} == {"none": 1, "recompute": 0}
     # a part none of whose rows is left is marked superseded
     bench_offload.main([*common, "--configs", "recompute", "--merge"])
-    parts = json.loads((tmp_path / "m.json").read_text())["parts"]
+    parts = _section(tmp_path, "m")["parts"]
     assert [bool(p.get("superseded")) for p in parts] == [True, False, False], parts
+    # another shape is a section of its own: a run of it, merged or not, leaves this one as it was
+    kept = _section(tmp_path, "m")
+    bench_offload.main(
+        ["--quick", "--in-process", "--out", str(tmp_path), "--section", "other", "--configs", "none"]
+    )
+    assert _section(tmp_path, "m") == kept and _section(tmp_path, "other")["results"][0]["config"] == "none"
+    assert list(json.loads((tmp_path / "bench_offload.json").read_text())["sections"]) == ["m", "other"]
 
 
 def test_capacity_takes_the_median_over_repeats_and_keeps_other_tags_apart() -> None:
@@ -469,29 +485,27 @@ def test_capacity_takes_the_median_over_repeats_and_keeps_other_tags_apart() -> 
 def test_merging_into_a_file_from_before_sizes_were_kept_per_row(tmp_path) -> None:
     """Rows written before each row carried its sequence length ran at the file's own (and files from before
     --vocab at 256): a budget relative to their recompute peak is found, not reported missing."""
-    import json
 
-    common = ["--quick", "--in-process", "--out", str(tmp_path), "--name", "old"]
+    common = ["--quick", "--in-process", "--out", str(tmp_path), "--section", "old"]
     bench_offload.main([*common, "--configs", "recompute"])
-    saved = json.loads((tmp_path / "old.json").read_text())
+    saved = _section(tmp_path, "old")
     for r in saved["results"]:
         del r["seq_len"]
         r["activation_peak_gb"] = 0.5  # (a GPU run's measured peak; the CPU measures none)
     del saved["parts"], saved["config"]["vocab"]  # (files from before either was recorded)
-    (tmp_path / "old.json").write_text(json.dumps(saved))
+    write_section(saved, tmp_path, "bench_offload", "old")
     bench_offload.main([*common, "--configs", "dsx_auto_budget", "--budget-scales", "1.5", "--merge"])
-    rows = {r["config"]: r for r in json.loads((tmp_path / "old.json").read_text())["results"]}
+    rows = {r["config"]: r for r in _section(tmp_path, "old")["results"]}
     assert rows["dsx_auto_budget@1.5x"].get("budget_gb") == pytest.approx(0.75), rows["dsx_auto_budget@1.5x"]
 
 
 def test_a_real_vocabulary_trains(tmp_path) -> None:
     """--vocab gives the head its real size: the tokens are drawn from it and the loss starts near log(vocab)."""
-    import json
     import math
 
     bench_offload.main(["--quick", "--in-process", "--configs", "none", "--vocab", "5000", "--out", str(tmp_path),
-                        "--name", "v"])  # fmt: skip
-    row = json.loads((tmp_path / "v.json").read_text())["results"][0]
+                        "--section", "v"])  # fmt: skip
+    row = _section(tmp_path, "v")["results"][0]
     assert "error" not in row and abs(row["losses"][0] - math.log(5000)) < 1.0, row.get("losses")
 
 
@@ -527,9 +541,7 @@ def test_gpu_memory_cap_holds_the_process_to_it() -> None:
     assert "capped" in out.stdout
 
 
-def test_a_length_sweep_from_two_kinds_of_gpu_names_each_configs_and_a_host_kill(
-    tmp_path, monkeypatch
-) -> None:
+def test_a_length_sweep_from_two_kinds_of_gpu_names_each_configs_and_a_host_kill() -> None:
     """Parts merged from two GPU kinds: each config's label says which its rows came from (one kind: no label
     says it); a child killed by SIGKILL (the kernel's out-of-memory killer) is marked as host memory, and its
     config's longest length is its limit; a config with no failure, or one that failed otherwise at a longer
@@ -541,15 +553,19 @@ def test_a_length_sweep_from_two_kinds_of_gpu_names_each_configs_and_a_host_kill
             {"config": "hooks@seq2000", "seq_len": 2000, "part": 1, "error": "child exited -9 without a result",
              "returncode": -9}]  # fmt: skip
     figs = []
-    monkeypatch.setattr(bench_offload, "save_png", lambda fig, *a: figs.append(fig))
-    bench_offload._plot(rows, tmp_path, "lengths", parts)
+
+    def draw(rows: list[dict], parts: list[dict]) -> None:
+        figs.append(plt.figure())
+        bench_offload._draw(figs[-1], "lengths", {"results": rows, "parts": parts})
+
+    draw(rows, parts)
     labels = [t.get_text() for t in figs[0].axes[0].get_legend().get_texts()]
     assert labels == [
         "hooks (longest 1,000; H200)",
         "recompute (trained 1,000, its limit not found; H100)",
     ], labels
     assert [t.get_text() for t in figs[0].axes[0].texts] == ["hooks: killed (host memory)"]
-    bench_offload._plot(rows, tmp_path, "lengths", parts[:1] * 2)
+    draw(rows, parts[:1] * 2)
     labels = [t.get_text() for t in figs[1].axes[0].get_legend().get_texts()]
     assert labels == ["hooks (longest 1,000)", "recompute (trained 1,000, its limit not found)"], labels
     # the kinds the plot names are the ratios' (one rule): a part without rows, or without a device, adds none
@@ -559,7 +575,7 @@ def test_a_length_sweep_from_two_kinds_of_gpu_names_each_configs_and_a_host_kill
         {"config": "none@seq1000", "seq_len": 1000, "part": 2, "error": "child timed out after 120 s"}
     )
     assert bench_offload._part_kinds(rows, more) == {0: "H100", 1: "H200"}
-    bench_offload._plot(rows, tmp_path, "lengths", more)
+    draw(rows, more)
     labels = [t.get_text() for t in figs[2].axes[0].get_legend().get_texts()]
     assert labels == ["hooks (longest 1,000; H200)", "none (trained 500, its limit not found)",
                       "recompute (trained 1,000, its limit not found; H100)"]  # fmt: skip

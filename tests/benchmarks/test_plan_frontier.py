@@ -7,7 +7,10 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from benchmarks import plan_frontier
+from benchmarks._common import write_section
 from dsx.offload.plan import LayerProfile
 
 GiB = 1 << 30
@@ -33,12 +36,10 @@ def _run_file(tmp_path, n: int = 4, pool_gb: float | None = None) -> str:
         {"config": "dsx_auto_budget_sel", "step_s": 0.12, "activation_peak_gb": rc_peak, "plan": plan},
         {"config": "dsx_ssd", "error": "timed out"},
     ]
-    path = tmp_path / "bench_offload_x.json"
     run = {"env": {"device": "test"}, "results": results}
     if pool_gb is not None:
         run["config"] = {"pool_gb": pool_gb}
-    path.write_text(json.dumps(run))
-    return str(path)
+    return str(write_section(run, tmp_path, "bench_offload", "x")[0])
 
 
 def test_frontier_plans_within_the_runs_pool(tmp_path) -> None:
@@ -59,8 +60,9 @@ def test_frontier_is_exact_monotone_and_offload_never_worse(tmp_path) -> None:
     out = plan_frontier.main(
         [_run_file(tmp_path), "--input-mib", "16", "--points", "6", "--out", str(tmp_path)]
     )
-    assert (tmp_path / "plan_frontier_bench_offload_x.json").exists()
-    assert (tmp_path / "plan_frontier_bench_offload_x.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "plan_frontier.json").read_text())["sections"]
+    assert list(saved) == ["x"] and saved["x"]["source"] == "bench_offload.json, section x"
+    assert (tmp_path / "plan_frontier.png").stat().st_size > 0
     fronts = out["frontiers"]
     for front in fronts.values():
         assert len(front) >= 4
@@ -163,12 +165,12 @@ def test_without_a_config_the_profiles_with_every_choice_are_read(tmp_path) -> N
     """A run with a dsx config profiled without ``recompute_modules`` before one profiled with them: the bound
     and frontier are computed from the latter, whose profiles hold every choice a plan of the run has."""
     path = _run_file(tmp_path)
-    run = json.loads(Path(path).read_text())
+    run = json.loads(Path(path).read_text())["sections"]["x"]
     sel = next(r for r in run["results"] if r["config"] == "dsx_auto_budget_sel")
     plain = {**sel, "config": "dsx_auto_budget", "plan": {**sel["plan"], "profiles": [
         {**p, "sel_saved_bytes": None, "sel_recompute_s": 0.0} for p in sel["plan"]["profiles"]]}}  # fmt: skip
     run["results"].insert(0, plain)
-    Path(path).write_text(json.dumps(run))
+    write_section(run, tmp_path, "bench_offload", "x")
     _, profiles, _ = plan_frontier.load_run(path, None)
     assert all(p.sel_saved_bytes is not None for p in profiles)
     _, profiles, _ = plan_frontier.load_run(path, "dsx_auto_budget")  # a named config is read as named
@@ -194,3 +196,26 @@ def test_an_exhaustive_check_at_recompute_peak_matches_the_planners_best(tmp_pat
     host = plan_frontier.main([run, "--points", "4", "--out", str(tmp_path), "--exhaustive-depths", "1",
                                "--exhaustive-tiers", "host"])["targets"]["at_recompute_peak"]["exhaustive"]  # fmt: skip
     assert host["tiers"] == ["host"] and not any("ssd" in a for a in host["actions"])
+
+
+def test_the_run_is_a_section_of_the_file_named_or_its_only_one(tmp_path) -> None:
+    """One section: read without naming it, and the frontier is the section of the same name. Two: the one
+    named; none named, or one the file lacks, stops naming the sections there are; a file of another kind stops
+    naming the file."""
+    path = _run_file(tmp_path)
+    assert plan_frontier.read_run(path, None)[0] == "x"
+    run = json.loads(Path(path).read_text())["sections"]["x"]
+    write_section({**run, "results": run["results"][:1]}, tmp_path, "bench_offload", "y")
+    assert plan_frontier.read_run(path, "y")[1]["results"] == run["results"][:1]
+    for section, says in ((None, "give --section, one of x, y"), ("z", "no section 'z'; it has x, y")):
+        with pytest.raises(SystemExit, match=says):
+            plan_frontier.main(
+                [path, "--points", "4", "--out", str(tmp_path)] + (["--section", section] if section else [])
+            )
+    assert not (tmp_path / "plan_frontier.json").exists()  # nothing written by a refused run
+    plan_frontier.main([path, "--section", "x", "--points", "4", "--out", str(tmp_path)])
+    assert list(json.loads((tmp_path / "plan_frontier.json").read_text())["sections"]) == ["x"]
+    other = tmp_path / "other.json"
+    other.write_text('{"results": []}')
+    with pytest.raises(SystemExit, match=r"other\.json is not a file of benchmark result sections"):
+        plan_frontier.read_run(str(other), None)

@@ -105,12 +105,12 @@ def test_measured_gaps_replace_the_step_outside_the_layers() -> None:
 
 def test_measured_runs_lie_on_or_above_their_lower_bound() -> None:
     """The bound on two measured GPU runs of bench_offload (megatron-core GPT, hidden 2048 and 4096: their rows
-    and profiles in tests/offload/data): no measured strategy is faster than it allows at its peak (a bound that
-    a measurement beat would be wrong), and what it says of the targets."""
+    and profiles, a section each of tests/offload/data/bench_offload.json): no measured strategy is faster than
+    it allows at its peak (a bound that a measurement beat would be wrong), and what it says of the targets."""
     limits = {}
     for shape in ("h2048", "h4096"):
         run, profiles, bws = plan_frontier.load_run(
-            str(DATA / f"bench_offload_{shape}.json"), "dsx_auto_hide_sel"
+            str(DATA / "bench_offload.json"), "dsx_auto_hide_sel", shape
         )
         measured = {r["config"]: r for r in run["results"] if "error" not in r}
         bound = lower_bound(measured, profiles, bws)
@@ -131,8 +131,10 @@ def test_llama_runs_lie_on_or_above_the_timeline_bound() -> None:
     """The Llama-3-8B-layer runs in benchmarks/results (sequence 8192 and 32768, profiles with the memory
     timeline): every config's median step (no offload's median is the bounds' base) is at or above both bounds
     at its own peak, and the timeline bound is the tighter one at full recompute's peak."""
-    for name in ("bench_offload_8b", "bench_offload_long"):
-        run, profiles, bws = plan_frontier.load_run(str(REPO / "benchmarks/results" / f"{name}.json"), None)
+    for name in ("8b", "long"):
+        run, profiles, bws = plan_frontier.load_run(
+            str(REPO / "benchmarks/results/bench_offload.json"), None, name
+        )
         measured = plan_frontier.median_runs(run["results"])
         bound = lower_bound(measured, profiles, bws)
         assert bound is not None and bound["timeline"]["model_peak_gb"] > 0, name
