@@ -42,6 +42,7 @@ __all__ = [
     "read_sections",
     "save_png",
     "save_sections_png",
+    "section_name",
     "utc_now",
     "versions",
     "write_json",
@@ -168,21 +169,45 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-def write_json(result: dict[str, Any], out: str | os.PathLike[str], name: str) -> Path:
-    """Write ``result`` to ``<out>/<name>.json`` (strict JSON; adds ``env`` if missing); return the path."""
+def _write_strict(data: dict[str, Any], out: str | os.PathLike[str], name: str) -> Path:
+    # Strict JSON, written beside the file and moved over it: a run killed mid-write (a suite's timeout) leaves
+    # the file as it was, not cut short (a file of sections holds other runs' results too).
     path = Path(out) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = dict(result)
-    data.setdefault("env", environment())
-    path.write_text(json.dumps(_jsonable(data), indent=2, allow_nan=False) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(_jsonable(data), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
     return path
 
 
-def read_sections(out: str | os.PathLike[str], name: str) -> dict[str, dict[str, Any]]:
+def write_json(result: dict[str, Any], out: str | os.PathLike[str], name: str) -> Path:
+    """Write ``result`` to ``<out>/<name>.json`` (strict JSON; adds ``env`` if missing); return the path."""
+    data = dict(result)
+    data.setdefault("env", environment())
+    return _write_strict(data, out, name)
+
+
+_KEEP_OUT = (
+    "a run that writes there stops before it writes anything: move the file away, or give another --out"
+)
+
+
+def section_name(text: str) -> str:
+    """``text`` as a section's name: letters, digits, ``_`` and ``-`` (an argparse ``type``, so that a wrong
+    name stops a run before its work, not when it writes)."""
+    if not text or not text.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"a section name is letters, digits, '_' and '-', not {text!r}")
+    return text
+
+
+def read_sections(
+    out: str | os.PathLike[str], name: str, what_to_do: str = _KEEP_OUT
+) -> dict[str, dict[str, Any]]:
     """The sections of ``<out>/<name>.json`` by name, in the file's order; none when the file does not exist.
 
-    A file that is not JSON, or holds no ``sections`` (a result of another layout), stops the run with what to
-    do before it writes anything: it is not overwritten."""
+    A file that is not JSON, or holds no ``sections`` (a result of another layout), stops the run, naming the
+    file and ``what_to_do``: a benchmark calls this before its work, so that such a file is never
+    overwritten."""
     path = Path(out) / f"{name}.json"
     if not path.exists():
         return {}
@@ -192,26 +217,22 @@ def read_sections(out: str | os.PathLike[str], name: str) -> dict[str, dict[str,
         if not isinstance(sections, dict) or not all(isinstance(s, dict) for s in sections.values()):
             raise ValueError("no 'sections' of results at its top")
     except (OSError, ValueError) as e:  # (ValueError: JSONDecodeError and UnicodeDecodeError too)
-        raise SystemExit(
-            f"{path} is not a file of benchmark result sections ({e}); a run that writes there stops before it "
-            "writes anything: move the file away, or give another --out"
-        ) from None
+        raise SystemExit(f"{path} is not a file of benchmark result sections ({e}); {what_to_do}") from None
     return sections
 
 
 def write_section(
     result: dict[str, Any], out: str | os.PathLike[str], name: str, section: str
 ) -> tuple[Path, dict[str, dict[str, Any]]]:
-    """Write ``result`` as section ``section`` of ``<out>/<name>.json`` (strict JSON; adds ``env`` if missing),
-    keeping the file's other sections as they are and where they are (a new section goes last). Returns the
-    path and every section, to draw them."""
-    if not section or not section.replace("_", "").replace("-", "").isalnum():
-        raise ValueError(f"a section name is letters, digits, '_' and '-', not {section!r}")
+    """Write ``result`` as section ``section`` of ``<out>/<name>.json`` (strict JSON; adds ``env`` to the
+    section if missing: sections may come from different machines, so the file has none of its own), keeping
+    the file's other sections as they are and where they are (a new section goes last). Returns the path and
+    every section, to draw them."""
     sections = read_sections(out, name)
     data = dict(result)
     data.setdefault("env", environment())
-    sections[section] = data
-    path = write_json({"name": name, "sections": sections}, out, name)
+    sections[section_name(section)] = data
+    path = _write_strict({"name": name, "sections": sections}, out, name)
     return path, json.loads(path.read_text())["sections"]
 
 

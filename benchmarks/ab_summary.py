@@ -26,7 +26,9 @@ def collect(results: Path, prefix: str, file: str = "bench_offload") -> list[dic
     """Every run of ``prefix`` among the sections of ``<results>/<file>.json``: variant, round, median step,
     ratio to the round's no-offload step."""
     runs: dict[tuple[str, int], dict[str, Any]] = {}
-    for section, data in read_sections(results, file).items():
+    for section, data in read_sections(
+        results, file, "give the --out that bench_offload.py wrote to"
+    ).items():
         # (a variant is one word: a prefix that extends another, x and x_y, must not lend x its runs)
         m = re.fullmatch(rf"{re.escape(prefix)}_([A-Za-z0-9]+)_(\d+)", section)
         if m is None:

@@ -9,7 +9,7 @@ that drifts of the machine touch all of them, and reports each count's median ep
 epoch-rate ratio of every count over one GPU. Arguments after ``--`` go to the example::
 
     python benchmarks/bench_hetero_scale.py --gpus 1,2 --repeats 3 -- --model rgcn --scale 1 --epochs 2
-    # another model beside it, in a command of its own: its section replaces only that model's in the JSON
+    # another model beside it, in a command of its own: it replaces only that model's part of the section
     python benchmarks/bench_hetero_scale.py --gpus 1,2 --repeats 3 --merge -- --model rgat --scale 1 \\
         --epochs 2
     # paper features beyond GPU memory (one H100: 59.6M papers x 768 bf16 = 91.6 GB), the graph built on the GPU:
@@ -40,7 +40,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_args, environment, read_sections, save_sections_png, write_section
+from _common import (
+    add_common_args,
+    environment,
+    read_sections,
+    save_sections_png,
+    section_name,
+    write_section,
+)
 
 from dsx.runtime.process import deepspeed_launcher, free_port
 
@@ -57,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     add_common_args(p)
-    p.add_argument("--section", default="scale",
+    p.add_argument("--section", default="scale", type=section_name,
                    help=f"the section of <out>/{NAME}.json this run writes (the others are kept)")  # fmt: skip
     p.add_argument("--gpus", default="1,2", help="comma-separated rank counts per job")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every rank count")

@@ -24,8 +24,8 @@ absolute maximum (model, optimizer and whatever a strategy keeps between steps i
 of megatron-core layers was seen to keep ~3.8 GB per layer allocated between steps, see
 ``memory_per_step_gb``).
 
-    python benchmarks/bench_offload.py --hidden 2048 --layers 8 --seq-len 2048 --micro-batch 8
-    python benchmarks/bench_offload.py --quick        # CPU smoke test with the small torch GPT
+    python benchmarks/bench_offload.py --hidden 2048 --layers 8 --seq-len 2048 --micro-batch 8 --out /tmp/offload
+    python benchmarks/bench_offload.py --quick --out /tmp/offload     # CPU smoke test with the small torch GPT
 
 Every shape is a section of one file: ``--section NAME`` writes (or, with ``--merge``, adds to) that section of
 ``<out>/bench_offload.json`` and leaves the others as they are; ``bench_offload.png`` draws every section, a
@@ -81,6 +81,7 @@ from _common import (
     median_runs,
     read_sections,
     save_sections_png,
+    section_name,
     utc_now,
     write_section,
 )
@@ -787,7 +788,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--name", default="bench_offload",
                    help="the result file, <out>/<name>.json and .png (a benchmark built on this one names its own)")  # fmt: skip
-    p.add_argument("--section", default="default",
+    p.add_argument("--section", default="default", type=section_name,
                    help="the file's section this run writes: one shape a section (the file's other sections are "
                         "kept)")  # fmt: skip
     p.add_argument("--merge", action="store_true",
@@ -1247,12 +1248,18 @@ def _write(
 
 
 def _shape(result: dict[str, Any]) -> str:
-    """The shape a section ran, for its panel's title: model, width, layers, sequence, micro-batch."""
+    """The shape a section ran, for its panel's title: model, width, layers, sequence, micro-batch (what its
+    config records)."""
     c = result.get("config") or {}
-    model = "Llama" if c.get("model") == "llama" else "GPT"
-    seq = "lengths swept" if c.get("seq_lens") else f"seq {c.get('seq_len')}"
-    mb = "micro-batches swept" if c.get("micro_batches") else f"micro-batch {c.get('micro_batch')}"
-    return f"{model} h{c.get('hidden')} x {c.get('layers')} layers, {seq}, {mb}"
+    model = ["Llama" if c.get("model") == "llama" else "GPT", c.get("hidden") and f"h{c['hidden']}",
+             c.get("layers") and f"x {c['layers']} layers"]  # fmt: skip
+    seq = "lengths swept" if c.get("seq_lens") else c.get("seq_len") and f"seq {c['seq_len']}"
+    mb = (
+        "micro-batches swept"
+        if c.get("micro_batches")
+        else c.get("micro_batch") and f"micro-batch {c['micro_batch']}"
+    )
+    return ", ".join(filter(None, [" ".join(filter(None, model)), seq, mb]))
 
 
 def _draw(panel: Any, section: str, result: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_offload
 
 DEFAULTS = ["--configs", "dsx_ssd", "dsx_ssd_noverify", "--repeats", "3", "--warmup", "1", "--steps", "1",
-            "--pool-gb", "20", "--child-timeout", "100", "--name", "bench_offload_ssd"]  # fmt: skip
+            "--pool-gb", "20", "--child-timeout", "100", "--name", "bench_offload_ssd", "--section", "verify"]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

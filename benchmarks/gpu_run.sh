@@ -25,8 +25,10 @@ run() {  # run NAME SECONDS CMD...: CMD's output to $OUT/NAME.log, its exit stat
   log "$name (limit ${limit}s)"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
   log "$name rc=$rc"; [ "$rc" -eq 0 ] || failed=1
 }
+# a benchmark's whole file comes back, every section as this checkout had it beside the suite's own: bring it
+# back into the checkout before a suite runs on another machine, or that machine's copy drops this suite's section
 keep() { for n in "$@"; do cp "$RES/$n.json" "$RES/$n.png" "$OUT/results/" 2>/dev/null; done; }
-# the Llama-3-8B layer's shape and step settings, the same in every suite that merges into its JSONs
+# the Llama-3-8B layer's shape and step settings, the same in every suite that merges into its sections
 LLAMA_8B=(--model llama --hidden 4096 --layers 8 --heads 32 --kv-heads 8 --ffn-hidden 14336 --seq-len 8192
   --micro-batch 2 --warmup 2 --steps 4 --repeats 3 --pool-gb 40 --adam fused --child-timeout 120)
 case $suite in
@@ -60,8 +62,8 @@ case $suite in
     run bench-hetero 560 python benchmarks/bench_hetero.py --out "$RES" --models "${2:-rgcn}" --merge \
       --batches 8 --warmup 2 --repeats 3 --pyg-workers 4,8,12; keep bench_hetero ;;
   hetero-scale)  # on 2+ GPUs: the mini-batch example under deepspeed on 1 and 2 GPUs, 3 interleaved repeats;
-                 # MODEL (default rgcn) merges into the JSON, each model a command of its own: hetero-scale rgat,
-                 # hetero-scale hgt (each section keeps the machine it ran on)
+                 # MODEL (default rgcn) merges into section scale, each model a command of its own: hetero-scale
+                 # rgat, hetero-scale hgt (each model's part keeps the machine it ran on)
     [ "$ngpu" -ge 2 ] || { log "hetero-scale needs 2 GPUs, found $ngpu"; exit 1; }
     run bench-hetero-scale 560 python benchmarks/bench_hetero_scale.py --out "$RES" --gpus 1,2 --repeats 3 \
       --timeout 150 --merge -- --model "${2:-rgcn}" --scale 1 --epochs 2; keep bench_hetero_scale ;;
@@ -93,8 +95,8 @@ print(scale)") || { log "hetero-large: not run: the host cannot hold features be
     keep bench_offload ;;
   offload-8b)  # the Llama-3-8B layer at sequence 8192, micro-batch 2 (activations, not gradients, set the peak): no
                 # offload, full recompute and dsx at recompute's peak (SwiGLU activation recomputable: _sel), 3
-                # interleaved runs, in a new JSON (the sweep's parts merge into it: run them after this, on the same
-                # machine); then the lower bound and the planner's frontier on that run's profiles
+                # interleaved runs, section 8b anew (the sweep's parts merge into it: run them after this, on the
+                # same machine); then the lower bound and the planner's frontier on that run's profiles
     run bench-offload-8b 500 python benchmarks/bench_offload.py "${LLAMA_8B[@]}" --configs none recompute \
       dsx_auto_budget_sel --section 8b --out "$RES"
     run plan-frontier-8b 60 python benchmarks/plan_frontier.py "$RES/bench_offload.json" --section 8b \

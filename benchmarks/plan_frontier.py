@@ -19,7 +19,7 @@ move / recompute choices beats at each budget, from the run's measurements alone
 profiles' times and recompute costs, the tiers' write rates), every other assumption in the plan's favour; the
 PNG draws it, and no measured point may lie under it.
 
-    python benchmarks/plan_frontier.py benchmarks/results/bench_offload.json --section h2048 --input-mib 64
+    python benchmarks/plan_frontier.py benchmarks/results/bench_offload.json --section h2048 --out /tmp/frontier
 
 Each run's frontier is the section of the same name in ``<out>/plan_frontier.json`` (the others kept), and
 ``plan_frontier.png`` draws every section, a panel each.
@@ -38,7 +38,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_args, environment, is_peer, read_sections, save_sections_png, write_section
+from _common import (
+    add_common_args,
+    environment,
+    is_peer,
+    read_sections,
+    save_sections_png,
+    section_name,
+    write_section,
+)
 from _common import median_runs as _medians
 
 from dsx.config import ActivationOffloadConfig
@@ -64,7 +72,7 @@ def read_run(path: str, section: str | None) -> tuple[str, dict[str, Any]]:
     """The section of the ``bench_offload`` file at ``path`` named ``section`` (its name and content); with no
     name, the file's only section. Stops, naming the sections there are, where that is not one."""
     f = Path(path)
-    sections = read_sections(f.parent, f.stem) if f.suffix == ".json" else {}
+    sections = read_sections(f.parent, f.stem, "give a bench_offload.json") if f.suffix == ".json" else {}
     if not sections:
         raise SystemExit(f"{path}: no bench_offload result there (a .json file that bench_offload.py wrote)")
     if section is None and len(sections) == 1:
@@ -192,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("run", help="a bench_offload JSON with a dsx auto result (GPU run)")
-    p.add_argument("--section", default=None,
+    p.add_argument("--section", default=None, type=section_name,
                    help="the run's section of that file (default: its only one); the frontier is the section "
                         "of that name in <out>/<name>.json")  # fmt: skip
     p.add_argument("--config", default=None, help="the result whose profiles to use (default: the first)")
@@ -213,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.quick:
         args.points = 4
+    read_sections(args.out, args.name)  # a file whose sections cannot be kept stops the run before its work
     section, run = read_run(args.run, args.section)
     source = f"{Path(args.run).name}, section {section}"
     profiles, bandwidths = _profiles(run, args.config, source)

@@ -123,7 +123,9 @@ def test_an_old_build_lock_is_named_with_what_to_do(ext_dir: Path) -> None:
     assert "remove it" in line and "deepspeed_shm_comm's build lock" not in line
 
 
-def test_a_cached_op_counts_as_built_only_past_its_probe(ext_dir: Path) -> None:
+def test_a_cached_op_counts_as_built_only_past_its_probe(
+    ext_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """DeepSpeed runs an op's compatibility probe before it looks in torch's cache: a cached build whose probe
     fails does not load, so it is not built; one that passes is (a real file in the cache, no build file)."""
     from dsx.ops.cache import is_built
@@ -134,3 +136,10 @@ def test_a_cached_op_counts_as_built_only_past_its_probe(ext_dir: Path) -> None:
     so.write_bytes(b"\x7fELF")
     assert is_built("cpu_adagrad", compatible=True)
     assert not is_built("cpu_adagrad", compatible=False)
+    # prebuilt into DeepSpeed: it loads, whatever the probe says, cached or not
+    monkeypatch.setattr("dsx.ops.cache.is_prebuilt", lambda name: name == "cpu_adagrad")
+    assert is_built("cpu_adagrad", compatible=False)
+    so.unlink()
+    assert is_built("cpu_adagrad", compatible=False)
+    monkeypatch.setattr("dsx.ops.cache.is_prebuilt", lambda name: False)
+    assert not is_built("cpu_adagrad", compatible=True)

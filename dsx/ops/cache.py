@@ -57,7 +57,8 @@ def _built_for_this_torch(build_dir: Path) -> bool:
 
 
 def is_cached(name: str) -> bool:
-    """Whether the op ``name`` loads without compiling: prebuilt into DeepSpeed, or built for this torch."""
+    """Whether the op ``name`` is prebuilt into DeepSpeed, or built for this torch in torch's cache. A cached
+    DeepSpeed op loads only past its compatibility probe as well: :func:`is_built` says whether it loads."""
     if is_prebuilt(name):
         return True
     build_dir = extensions_root() / name

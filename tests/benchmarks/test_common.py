@@ -101,3 +101,20 @@ def test_one_png_draws_every_section_a_panel_each(tmp_path) -> None:
     from PIL import Image
 
     assert Image.open(path).size == (200, 300)  # a panel each, one above the other
+
+
+def test_a_write_cut_short_leaves_the_file_as_it_was(tmp_path, monkeypatch) -> None:
+    """The file is written beside itself and moved over it: a run killed before the move (a suite's timeout)
+    leaves every section as it was, not a file cut short."""
+    import os
+
+    path, _ = write_section({"figures": [1.0]}, tmp_path, "bench", "a")
+    before = path.read_text()
+
+    def killed(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_section({"figures": torch.rand(1000).tolist()}, tmp_path, "bench", "b")
+    assert path.read_text() == before

@@ -95,6 +95,10 @@ def test_merge_into_a_file_it_cannot_read_stops_before_any_job(tmp_path, monkeyp
     path.write_text('{"sections": {"scale": {"models": {"rgcn": 3}}}}')
     with pytest.raises(SystemExit, match=re.escape(str(path))):
         mod.main(["--out", str(tmp_path), "--gpus", "1", "--repeats", "1", "--merge"])
+    with pytest.raises(
+        SystemExit
+    ):  # a name that cannot be a section's (argparse: "invalid section_name value")
+        mod.main(["--out", str(tmp_path), "--section", "large.v2", "--gpus", "1", "--repeats", "1"])
 
 
 def test_a_job_past_its_timeout_is_stopped_with_its_ranks(tmp_path) -> None:

@@ -227,9 +227,7 @@ def test_a_length_sweep_draws_throughput_against_length_with_each_first_failure(
     monkeypatch.setattr(bench_offload, "_draw_lengths", lambda *a: drawn.append(a[3]) or real(*a))
     fig = plt.figure()
     bench_offload._draw(fig, "lengths", {"results": rows, "config": {"seq_lens": ["1000,2000,3000"]}})
-    assert len(fig.axes) == 1 and drawn == [
-        "lengths: GPT hNone x None layers, lengths swept, micro-batch None"
-    ]
+    assert len(fig.axes) == 1 and drawn == ["lengths: GPT, lengths swept"]  # (what the config records)
     # one length only: the strategies' chart
     fig = plt.figure()
     bench_offload._draw(fig, "one", {"results": rows[:1]})
@@ -238,6 +236,7 @@ def test_a_length_sweep_draws_throughput_against_length_with_each_first_failure(
     fig = plt.figure()
     bench_offload._draw(fig, "none", {"results": rows[-1:]})
     assert not fig.axes and fig.get_suptitle().endswith("no config trained")
+    plt.close("all")
 
 
 def test_a_length_sweep_marks_each_config_once_where_it_first_failed() -> None:
@@ -258,6 +257,7 @@ def test_a_length_sweep_marks_each_config_once_where_it_first_failed() -> None:
     assert marks["recompute: out of memory"][0] == 3000
     assert marks["none: out of memory"][0] == marks["dsx: out of memory"][0] == 2000
     assert marks["none: out of memory"][1] != marks["dsx: out of memory"][1]
+    plt.close(fig)
 
 
 def test_a_capped_host_pool_runs_with_the_ssd_tier_and_without(tmp_path) -> None:
@@ -581,6 +581,33 @@ def test_a_length_sweep_from_two_kinds_of_gpu_names_each_configs_and_a_host_kill
                       "recompute (trained 1,000, its limit not found; H100)"]  # fmt: skip
     # rows from before rows named their part are the first part's; one kind with rows: nothing named
     assert bench_offload._part_kinds([{"config": "none@seq8", "seq_len": 8}], more) == {}
+    plt.close("all")
+
+
+def test_a_file_whose_sections_cannot_be_kept_stops_the_run_before_its_first_config(
+    tmp_path, monkeypatch
+) -> None:
+    """The result file of another layout, or a section name that cannot be one, stops bench_offload before
+    any config runs (a capacity part's one config can take a whole GPU command), and the file is left as it
+    was."""
+
+    def run_one(*_: object) -> None:
+        raise AssertionError("a config ran")
+
+    monkeypatch.setattr(bench_offload, "_run_one", run_one)
+    path = tmp_path / "bench_offload.json"
+    path.write_text('{"results": []}')
+    for merge in ([], ["--merge"]):
+        with pytest.raises(SystemExit, match="is not a file of benchmark result sections"):
+            bench_offload.main(
+                ["--quick", "--in-process", "--configs", "none", "--out", str(tmp_path), *merge]
+            )
+        assert path.read_text() == '{"results": []}'
+    path.unlink()
+    with pytest.raises(SystemExit):  # (argparse: "invalid section_name value")
+        bench_offload.main(["--quick", "--in-process", "--configs", "none", "--out", str(tmp_path),
+                            "--section", "8b.v2"])  # fmt: skip
+    assert not path.exists()
 
 
 def test_no_capacity_ratio_compares_runs_of_two_gpu_kinds() -> None:

@@ -198,7 +198,7 @@ def test_an_exhaustive_check_at_recompute_peak_matches_the_planners_best(tmp_pat
     assert host["tiers"] == ["host"] and not any("ssd" in a for a in host["actions"])
 
 
-def test_the_run_is_a_section_of_the_file_named_or_its_only_one(tmp_path) -> None:
+def test_the_run_is_a_section_of_the_file_named_or_its_only_one(tmp_path, monkeypatch) -> None:
     """One section: read without naming it, and the frontier is the section of the same name. Two: the one
     named; none named, or one the file lacks, stops naming the sections there are; a file of another kind stops
     naming the file."""
@@ -215,6 +215,14 @@ def test_the_run_is_a_section_of_the_file_named_or_its_only_one(tmp_path) -> Non
     assert not (tmp_path / "plan_frontier.json").exists()  # nothing written by a refused run
     plan_frontier.main([path, "--section", "x", "--points", "4", "--out", str(tmp_path)])
     assert list(json.loads((tmp_path / "plan_frontier.json").read_text())["sections"]) == ["x"]
+    # an output file of another layout stops the run before its work (--exhaustive-depths takes minutes)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "plan_frontier.json").write_text("[]")
+    monkeypatch.setattr(plan_frontier, "frontier", lambda *a: pytest.fail("the frontier was computed"))
+    with pytest.raises(SystemExit, match=r"plan_frontier\.json is not a file of benchmark result sections"):
+        plan_frontier.main([path, "--section", "x", "--out", str(out)])
+    assert (out / "plan_frontier.json").read_text() == "[]"
     other = tmp_path / "other.json"
     other.write_text('{"results": []}')
     with pytest.raises(SystemExit, match=r"other\.json is not a file of benchmark result sections"):
