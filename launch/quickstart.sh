@@ -7,6 +7,8 @@
 # is printed after the profiled step). No downloads besides the Python packages. DSX_SKIP_DALI=1 installs
 # without DALI.
 set -euo pipefail
+# (before the setup: --help must not build .venv first)
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0; }
 cd "$(dirname "$0")/.."
 bash launch/setup_env.sh
 . .venv/bin/activate

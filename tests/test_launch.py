@@ -45,6 +45,19 @@ def test_nossh_requires_node_rank(tmp_path) -> None:
     assert out.returncode != 0 and "NODE_RANK" in out.stderr
 
 
+@pytest.mark.parametrize("name", ["quickstart.sh", "slurm.sbatch"])
+def test_help_comes_before_any_setup(name: str, tmp_path) -> None:
+    """quickstart.sh would build .venv and slurm.sbatch read SLURM's variables before the job: --help prints the
+    usage and does neither (run from a copy, so that a setup would show as a .venv beside it)."""
+    (tmp_path / "launch").mkdir()
+    script = tmp_path / "launch" / name
+    script.write_text((REPO / "launch" / name).read_text())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0 and "launch/" + name in out.stdout, (out.stdout, out.stderr)
+    assert not (tmp_path / ".venv").exists()
+
+
 def test_setup_env_help() -> None:
     out = subprocess.run(
         ["bash", str(REPO / "launch/setup_env.sh"), "--help"], capture_output=True, text=True
