@@ -165,26 +165,16 @@ class _Pipeline:
         few batches' work, is applied again, untimed, before each). A pipeline whose batch time is near the
         larger of the two overlaps them; near their sum, it runs them one after the other."""
         self._close_iterator()
-        its = [iter(self.loader)]
-
-        def take() -> Any:  # the next batch, into the next epoch if this one ends
-            try:
-                return next(its[-1])
-            except StopIteration:
-                its.append(iter(self.loader))
-                return next(its[-1])
-
         loader_ms = []
         for i in range(n + 2):  # (the first two start the pipeline)
             _sync(self.dev)
             t0 = time.perf_counter()
-            take()
+            self.next_batch()  # (into the next epoch if this one ends)
             _sync(self.dev)
             if i >= 2:
                 loader_ms.append(1e3 * (time.perf_counter() - t0))
-        ready = [take() for _ in range(n + 1)]
-        for it in its:  # (the loader's prefetched batches are dropped: nothing samples while the step runs)
-            it.close()
+        ready = [self.next_batch() for _ in range(n + 1)]
+        self._close_iterator()  # (its prefetched batches are dropped: nothing samples while the step runs)
         transform = getattr(self.loader, "transform", None)
         step_ms = []
         for i, b in enumerate(ready):

@@ -14,7 +14,7 @@ import os
 import shutil
 import subprocess
 
-from dsx.ops.cache import is_built, is_cached, is_prebuilt
+from dsx.ops.cache import is_cached, is_prebuilt
 
 __all__ = ["async_io_status"]
 
@@ -61,6 +61,6 @@ def async_io_status() -> tuple[bool, str]:
     return (
         True,
         "DeepSpeed aio_handle (libaio; built)"
-        if is_built("async_io", ok)
+        if cached  # (not prebuilt, and past the probe: cache.is_built's rule)
         else "DeepSpeed aio_handle (libaio; JIT-built on first use)",
     )
