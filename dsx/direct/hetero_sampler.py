@@ -8,22 +8,26 @@ is sampled along every edge type whose destination is that type, with that edge 
 ``h``. Sources not seen before join their type's next frontier; each type's local ids follow PyG's order
 (seeds, then each hop's new nodes in order of first appearance, edge types in order).
 
-Each edge type has its own CSR over destinations; the per-edge-type draws are
-:func:`dsx.direct.sampler.sample_positions` (Robert Floyd's algorithm, vectorised) and the relabelling is
-:func:`dsx.direct.sampler.claim_nodes` on one dense map per node type. A hop's sources of one node type
-(from all edge types that reach it) are relabelled together, so that a node reached along two edge types
-in one hop gets one local id. The only host synchronisation per hop reads, in one transfer, every node
-type's new-node count and every edge type's edge count for the next hop: the next hop needs them as shapes
-and PyG needs them as Python ints (the first hop's counts are read once before it).
+Every edge type of a hop is sampled in one set of launches, not a set per edge type: a sampled batch is a
+chain of small launches whose host time, not the GPU's, sets its pace. The edge types' CSR pointers are one
+array (a block of rows per edge type), so a hop's frontier is one tensor of rows over all its edge types;
+Floyd's draws (:func:`dsx.direct.sampler.draw_positions`) take each row's own fanout; and the sources of all
+node types are relabelled together by :func:`dsx.direct.sampler.claim_nodes` on one dense map over all node
+types (each type's ids after those of the types before it), numbered per node type, so that a node reached
+along two edge types in one hop gets one local id. Only reading the sources (each edge type's own ``col``)
+and assembling the per-edge-type outputs take a launch per edge type. The one host synchronisation per hop
+reads, in one transfer, every node type's new-node count and every edge type's edge count for the next hop:
+the next hop needs them as shapes and PyG needs them as Python ints (the first hop's are read before it).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
-from dsx.direct.sampler import claim_nodes, fanout_take, new_node_ids, sample_positions, seeds_on
+from dsx.direct.sampler import claim_nodes, draw_positions, seeds_on
 
 __all__ = ["EdgeType", "HeteroNeighborSampler", "HeteroSampledSubgraph"]
 
@@ -42,6 +46,12 @@ class HeteroSampledSubgraph:
     batch_size: int
     num_sampled_nodes: dict[str, list[int]]  # per hop, hop 0 = the seeds
     num_sampled_edges: dict[EdgeType, list[int]]  # per hop
+
+
+# Columns of a hop's row table: one row per frontier row, the same values for every row of one edge type. The
+# first _PER_EDGE are what each sampled edge takes from its row (gathered per edge: the fewer, the less traffic).
+_SRC_OFF, _SRC_TYPE, _DST_LOCAL, _COUNT, _SEG, _ROW_OFF, _FANOUT, _EDGE = range(8)
+_PER_EDGE = 5
 
 
 class HeteroNeighborSampler:
@@ -66,8 +76,14 @@ class HeteroNeighborSampler:
 
     Notes
     -----
-    Memory: one dense ``int64`` map per node type (8 bytes a node, allocated once), so a call must not run
-    concurrently with another call on the same sampler.
+    Performance: about 70 launches a hop whatever the number of edge types, plus two a hop per edge type
+    (reading its sources, and its outputs at the end); one host synchronisation a hop and one before the
+    first.
+
+    Memory: the edge types' pointers in one ``int64`` array (a copy: 8 bytes per destination row of each edge
+    type); ``col`` is read where it is (int32 or int64; a mix is widened to int64); one dense ``int64`` map over
+    all node types (8 bytes a node, allocated once), so a call must not run concurrently with another call on
+    the same sampler.
     """
 
     def __init__(
@@ -100,7 +116,12 @@ class HeteroNeighborSampler:
             if any(k < -1 for k in ks):
                 raise ValueError(f"num_neighbors of {et} must be ints >= -1 (-1: all, 0: none); got {ks}")
         self.num_nodes = {t: int(n) for t, n in num_nodes.items()}
-        self.rowptr, self.col = {}, {}
+        self.node_types = list(self.num_nodes)
+        self._type_index = {t: i for i, t in enumerate(self.node_types)}
+        # node type t's ids in the one map start at _node_off[t]
+        self._node_off = dict(zip(self.node_types, itertools.accumulate(self.num_nodes.values(), initial=0)))
+        self._row_off: dict[EdgeType, int] = {}  # edge type et's pointers start at _row_off[et] in rowptr
+        rowptrs, self.col = [], {}
         for et, (rowptr, col) in csr.items():
             et = tuple(et)
             src, _, dst = et
@@ -111,26 +132,71 @@ class HeteroNeighborSampler:
                     f"edge type {et}: rowptr must be [num_nodes[{dst!r}] + 1 = {self.num_nodes[dst] + 1}] "
                     f"and col 1-D; got {tuple(rowptr.shape)} and {tuple(col.shape)}"
                 )
-            self.rowptr[et], self.col[et] = rowptr.long(), col
+            if col.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"edge type {et}: col must be int32 or int64, got {col.dtype}")
+            self._row_off[et] = sum(r.numel() for r in rowptrs)
+            rowptrs.append(rowptr.long())
+            self.col[et] = col
+        # (each block keeps its own edge positions, so a position indexes its edge type's col and edge ids)
+        self.rowptr = torch.cat(rowptrs)
+        self._col_dtype = (
+            torch.int32 if all(c.dtype == torch.int32 for c in self.col.values()) else torch.int64
+        )
+        self.col = {et: c.to(self._col_dtype) for et, c in self.col.items()}
         self.edge_id = {tuple(et): ids.to(self.device) for et, ids in (edge_id or {}).items()}
         self.generator = generator
-        self.node_types = list(self.num_nodes)
-        self._maps = {
-            t: torch.full((n,), -1, dtype=torch.long, device=self.device) for t, n in self.num_nodes.items()
-        }
+        self._map = torch.full((sum(self.num_nodes.values()),), -1, dtype=torch.long, device=self.device)
+        self._expand = [self._expansion(h) for h in range(self.num_hops)]
 
-    def _next_totals(
-        self, hop: int, nbr: dict[str, torch.Tensor], first: dict[str, torch.Tensor] | None
-    ) -> dict:
-        """Per edge type, the (device) number of edges hop ``hop`` samples from the new nodes ``nbr[first]``
-        of its destination type (``first=None``: every node of ``nbr`` is new)."""
-        out = {}
-        for et in self.edge_types:
-            k, dst = self.num_neighbors[et][hop], et[2]
-            if k != 0 and dst in nbr:
-                take = fanout_take(self.rowptr[et], nbr[dst], k)[1]
-                out[et] = (take if first is None else take * first[dst]).sum()
-        return out
+    def _expansion(self, h: int) -> torch.Tensor | None:
+        """Per node type, the edge types hop ``h`` samples its frontier along, as ``[node types, most, 3]``
+        rows of (first pointer, fanout, edge type index), padded with first pointer -1; None if hop ``h``
+        samples along no edge type."""
+        per = [
+            [(self._row_off[et], ks[h], i) for i, (et, ks) in enumerate(self.num_neighbors.items())
+             if et[2] == t and ks[h] != 0]
+            for t in self.node_types
+        ]  # fmt: skip
+        most = max(map(len, per))
+        if most == 0:
+            return None
+        table = [p + [(-1, 0, 0)] * (most - len(p)) for p in per]
+        return torch.tensor(table, dtype=torch.long, device=self.device)
+
+    def _rows(self, h: int, frontier: dict[str, torch.Tensor], offset: dict[str, int], count: dict[str, int]):
+        """Hop ``h``'s rows over every edge type it samples: ``(edge types, row table, CSR start, degree,
+        edges taken)``, the edge types in order and each one's rows its destination type's frontier; None if
+        there are none."""
+        types = [et for et in self.edge_types if self.num_neighbors[et][h] != 0 and et[2] in frontier]
+        if not types:
+            return None
+        lens = [frontier[et[2]].numel() for et in types]
+        table = [
+            [self._node_off[src], self._type_index[src], offset[dst] - first, count[src], i,
+             self._row_off[et], self.num_neighbors[et][h], self.edge_types.index(et), n]
+            for i, (et, (src, _, dst), first, n) in enumerate(
+                zip(types, types, itertools.accumulate(lens, initial=0), lens))
+        ]  # fmt: skip
+        table = torch.tensor(table, dtype=torch.long, device=self.device)
+        tab = table[:, :-1].repeat_interleave(table[:, -1], dim=0, output_size=sum(lens))
+        nodes = torch.cat([frontier[et[2]] for et in types]) if len(types) > 1 else frontier[types[0][2]]
+        rows = nodes + tab[:, _ROW_OFF]
+        start = self.rowptr.index_select(0, rows)
+        deg = self.rowptr[1:].index_select(0, rows) - start
+        return types, tab, start, deg, _taken(deg, tab[:, _FANOUT])
+
+    def _next_counts(self, h: int, nbr: torch.Tensor, node_type: torch.Tensor, first: torch.Tensor):
+        """Per edge type, the (device) number of edges hop ``h`` samples from the nodes that ``first`` marks
+        as new in ``nbr`` (type-local ids of types ``node_type``)."""
+        counts = torch.zeros(len(self.edge_types), dtype=torch.long, device=self.device)
+        if self._expand[h] is None:
+            return counts
+        x = self._expand[h].index_select(0, node_type)  # [entries, most, 3]
+        ok = (x[..., 0] >= 0) & first.unsqueeze(1)
+        rows = torch.where(ok, x[..., 0] + nbr.unsqueeze(1), 0).view(-1)
+        start = self.rowptr.index_select(0, rows)
+        take = _taken(self.rowptr[1:].index_select(0, rows) - start, x[..., 1].reshape(-1))
+        return counts.index_add_(0, x[..., 2].reshape(-1), take * ok.view(-1))
 
     def sample(self, input_type: str, seeds: torch.Tensor) -> HeteroSampledSubgraph:
         """Sample the multi-hop typed neighborhood of distinct ``seeds`` (global ids of ``input_type``; host
@@ -138,73 +204,126 @@ class HeteroNeighborSampler:
         if input_type not in self.num_nodes:
             raise ValueError(f"input type {input_type!r} is not a node type of this graph {self.node_types}")
         seeds = seeds_on(seeds, self.num_nodes[input_type], self.device, f"seed ids of {input_type!r}")
-        dev, maps, hops = self.device, self._maps, self.num_hops
-        maps[input_type].index_put_((seeds,), torch.arange(seeds.numel(), device=dev))
+        dev, types, hops = self.device, self.node_types, self.num_hops
         empty = torch.empty(0, dtype=torch.long, device=dev)
-        n_ids = {t: [seeds] if t == input_type else [] for t in self.node_types}
-        count = {t: seeds.numel() if t == input_type else 0 for t in self.node_types}
-        n_nodes = {t: [count[t]] for t in self.node_types}
+        touched = [seeds + self._node_off[input_type]]  # map entries to reset, as ids in the one map
+        n_ids = {t: [seeds] if t == input_type else [] for t in types}
+        count = {t: seeds.numel() if t == input_type else 0 for t in types}
+        n_nodes = {t: [count[t]] for t in types}
         rows, cols, eids = ({et: [] for et in self.edge_types} for _ in range(3))
         n_edges: dict[EdgeType, list[int]] = {et: [] for et in self.edge_types}
-        frontier = {t: seeds if t == input_type else empty for t in self.node_types}
-        offset = dict.fromkeys(self.node_types, 0)  # local id of each type's frontier's first node
-        pending = self._next_totals(0, {input_type: seeds}, None) if seeds.numel() else {}
-        totals = dict(zip(pending, torch.stack(list(pending.values())).tolist())) if pending else {}
-        touched: list[tuple[str, torch.Tensor]] = []
+        offset = dict.fromkeys(types, 0)  # local id of each type's frontier's first node
         try:
+            self._map.index_put_((touched[0],), torch.arange(seeds.numel(), device=dev))
+            hop = self._rows(0, {input_type: seeds}, offset, count) if seeds.numel() else None
+            totals = {}
+            if hop is not None:  # the first hop's edge counts: the one read before it
+                per_type = torch.zeros(len(self.edge_types), dtype=torch.long, device=dev)
+                totals = dict(zip(self.edge_types, per_type.index_add_(0, hop[1][:, _EDGE], hop[4]).tolist()))
             for h in range(hops):
-                # Sample every edge type from its destination type's frontier; group sources by type.
-                parts: dict[str, list[tuple[EdgeType, torch.Tensor, torch.Tensor]]] = {}
+                sampled = [(et, totals.get(et, 0)) for et in hop[0]] if hop is not None else []
+                n_new = dict.fromkeys(types, 0)
+                if sum(n for _, n in sampled):
+                    n_new, totals, new = self._hop(h, hop, sampled, touched, rows, cols, eids)
                 for et in self.edge_types:
-                    total = totals.get(et, 0)
-                    if total == 0:
-                        n_edges[et].append(0)
-                        continue
-                    owner, epos = sample_positions(
-                        self.rowptr[et], frontier[et[2]], self.num_neighbors[et][h], total, self.generator
-                    )
-                    parts.setdefault(et[0], []).append((et, owner, epos))
-                    n_edges[et].append(total)
-                    eids[et].append(
-                        epos if et not in self.edge_id else self.edge_id[et].index_select(0, epos)
-                    )
-                # Relabel each source type's neighbors of this hop together (one local id per node).
-                nbr, first, rank = {}, {}, {}
-                for t, group in parts.items():
-                    nbr[t] = torch.cat([self.col[et].index_select(0, epos).long() for et, _, epos in group])
-                    touched.append((t, nbr[t]))  # undone by the except clause if the hop fails
-                    local, first[t], rank[t] = claim_nodes(maps[t], nbr[t], count[t])
-                    start = 0
-                    for et, owner, _ in group:
-                        rows[et].append(local[start : start + owner.numel()])
-                        cols[et].append(owner + offset[et[2]])  # the frontier's local ids start at offset
-                        start += owner.numel()
-                # One synchronisation: every type's new-node count and the next hop's edge counts.
-                nxt = self._next_totals(h + 1, nbr, first) if h + 1 < hops else {}
-                counts = [first[t].sum() for t in nbr] + list(nxt.values())
-                values = torch.stack(counts).tolist() if counts else []
-                n_new = dict(zip(nbr, values[: len(nbr)]))
-                totals = dict(zip(nxt, values[len(nbr) :]))
-                for t in self.node_types:
-                    k = n_new.get(t, 0)
-                    new = new_node_ids(nbr[t], first[t], rank[t], k) if k else empty
-                    n_ids[t].append(new)
+                    n_edges[et].append(dict(sampled).get(et, 0))
+                frontier = {}
+                for t, (lo, k) in zip(types, _spans(n_new[t] for t in types)):
+                    n_ids[t].append(new[lo : lo + k] if k else empty)
                     n_nodes[t].append(k)
-                    frontier[t], offset[t], count[t] = new, count[t], count[t] + k
-                touched = []
+                    offset[t], count[t] = count[t], count[t] + k
+                    if k:
+                        frontier[t] = n_ids[t][-1]
+                hop = self._rows(h + 1, frontier, offset, count) if h + 1 < hops and frontier else None
             out_nodes = {t: torch.cat(v) if v else empty for t, v in n_ids.items()}
-        except BaseException:
-            for t, ids in touched:  # a failed hop leaves claims (< -1) or local ids on its neighbors
-                maps[t].index_fill_(0, ids, -1)
-            raise
         finally:
-            for t, v in n_ids.items():  # reset only the touched entries
-                if v:
-                    maps[t].index_fill_(0, torch.cat(v), -1)
+            for ids in touched:  # reset only the touched entries, also after a failed hop
+                self._map.index_fill_(0, ids, -1)
         # one launch per edge type: rows then columns, as one [2 * E] buffer seen as [2, E]
         edge_index = {
             et: torch.cat(rows[et] + cols[et]).view(2, -1) if rows[et] else empty.view(2, 0)
             for et in self.edge_types
         }
-        e_id = {et: torch.cat(v) if v else empty for et, v in eids.items()}
+        e_id = {}
+        for et, v in eids.items():
+            pos = torch.cat(v) if v else empty
+            e_id[et] = self.edge_id[et].index_select(0, pos) if et in self.edge_id else pos
         return HeteroSampledSubgraph(out_nodes, edge_index, e_id, input_type, seeds.numel(), n_nodes, n_edges)
+
+    def _hop(self, h, hop, sampled, touched, rows, cols, eids):
+        """Sample hop ``h`` (``hop`` from :meth:`_rows`, ``sampled`` each edge type's edge count): append each
+        edge type's edges and positions, claim the new nodes, and read their counts with the next hop's edge
+        counts (the hop's one host read). Returns (new nodes per type, next hop's edge counts per edge type,
+        the new nodes' type-local ids, type after type)."""
+        types, tab, start, deg, take = hop
+        fanouts = {self.num_neighbors[et][h] for et in types}
+        k = max(fanouts)
+        total = sum(n for _, n in sampled)
+        owner, epos = draw_positions(
+            start, deg, take, k, total, self.generator, None if len(fanouts) == 1 else tab[:, _FANOUT]
+        )
+        ent = tab[:, :_PER_EDGE].index_select(0, owner)
+        nbr = torch.empty(total, dtype=self._col_dtype, device=self.device)
+        for (et, n), lo in zip(sampled, itertools.accumulate((n for _, n in sampled), initial=0)):
+            if n:  # each edge type's sources from its own col
+                torch.index_select(self.col[et], 0, epos[lo : lo + n], out=nbr[lo : lo + n])
+        nbr = nbr.long()
+        gid = nbr + ent[:, _SRC_OFF]
+        touched.append(gid)
+        node_type = ent[:, _SRC_TYPE]
+        number = self._numbering(sampled, ent[:, _SEG])
+        local, first, rank, new = claim_nodes(self._map, gid, ent[:, _COUNT], number)
+        dst_local = owner + ent[:, _DST_LOCAL]
+        for (et, n), lo in zip(sampled, itertools.accumulate((n for _, n in sampled), initial=0)):
+            if n:
+                rows[et].append(local[lo : lo + n])
+                cols[et].append(dst_local[lo : lo + n])
+                eids[et].append(epos[lo : lo + n])
+        counts = [new]
+        if h + 1 < self.num_hops:
+            counts.append(self._next_counts(h + 1, nbr, node_type, first))
+        values = torch.cat(counts).tolist()
+        n_new = dict(zip(self.node_types, values))
+        totals = dict(zip(self.edge_types, values[len(self.node_types) :]))
+        n_all = sum(n_new.values())
+        starts = torch.tensor([lo for lo, _ in _spans(n_new.values())], dtype=torch.long, device=self.device)
+        # each new node's slot: its type's block, then its rank there; other entries to a dump slot at the end
+        slot = torch.where(first, starts.index_select(0, node_type) + rank - 1, n_all)
+        new_ids = torch.empty(n_all + 1, dtype=torch.long, device=self.device)
+        new_ids.index_put_((slot,), nbr)
+        return n_new, totals, new_ids
+
+    def _numbering(self, sampled: list[tuple[EdgeType, int]], segment: torch.Tensor):
+        """:func:`~dsx.direct.sampler.claim_nodes`'s numbering per node type for a hop whose entries are
+        ``sampled``'s edge types' edges, one block each (``segment``: each entry's block): a claim's rank is
+        its rank in its block plus the claims of the earlier blocks of its source type."""
+        n = len(sampled)
+        spans = _spans(c for _, c in sampled)
+        meta = [
+            [lo, lo + c] + [int(j < i and sampled[j][0][0] == et[0]) for j in range(n)]
+            + [int(et[0] == t) for t in self.node_types]
+            for i, ((et, _), (lo, c)) in enumerate(zip(sampled, spans))
+        ]  # fmt: skip
+        meta = torch.tensor(meta, dtype=torch.long, device=self.device)
+
+        def number(first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            claims = torch.zeros(first.numel() + 1, dtype=torch.long, device=first.device)
+            torch.cumsum(first, 0, out=claims[1:])  # claims[i]: the claims among the first i entries
+            at = claims.index_select(0, meta[:, :2].T.reshape(-1))
+            before, per_block = at[:n], at[n:] - at[:n]
+            earlier = (meta[:, 2 : 2 + n] * per_block).sum(1)  # the same type's claims in earlier blocks
+            rank = claims[1:] + (earlier - before).index_select(0, segment)
+            return rank, (meta[:, 2 + n :] * per_block.unsqueeze(1)).sum(0)
+
+        return number
+
+
+def _taken(deg: torch.Tensor, fanout: torch.Tensor) -> torch.Tensor:
+    """Edges taken from rows of degree ``deg`` at ``fanout`` each (``-1``: every edge)."""
+    return torch.where(fanout < 0, deg, torch.minimum(deg, fanout))
+
+
+def _spans(sizes) -> list[tuple[int, int]]:
+    """(start, size) of consecutive blocks of ``sizes``."""
+    sizes = list(sizes)
+    return list(zip(itertools.accumulate(sizes, initial=0), sizes))

@@ -18,6 +18,7 @@ counts (new nodes, edges of the next hop), which the next hop needs as shapes an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "SampledSubgraph",
     "check_csr",
     "claim_nodes",
+    "draw_positions",
     "fanout_take",
     "floyd",
     "new_node_ids",
@@ -144,13 +146,13 @@ class NeighborSampler:
                 nbr = self.col.index_select(0, epos).long()
                 e = nbr.numel()
                 touched = nbr  # claims written below are undone by the except clause if the hop fails
-                local, first, rank = claim_nodes(m, nbr, count)
+                local, first, rank, new_count = claim_nodes(m, nbr, count)
                 # One synchronisation: the new nodes' count and, for the next hop, their sampled edges.
                 if h + 1 < len(self.num_neighbors):
                     nxt = torch.where(first, self._take(nbr, self.num_neighbors[h + 1])[1], 0).sum()
                 else:
                     nxt = torch.zeros((), dtype=torch.long, device=dev)
-                n_new, total = (int(v) for v in torch.stack([rank[-1], nxt]).tolist()) if e else (0, 0)
+                n_new, total = (int(v) for v in torch.stack([new_count, nxt]).tolist()) if e else (0, 0)
                 new = new_node_ids(nbr, first, rank, n_new)
                 rows.append(local)
                 cols.append(owner + offset)  # the frontier holds local ids offset .. offset + len - 1
@@ -203,26 +205,56 @@ def sample_positions(
     start, deg, take = _fanout(rowptr, nodes, k)
     if total is None:
         total = int(take.sum())
-    dev = rowptr.device
+    return draw_positions(start, deg, take, k, total, generator)
+
+
+def draw_positions(
+    start: torch.Tensor,
+    deg: torch.Tensor,
+    take: torch.Tensor,
+    k: int,
+    total: int,
+    generator: torch.Generator | None = None,
+    row_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owner row, CSR edge position) of the ``total`` edges sampled from rows that start at ``start`` with
+    degree ``deg``, ``take`` edges each, grouped by row: a row whose fanout is ``-1`` takes every edge, the
+    others a uniform subset (Floyd's draws). ``k`` is every row's fanout, or with ``row_k`` (each row's own)
+    the largest of them (``-1`` only if every row's is)."""
     owner = torch.repeat_interleave(take, output_size=total)  # = repeat_interleave(arange(n), take)
     first = torch.cumsum(take, 0) - take
-    slot = torch.arange(total, device=dev) - first.index_select(0, owner)  # 0 .. take-1 within each node
+    slot = torch.arange(total, device=start.device) - first.index_select(0, owner)  # 0 .. take-1 in each row
     if k < 0:
         return owner, start.index_select(0, owner) + slot
-    pos = floyd(deg, k, generator).view(-1).index_select(0, torch.add(slot, owner, alpha=k))  # [owner, slot]
+    if row_k is None:
+        pos = (
+            floyd(deg, k, generator).view(-1).index_select(0, torch.add(slot, owner, alpha=k))
+        )  # [owner, slot]
+    else:  # rows that take every edge draw nothing and keep their slot
+        draws = floyd(deg, k, generator, row_k=row_k.clamp(min=0)).view(-1)
+        pos = draws.index_select(0, torch.add(slot.clamp(max=k - 1), owner, alpha=k))
+        pos = torch.where(row_k.index_select(0, owner) < 0, slot, pos)
     return owner, start.index_select(0, owner) + pos
 
 
 def claim_nodes(
-    node_map: torch.Tensor, nbr: torch.Tensor, count: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Local ids of the non-empty ``nbr`` (global ids) in PyG order: ``(local, first, rank)``.
+    node_map: torch.Tensor,
+    nbr: torch.Tensor,
+    count: int | torch.Tensor,
+    number: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Local ids of the non-empty ``nbr`` (global ids) in PyG order: ``(local, first, rank, new)``.
 
     ``node_map`` holds each node's local id, or ``-1`` if unseen; ``count`` nodes have local ids already.
     Every unseen node is claimed by the first entry of ``nbr`` that names it (a scatter-min of
     ``i - (e + 2)``: seen nodes keep their id >= 0, unseen ones hold -1 and take the smallest claim) and
     numbered ``count, count + 1, ...`` in order of first appearance. ``first`` marks the claiming entries,
-    ``rank`` (1-based) numbers them; the map holds every node's local id afterwards.
+    ``rank`` (1-based) numbers them; ``new`` is how many there are; the map holds every node's local id
+    afterwards.
+
+    ``number`` numbers the claims in groups instead (e.g. per node type): from ``first`` it gives each entry's
+    1-based rank among its group's claims and the count per group; ``count`` is then each entry's group's
+    count (a tensor like ``nbr``).
     """
     e = nbr.numel()
     claims = torch.arange(-(e + 2), -2, device=nbr.device)  # entry i's claim: i - (e + 2)
@@ -230,11 +262,15 @@ def claim_nodes(
     node_map.scatter_reduce_(0, nbr, torch.where(cur >= 0, cur, claims), "amin")
     claim = node_map.index_select(0, nbr)
     first = claim == claims
-    rank = torch.cumsum(first, 0)  # 1-based number of the claim among the new nodes
+    if number is None:
+        rank = torch.cumsum(first, 0)  # 1-based number of the claim among the new nodes
+        new = rank[-1] if e else torch.zeros((), dtype=torch.long, device=nbr.device)
+    else:
+        rank, new = number(first)
     new_of = rank + (count - 1)
     local = torch.where(claim >= 0, claim, new_of.index_select(0, (claim + (e + 2)).clamp_(0, max(e - 1, 0))))
     node_map.index_put_((nbr,), local)  # every write to one node writes the same value
-    return local, first, rank
+    return local, first, rank, new
 
 
 def new_node_ids(nbr: torch.Tensor, first: torch.Tensor, rank: torch.Tensor, n_new: int) -> torch.Tensor:

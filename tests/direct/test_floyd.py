@@ -58,3 +58,40 @@ def test_cuda_kernel_equals_reference(k):
     ref = floyd(deg, k, torch.Generator("cuda").manual_seed(k), backend="reference")
     assert torch.equal(got, ref)
     _check(deg[:2000].cpu(), k, got[:2000].cpu())
+
+
+def _check_rows(deg: torch.Tensor, row_k: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    """Each row drew its own fanout into its first ``row_k`` columns; the columns past it hold their index."""
+    assert out.shape == (deg.numel(), k)
+    for d, kr, row in zip(deg.tolist(), row_k.tolist(), out.tolist()):
+        assert row[kr:] == list(range(kr, k))
+        if d <= kr:
+            assert row[:kr] == list(range(kr))
+        else:
+            assert len(set(row[:kr])) == kr and min(row[:kr], default=0) >= 0 and max(row[:kr], default=0) < d
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("interpret", marks=needs_triton)])
+def test_rows_draw_their_own_fanouts(backend):
+    deg = _degrees(400, seed=5)
+    row_k = torch.randint(0, 13, (400,), generator=torch.Generator().manual_seed(6))
+    got = floyd(deg, 12, torch.Generator().manual_seed(2), row_k=row_k, backend=backend)
+    _check_rows(deg, row_k, 12, got)
+    if backend == "interpret":  # the kernel and the reference take the same steps from the same uniforms
+        ref = floyd(deg, 12, torch.Generator().manual_seed(2), row_k=row_k, backend="reference")
+        assert torch.equal(got, ref)
+    # rows whose own fanout is the largest draw as a call at that fanout does
+    full = floyd(deg, 12, torch.Generator().manual_seed(2), backend=backend)
+    same = row_k == 12
+    assert same.any() and torch.equal(got[same], full[same])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_kernel_with_row_fanouts_equals_reference():
+    deg = _degrees(50_001, seed=9, device="cuda")
+    row_k = torch.randint(0, 26, (50_001,), device="cuda")
+    got = floyd(deg, 25, torch.Generator("cuda").manual_seed(1), row_k=row_k, backend="triton")
+    ref = floyd(deg, 25, torch.Generator("cuda").manual_seed(1), row_k=row_k, backend="reference")
+    assert torch.equal(got, ref)
+    _check_rows(deg[:2000].cpu(), row_k[:2000].cpu(), 25, got[:2000].cpu())

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import torch_geometric.nn as pygnn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch_geometric.data import HeteroData
 from torch_geometric.utils import trim_to_layer
 
@@ -124,6 +125,8 @@ FANOUTS = {
     "list": [4, 3],
     "all-then-2": [-1, 2],
     "dict": {WRITES: [2, 0], REV_WRITES: [3, 2], CITES: [5, 1], TOPIC: [1, 1], REV_TOPIC: [0, 4]},
+    # every edge and a few in one hop: rows of both kinds in one draw
+    "dict with all": {WRITES: [-1, 2], REV_WRITES: [3, -1], CITES: [2, 3], TOPIC: [-1, 0], REV_TOPIC: [2, 2]},
 }
 
 
@@ -447,8 +450,44 @@ def test_one_host_read_per_hop(data, monkeypatch) -> None:
     monkeypatch.undo()
     # The seeds' range check (host seeds: no device sync), the first hop's edge counts, then one per hop.
     assert reads == ["tolist"] * (1 + 1 + 3), reads
-    assert all((m == -1).all() for m in s._maps.values())  # the per-type maps are clean for the next call
+    assert (s._map == -1).all()  # the map is clean for the next call
     assert sum(out.num_sampled_edges[CITES]) > 0
+
+
+class _TorchCalls(TorchDispatchMode):
+    """Counts the torch calls that compute (views excluded): on a GPU each is a launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_hop_samples_every_edge_type_in_one_set_of_calls() -> None:
+    """The same edges split into more edge types add only each edge type's source reads and outputs (four
+    calls each over two hops), not a sampling of its own (dozens of calls each)."""
+    g = torch.Generator().manual_seed(0)
+    cites = torch.randint(0, 300, (2, 4000), generator=g)
+    writes = torch.stack(
+        [torch.randint(0, 100, (1500,), generator=g), torch.randint(0, 300, (1500,), generator=g)]
+    )
+    calls = {}
+    for parts in (1, 6):
+        csr = {("author", "writes", "paper"): to_csr(writes, 300)[:2]}
+        for i in range(parts):
+            csr[("paper", f"cites_{i}", "paper")] = to_csr(cites[:, i::parts], 300)[:2]
+        s = HeteroNeighborSampler(csr, {"paper": 300, "author": 100}, {et: [5, 4] for et in csr},
+                                  generator=torch.Generator().manual_seed(1))  # fmt: skip
+        seeds = torch.arange(0, 300, 7)
+        s.sample("paper", seeds)  # (the first call may allocate)
+        with _TorchCalls() as counter:
+            out = s.sample("paper", seeds)
+        assert all(n > 0 for et, ns in out.num_sampled_edges.items() for n in ns), out.num_sampled_edges
+        calls[parts] = counter.calls
+    assert calls[6] - calls[1] <= 4 * 5, calls
 
 
 def test_pyg_trim_to_layer_keeps_the_seeds_outputs(data) -> None:
