@@ -76,12 +76,12 @@ class HeteroNeighborSampler:
 
     Notes
     -----
-    Performance: about 70 launches a hop whatever the number of edge types, plus two a hop per edge type
-    (reading its sources, and its outputs at the end); one host synchronisation a hop and one before the
-    first.
+    Performance: about 70 launches a hop whatever the number of edge types; per edge type one more a hop
+    (reading its sources) and two or three a batch (its outputs, and its edge ids where ``edge_id`` maps
+    them); one host synchronisation a hop and one before the first.
 
     Memory: the edge types' pointers in one ``int64`` array (a copy: 8 bytes per destination row of each edge
-    type); ``col`` is read where it is (int32 or int64; a mix is widened to int64); one dense ``int64`` map over
+    type); each ``col`` is read where it is, as it is (int32 or int64); one dense ``int64`` map over
     all node types (8 bytes a node, allocated once), so a call must not run concurrently with another call on
     the same sampler.
     """
@@ -139,10 +139,10 @@ class HeteroNeighborSampler:
             self.col[et] = col
         # (each block keeps its own edge positions, so a position indexes its edge type's col and edge ids)
         self.rowptr = torch.cat(rowptrs)
+        # the sources a hop gathers: int32 where every col is (each col is read as it is given)
         self._col_dtype = (
             torch.int32 if all(c.dtype == torch.int32 for c in self.col.values()) else torch.int64
         )
-        self.col = {et: c.to(self._col_dtype) for et, c in self.col.items()}
         self.edge_id = {tuple(et): ids.to(self.device) for et, ids in (edge_id or {}).items()}
         self.generator = generator
         self._map = torch.full((sum(self.num_nodes.values()),), -1, dtype=torch.long, device=self.device)
@@ -177,7 +177,7 @@ class HeteroNeighborSampler:
             for i, (et, (src, _, dst), first, n) in enumerate(
                 zip(types, types, itertools.accumulate(lens, initial=0), lens))
         ]  # fmt: skip
-        table = torch.tensor(table, dtype=torch.long, device=self.device)
+        table = self._to_device(table)
         tab = table[:, :-1].repeat_interleave(table[:, -1], dim=0, output_size=sum(lens))
         nodes = torch.cat([frontier[et[2]] for et in types]) if len(types) > 1 else frontier[types[0][2]]
         rows = nodes + tab[:, _ROW_OFF]
@@ -265,8 +265,13 @@ class HeteroNeighborSampler:
         ent = tab[:, :_PER_EDGE].index_select(0, owner)
         nbr = torch.empty(total, dtype=self._col_dtype, device=self.device)
         for (et, n), lo in zip(sampled, itertools.accumulate((n for _, n in sampled), initial=0)):
-            if n:  # each edge type's sources from its own col
-                torch.index_select(self.col[et], 0, epos[lo : lo + n], out=nbr[lo : lo + n])
+            if not n:
+                continue
+            col = self.col[et]  # each edge type's sources from its own col
+            if col.dtype == nbr.dtype:
+                torch.index_select(col, 0, epos[lo : lo + n], out=nbr[lo : lo + n])
+            else:  # an int32 col beside int64 ones: widen only what is read
+                nbr[lo : lo + n] = col.index_select(0, epos[lo : lo + n])
         nbr = nbr.long()
         gid = nbr + ent[:, _SRC_OFF]
         touched.append(gid)
@@ -286,7 +291,7 @@ class HeteroNeighborSampler:
         n_new = dict(zip(self.node_types, values))
         totals = dict(zip(self.edge_types, values[len(self.node_types) :]))
         n_all = sum(n_new.values())
-        starts = torch.tensor([lo for lo, _ in _spans(n_new.values())], dtype=torch.long, device=self.device)
+        starts = torch.cumsum(new, 0) - new  # each type's block of new nodes, type after type
         # each new node's slot: its type's block, then its rank there; other entries to a dump slot at the end
         slot = torch.where(first, starts.index_select(0, node_type) + rank - 1, n_all)
         new_ids = torch.empty(n_all + 1, dtype=torch.long, device=self.device)
@@ -304,7 +309,7 @@ class HeteroNeighborSampler:
             + [int(et[0] == t) for t in self.node_types]
             for i, ((et, _), (lo, c)) in enumerate(zip(sampled, spans))
         ]  # fmt: skip
-        meta = torch.tensor(meta, dtype=torch.long, device=self.device)
+        meta = self._to_device(meta)
 
         def number(first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             claims = torch.zeros(first.numel() + 1, dtype=torch.long, device=first.device)
@@ -316,6 +321,14 @@ class HeteroNeighborSampler:
             return rank, (meta[:, 2 + n :] * per_block.unsqueeze(1)).sum(0)
 
         return number
+
+    def _to_device(self, rows: list[list[int]]) -> torch.Tensor:
+        """A small host table on the device without a host synchronisation: a copy from pageable memory waits
+        for the stream; from pinned memory it is queued like a kernel."""
+        table = torch.tensor(rows, dtype=torch.long)
+        if self.device.type != "cuda":
+            return table
+        return table.pin_memory().to(self.device, non_blocking=True)
 
 
 def _taken(deg: torch.Tensor, fanout: torch.Tensor) -> torch.Tensor:

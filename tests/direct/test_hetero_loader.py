@@ -5,6 +5,7 @@ per rank and epoch, determinism with and without prefetch, and PyG's HGTConv on 
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -451,6 +452,47 @@ def test_one_host_read_per_hop(data, monkeypatch) -> None:
     # The seeds' range check (host seeds: no device sync), the first hop's edge counts, then one per hop.
     assert reads == ["tolist"] * (1 + 1 + 3), reads
     assert (s._map == -1).all()  # the map is clean for the next call
+    assert sum(out.num_sampled_edges[CITES]) > 0
+
+
+def test_int32_sources_beside_int64_ones_are_read_as_given(data) -> None:
+    csr = {et: to_csr(data[et].edge_index, data[et[2]].num_nodes)[:2] for et in data.edge_types}
+    narrow = {**csr, CITES: (csr[CITES][0], csr[CITES][1].int())}
+    nodes = {t: data[t].num_nodes for t in data.node_types}
+    outs = []
+    for given in (csr, narrow):
+        s = HeteroNeighborSampler(given, nodes, {et: [4, 3] for et in given},
+                                  generator=torch.Generator().manual_seed(2))  # fmt: skip
+        outs.append(s.sample("paper", torch.arange(0, 90, 4)))
+    assert s.col[CITES] is narrow[CITES][1]  # not widened: a copy of a whole col
+    for et in data.edge_types:  # the same draws, the same batch
+        assert torch.equal(outs[0].edge_index[et], outs[1].edge_index[et]), et
+    assert all(torch.equal(outs[0].n_id[t], outs[1].n_id[t]) for t in nodes)
+
+
+@pytest.mark.gpu
+def test_one_host_synchronisation_per_hop_on_cuda(data) -> None:
+    """On CUDA the hop's one read is the only wait: CUDA's sync debug mode names every other (a small host
+    table copied from pageable memory would be one), which the read count above cannot see."""
+    csr = {
+        et: tuple(c.cuda() for c in to_csr(data[et].edge_index, data[et[2]].num_nodes)[:2])
+        for et in data.edge_types
+    }
+    nodes = {t: data[t].num_nodes for t in data.node_types}
+    s = HeteroNeighborSampler(csr, nodes, {et: [3, -1, 2] if et != CITES else [2, 3, 0] for et in csr},
+                              generator=torch.Generator("cuda").manual_seed(0))  # fmt: skip
+    seeds = torch.tensor([3, 0, 7])
+    s.sample("paper", seeds)  # (the first call allocates)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = s.sample("paper", seeds)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    waits = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(waits) == 1 + 3, waits  # the first hop's edge counts, then one read a hop
     assert sum(out.num_sampled_edges[CITES]) > 0
 
 
