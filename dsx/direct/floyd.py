@@ -84,9 +84,8 @@ def floyd_ref(u: torch.Tensor, deg: torch.Tensor, k: int, row_k: torch.Tensor | 
     for t in range(1, k):
         hit = (chosen[:, :t] == rr[:, t : t + 1]).any(1)
         chosen[:, t] = torch.where(hit, jj[:, t], rr[:, t])
-    if (
-        row_k is not None
-    ):  # a row's steps past its own fanout were never taken: those columns hold their index
+    # a row's steps past its own fanout were never taken: those columns hold their index
+    if row_k is not None:
         chosen = torch.where(cols < row_k.unsqueeze(1), chosen, cols)
     return chosen
 

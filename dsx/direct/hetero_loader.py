@@ -127,9 +127,8 @@ class HeteroNeighborLoader(PipelinedLoader):
         # take their own bytes, none if already on the device (built there)
         need = sum(8 * (self.num_nodes[et[2]] + 1) + 32 * ei.shape[1] for et, ei in edge_index.items())
         need += bytes_to_place([c for rc in given.values() if rc is not None for c in rc], self.device)
-        need += sum(
-            8 * (self.num_nodes[et[2]] + 1) for et in self.edge_types
-        )  # the sampler's one pointer array
+        # and the sampler's one pointer array over every edge type
+        need += sum(8 * (self.num_nodes[et[2]] + 1) for et in self.edge_types)
         csr_dev = csr_device(self.csr_placement, self.device, need + 8 * sum(self.num_nodes.values()))
         csr, perm = {}, {}
         for et in self.edge_types:

@@ -23,6 +23,7 @@ the next hop needs them as shapes and PyG needs them as Python ints (the first h
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -76,12 +77,13 @@ class HeteroNeighborSampler:
 
     Notes
     -----
-    Performance: about 70 launches a hop whatever the number of edge types; per edge type one more a hop
-    (reading its sources) and two or three a batch (its outputs, and its edge ids where ``edge_id`` maps
+    Performance: a fixed set of launches a hop whatever the number of edge types; per edge type one more a
+    hop (reading its sources) and two or three a batch (its outputs, and its edge ids where ``edge_id`` maps
     them); one host synchronisation a hop and one before the first.
 
     Memory: the edge types' pointers in one ``int64`` array (a copy: 8 bytes per destination row of each edge
-    type); each ``col`` is read where it is, as it is (int32 or int64); one dense ``int64`` map over
+    type, shared by the samplers built on the same pointer tensors, as a training and a validation loader on
+    one graph are); each ``col`` is read where it is, as it is (int32 or int64); one dense ``int64`` map over
     all node types (8 bytes a node, allocated once), so a call must not run concurrently with another call on
     the same sampler.
     """
@@ -135,10 +137,10 @@ class HeteroNeighborSampler:
             if col.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"edge type {et}: col must be int32 or int64, got {col.dtype}")
             self._row_off[et] = sum(r.numel() for r in rowptrs)
-            rowptrs.append(rowptr.long())
+            rowptrs.append(rowptr)
             self.col[et] = col
         # (each block keeps its own edge positions, so a position indexes its edge type's col and edge ids)
-        self.rowptr = torch.cat(rowptrs)
+        self.rowptr = _joined(rowptrs)
         # the sources a hop gathers: int32 where every col is (each col is read as it is given)
         self._col_dtype = (
             torch.int32 if all(c.dtype == torch.int32 for c in self.col.values()) else torch.int64
@@ -150,8 +152,8 @@ class HeteroNeighborSampler:
 
     def _expansion(self, h: int) -> torch.Tensor | None:
         """Per node type, the edge types hop ``h`` samples its frontier along, as ``[node types, most, 3]``
-        rows of (first pointer, fanout, edge type index), padded with first pointer -1; None if hop ``h``
-        samples along no edge type."""
+        rows of (the edge type's row offset in ``rowptr``, fanout, edge type index), padded with offset -1;
+        None if hop ``h`` samples along no edge type."""
         per = [
             [(self._row_off[et], ks[h], i) for i, (et, ks) in enumerate(self.num_neighbors.items())
              if et[2] == t and ks[h] != 0]
@@ -329,6 +331,26 @@ class HeteroNeighborSampler:
         if self.device.type != "cuda":
             return table
         return table.pin_memory().to(self.device, non_blocking=True)
+
+
+# The pointer arrays joined so far, each with the tensors it joined (and their versions): a sampler built on
+# the same pointer tensors as a live one shares its copy.
+_JOINED: list[tuple[list[tuple[weakref.ref, int]], weakref.ref]] = []
+
+
+def _joined(rowptrs: list[torch.Tensor]) -> torch.Tensor:
+    """``rowptrs`` as one ``int64`` array, the one already made from these very tensors while it lives."""
+    _JOINED[:] = [(parts, joined) for parts, joined in _JOINED if joined() is not None]
+    for parts, joined in _JOINED:
+        same = len(parts) == len(rowptrs) and all(
+            ref() is r and version == r._version for (ref, version), r in zip(parts, rowptrs)
+        )
+        out = joined()
+        if same and out is not None:
+            return out
+    out = torch.cat([r.long() for r in rowptrs])
+    _JOINED.append(([(weakref.ref(r), r._version) for r in rowptrs], weakref.ref(out)))
+    return out
 
 
 def _taken(deg: torch.Tensor, fanout: torch.Tensor) -> torch.Tensor:

@@ -227,9 +227,8 @@ def draw_positions(
     if k < 0:
         return owner, start.index_select(0, owner) + slot
     if row_k is None:
-        pos = (
-            floyd(deg, k, generator).view(-1).index_select(0, torch.add(slot, owner, alpha=k))
-        )  # [owner, slot]
+        # (the draws as [owner, slot])
+        pos = floyd(deg, k, generator).view(-1).index_select(0, torch.add(slot, owner, alpha=k))
     else:  # rows that take every edge draw nothing and keep their slot
         draws = floyd(deg, k, generator, row_k=row_k.clamp(min=0)).view(-1)
         pos = draws.index_select(0, torch.add(slot.clamp(max=k - 1), owner, alpha=k))

@@ -107,7 +107,7 @@ def test_a_job_past_its_timeout_is_stopped_with_its_ranks(tmp_path) -> None:
     from dsx.ops.prebuild import build_for_config
 
     mod = load_example("benchmarks/bench_hetero_scale.py")
-    # the ranks' CPU all-reduce op first: on a fresh checkout its build (up to a minute) would take the 30 s
+    # the ranks' CPU all-reduce op is built first: on a fresh checkout its first build would use up the timeout
     build_for_config({}, verbose=False)
     # (30 s: two ranks starting on a loaded two-core machine took more than 20 to print their first epoch)
     res = mod.main(["--out", str(tmp_path), "--gpus", "2", "--repeats", "1", "--timeout", "30",

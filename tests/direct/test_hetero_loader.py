@@ -470,6 +470,19 @@ def test_int32_sources_beside_int64_ones_are_read_as_given(data) -> None:
     assert all(torch.equal(outs[0].n_id[t], outs[1].n_id[t]) for t in nodes)
 
 
+def test_samplers_on_the_same_pointers_share_one_joined_copy(data) -> None:
+    csr = {et: to_csr(data[et].edge_index, data[et[2]].num_nodes)[:2] for et in data.edge_types}
+    nodes = {t: data[t].num_nodes for t in data.node_types}
+    fanouts = {et: [2] for et in csr}
+    train, val = (HeteroNeighborSampler(csr, nodes, fanouts) for _ in range(2))
+    assert val.rowptr is train.rowptr  # (a training and a validation loader on one graph)
+    csr[CITES][0].add_(0)  # written in place: the copy may no longer match it
+    fresh = HeteroNeighborSampler(csr, nodes, fanouts)
+    assert fresh.rowptr is not train.rowptr and torch.equal(fresh.rowptr, train.rowptr)
+    other = {**csr, CITES: (csr[CITES][0].clone(), csr[CITES][1])}
+    assert HeteroNeighborSampler(other, nodes, fanouts).rowptr is not fresh.rowptr
+
+
 @pytest.mark.gpu
 def test_one_host_synchronisation_per_hop_on_cuda(data) -> None:
     """On CUDA the hop's one read is the only wait: CUDA's sync debug mode names every other (a small host
