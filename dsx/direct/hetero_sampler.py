@@ -123,6 +123,7 @@ class HeteroNeighborSampler:
         # node type t's ids in the one map start at _node_off[t]
         self._node_off = dict(zip(self.node_types, itertools.accumulate(self.num_nodes.values(), initial=0)))
         self._row_off: dict[EdgeType, int] = {}  # edge type et's pointers start at _row_off[et] in rowptr
+        self._edge_index = {et: i for i, et in enumerate(self.edge_types)}
         rowptrs, self.col = [], {}
         for et, (rowptr, col) in csr.items():
             et = tuple(et)
@@ -175,9 +176,8 @@ class HeteroNeighborSampler:
         lens = [frontier[et[2]].numel() for et in types]
         table = [
             [self._node_off[src], self._type_index[src], offset[dst] - first, count[src], i,
-             self._row_off[et], self.num_neighbors[et][h], self.edge_types.index(et), n]
-            for i, (et, (src, _, dst), first, n) in enumerate(
-                zip(types, types, itertools.accumulate(lens, initial=0), lens))
+             self._row_off[et], self.num_neighbors[et][h], self._edge_index[et], n]
+            for i, (et, (src, _, dst), (first, n)) in enumerate(zip(types, types, _spans(lens)))
         ]  # fmt: skip
         table = self._to_device(table)
         tab = table[:, :-1].repeat_interleave(table[:, -1], dim=0, output_size=sum(lens))
@@ -227,8 +227,9 @@ class HeteroNeighborSampler:
                 n_new = dict.fromkeys(types, 0)
                 if sum(n for _, n in sampled):
                     n_new, totals, new = self._hop(h, hop, sampled, touched, rows, cols, eids)
+                this_hop = dict(sampled)
                 for et in self.edge_types:
-                    n_edges[et].append(dict(sampled).get(et, 0))
+                    n_edges[et].append(this_hop.get(et, 0))
                 frontier = {}
                 for t, (lo, k) in zip(types, _spans(n_new[t] for t in types)):
                     n_ids[t].append(new[lo : lo + k] if k else empty)
@@ -265,8 +266,9 @@ class HeteroNeighborSampler:
             start, deg, take, k, total, self.generator, None if len(fanouts) == 1 else tab[:, _FANOUT]
         )
         ent = tab[:, :_PER_EDGE].index_select(0, owner)
+        spans = _spans(n for _, n in sampled)  # each edge type's block of this hop's edges
         nbr = torch.empty(total, dtype=self._col_dtype, device=self.device)
-        for (et, n), lo in zip(sampled, itertools.accumulate((n for _, n in sampled), initial=0)):
+        for (et, _), (lo, n) in zip(sampled, spans):
             if not n:
                 continue
             col = self.col[et]  # each edge type's sources from its own col
@@ -278,10 +280,10 @@ class HeteroNeighborSampler:
         gid = nbr + ent[:, _SRC_OFF]
         touched.append(gid)
         node_type = ent[:, _SRC_TYPE]
-        number = self._numbering(sampled, ent[:, _SEG])
+        number = self._numbering(sampled, spans, ent[:, _SEG])
         local, first, rank, new = claim_nodes(self._map, gid, ent[:, _COUNT], number)
         dst_local = owner + ent[:, _DST_LOCAL]
-        for (et, n), lo in zip(sampled, itertools.accumulate((n for _, n in sampled), initial=0)):
+        for (et, _), (lo, n) in zip(sampled, spans):
             if n:
                 rows[et].append(local[lo : lo + n])
                 cols[et].append(dst_local[lo : lo + n])
@@ -300,12 +302,13 @@ class HeteroNeighborSampler:
         new_ids.index_put_((slot,), nbr)
         return n_new, totals, new_ids
 
-    def _numbering(self, sampled: list[tuple[EdgeType, int]], segment: torch.Tensor):
+    def _numbering(
+        self, sampled: list[tuple[EdgeType, int]], spans: list[tuple[int, int]], segment: torch.Tensor
+    ):
         """:func:`~dsx.direct.sampler.claim_nodes`'s numbering per node type for a hop whose entries are
-        ``sampled``'s edge types' edges, one block each (``segment``: each entry's block): a claim's rank is
-        its rank in its block plus the claims of the earlier blocks of its source type."""
+        ``sampled``'s edge types' edges, one block each at ``spans`` (``segment``: each entry's block): a
+        claim's rank is its rank in its block plus the claims of the earlier blocks of its source type."""
         n = len(sampled)
-        spans = _spans(c for _, c in sampled)
         meta = [
             [lo, lo + c] + [int(j < i and sampled[j][0][0] == et[0]) for j in range(n)]
             + [int(et[0] == t) for t in self.node_types]
