@@ -33,6 +33,7 @@ from dsx.direct.pipeline import (
     with_process_group,
 )
 from dsx.direct.sampler import check_csr, to_csr
+from dsx.id_bounds import vouch
 
 __all__ = ["DistributedHeteroNeighborLoader", "HeteroNeighborLoader", "fanouts_per_edge_type"]
 
@@ -218,7 +219,10 @@ class HeteroNeighborLoader(PipelinedLoader):
                     batch[t].y = self.y[t][n_id]
         for et in self.edge_types:
             store = batch[et]
-            store.edge_index = out.edge_index[et].to(dev, non_blocking=True)
+            edge_index = out.edge_index[et].to(dev, non_blocking=True)
+            # in range by construction: the relational layers' layout may skip its check (and its host sync)
+            vouch(edge_index, (n_ids[et[0]].numel(), n_ids[et[2]].numel()))
+            store.edge_index = edge_index
             store.e_id = out.e_id[et].to(dev, non_blocking=True)
             store.num_sampled_edges = out.num_sampled_edges[et]
         batch[self.input_type].batch_size = out.batch_size

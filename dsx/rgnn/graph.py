@@ -9,8 +9,8 @@ in-place refill of one could not be told from the graph it held before: they are
 Performance: one sort of ``E`` keys on the graph's device; the unique (node, relation) maps and the RGCN
 degrees scatter into a table with a slot per key on a GPU where that table is small next to the edges (a
 sampled mini-batch), else they sort the keys (``torch.unique``). A host synchronisation only per unique-pair
-map (its size depends on the data). On a GPU the cost is a few dozen launches, cheap enough to redo per sampled
-mini-batch (``benchmarks/bench_hetero.py`` reports it, ``prep_ms``).
+map (its size depends on the data). On a GPU the cost is about twenty launches, whose host time sets it; cheap
+enough to redo per sampled mini-batch (``benchmarks/bench_hetero.py`` reports it, ``prep_ms``).
 """
 
 from __future__ import annotations
@@ -187,13 +187,11 @@ class RelGraph:
             return 1.0 / deg.to(torch.float32)
         key = torch.add(self._dst_key(), self.rel, alpha=n)  # int64 (rel is)
         exact = self.num_edges < _FLOAT_COUNTS_EXACT_BELOW
-        counts = torch.zeros(
-            self.num_relations * n, dtype=torch.float32 if exact else torch.int64, device=key.device
-        )
-        counts.index_add_(
-            0, key, torch.ones((), dtype=counts.dtype, device=key.device).expand(self.num_edges)
-        )
-        return counts[key].reciprocal_() if exact else 1.0 / counts[key].to(torch.float32)
+        dtype = torch.float32 if exact else torch.int64
+        counts = torch.zeros(self.num_relations * n, dtype=dtype, device=key.device)
+        counts.index_add_(0, key, _one(dtype, key.device).expand(self.num_edges))
+        deg = counts.index_select(0, key)
+        return deg.reciprocal_() if exact else 1.0 / deg.to(torch.float32)
 
     @functools.cached_property
     def rel_perm(self) -> torch.Tensor:
@@ -216,10 +214,21 @@ class RelGraph:
 # key's width).
 
 
+_ONES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-dim one on ``device``, made once per (dtype, device): expanded, it counts without a fill launch."""
+    one = _ONES.get((dtype, device))
+    if one is None:
+        one = _ONES[(dtype, device)] = torch.ones((), dtype=dtype, device=device)
+    return one
+
+
 def _counts(groups: torch.Tensor, n: int) -> torch.Tensor:
     """How many of ``groups`` (ids in ``[0, n)``) fall in each group, without a host synchronisation."""
     return torch.zeros(n, dtype=torch.int64, device=groups.device).index_add_(
-        0, groups, torch.ones_like(groups, dtype=torch.int64)
+        0, groups, _one(torch.int64, groups.device).expand(groups.numel())
     )
 
 
@@ -281,13 +290,13 @@ def _pairs_sorted(node: torch.Tensor, rel: torch.Tensor, n: int, num_relations: 
 
 
 def _pairs_dense(node: torch.Tensor, rel: torch.Tensor, n: int, num_relations: int):
-    # the keys present, marked in a table of every key: its non-zeros are the sorted unique keys and its running
-    # count each key's rank, without sorting the edges (torch.unique sorts them, at several times the launches)
+    # the keys present, marked in a table of every key: its non-zeros are the sorted unique keys, in which a
+    # binary search finds each edge's pair, without sorting the edges (torch.unique sorts them, at several times
+    # the launches)
     key = torch.add(node, rel.long(), alpha=n)  # int64 (rel is), from a narrower node id too
     seen = torch.zeros(num_relations * n, dtype=torch.bool, device=key.device).index_fill_(0, key, True)
     uniq = seen.nonzero().view(-1)
-    inverse = seen.cumsum(0).sub_(1)[key]
-    return uniq % n, _sorted_ptr(uniq, num_relations, n), inverse
+    return uniq % n, _sorted_ptr(uniq, num_relations, n), torch.searchsorted(uniq, key)
 
 
 def check_index_tensor(t: object, name: str, what: str) -> None:
@@ -342,16 +351,35 @@ def _build(edge_index, edge_type, num_src, num_dst, num_relations) -> RelGraph:
     # Stable sort by destination keeps the caller's edge order within a destination (matters only for
     # floating-point summation order, not for results beyond rounding).
     dst, perm = torch.sort(edge_index[1].to(_key_dtype(num_dst)), stable=True)
-    dst_ptr = _sorted_ptr(dst, num_dst).long()
-    src, rel = edge_index[0][perm].long(), edge_type[perm].long()
+    # the CSR pointer of sorted ids in one launch (a binary search per node needs their arange too)
+    dst_ptr = torch._convert_indices_from_coo_to_csr(dst, num_dst)
+    rows = _rows_of_one(edge_index, edge_type)
+    if rows is not None:  # one gather for source, destination and relation
+        src, dst_long, rel = rows.index_select(1, perm)
+        seeded = {"src": src, "dst": dst_long, "rel": rel}
+    else:
+        src, rel = edge_index[0].index_select(0, perm).long(), edge_type.index_select(0, perm).long()
+        seeded = {"src": src, "rel": rel}
     del perm
     src_row_idx, src_rel_ptr, edge_src_row = _pairs(src, rel, num_src, num_relations)
     graph = RelGraph(num_src, num_dst, num_relations, src.numel(), dst_ptr, src_row_idx, src_rel_ptr,
                      edge_src_row, edge_index)  # fmt: skip
     # Already computed: seeded so that require() reuses them, then drops them unless someone wants them.
-    graph.__dict__.update(src=src, rel=rel)
+    graph.__dict__.update(seeded)
     graph._sorted_dst, graph._fresh = dst, True
     return graph
+
+
+def _rows_of_one(edge_index: torch.Tensor, edge_type: torch.Tensor) -> torch.Tensor | None:
+    """``[3, E]``: ``edge_index``'s two rows and ``edge_type`` where they are the rows of one int64 tensor (as
+    :func:`dsx.rgnn.typed_layout` makes them), so that one gather permutes all three; else None."""
+    e = edge_type.numel()
+    if not (edge_index.dtype == edge_type.dtype == torch.int64 and edge_index.is_contiguous() and e
+            and edge_type.stride() == (1,) and edge_index.untyped_storage().data_ptr()
+            == edge_type.untyped_storage().data_ptr()
+            and edge_type.storage_offset() == edge_index.storage_offset() + 2 * e):  # fmt: skip
+        return None
+    return edge_index.as_strided((3, e), (e, 1))
 
 
 def tensor_version(t: torch.Tensor) -> int | None:

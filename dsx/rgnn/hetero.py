@@ -11,8 +11,9 @@ reference) so that it takes ``(x_dict, edge_index_dict)`` and returns a dict per
     conv = RelationalHetero(dsx.rgnn.RGCNConv(64, 64, num_relations=len(metadata[1])), metadata)
     out_dict = conv(batch.x_dict, batch.edge_index_dict)
 
-Performance: a layout costs one concatenation of the edge lists and one host synchronisation (the range
-check of every edge type at once). Layouts are kept for the last few ``edge_index_dict`` tensor sets (by
+Performance: a layout costs one concatenation of the edge lists, a handful of launches and one host
+synchronisation (the range check of every edge type at once), none for edge lists whose ids
+``dsx.direct.HeteroNeighborLoader`` vouched for (:mod:`dsx.id_bounds`). Layouts are kept for the last few ``edge_index_dict`` tensor sets (by
 identity and in-place version), so every layer of a model on one batch reuses the first layer's tensors, and
 :func:`dsx.rgnn.prepare`'s cache then serves them the prepared graph; :func:`typed_graph` does the same for
 HGT, keeping the prepared graph itself.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dsx.id_bounds import vouched_within
 from dsx.rgnn.graph import (
     RelGraph,
     cache_clear,
@@ -146,26 +148,31 @@ def _build(
         empty = torch.zeros(2, 0, dtype=torch.long, device=device)
         return TypedLayout(offset, sizes, empty, empty[0])
     # A batch has a handful of edge types and a few hundred thousand edges: the cost is in launches, not
-    # bytes. So the edge lists are concatenated first and every per-type value (relation, offsets, sizes)
-    # comes from one small table, gathered per edge by its segment: about a dozen launches whatever the number
-    # of edge types, and one host synchronisation for the range check. (Each launch gathers one or two of the
-    # table's rows per edge: one launch for all six, an [E, 6] gather of columns, is slower.)
+    # bytes. So the edge lists are concatenated first and every per-type value comes from one small table,
+    # gathered per edge by its segment: eight launches whatever the number of edge types, and one host
+    # synchronisation for the range check. (One launch gathers the table's rows into rows per edge, contiguous;
+    # an [E, 5] gather of columns is slower.)
     device = nonempty[0][1].device
-    ends = list(itertools.accumulate(ei.size(1) for _, ei in nonempty))
-    columns = [[rel_of[e] for e, _ in nonempty], [offset[e[0]] for e, _ in nonempty],
-               [offset[e[-1]] for e, _ in nonempty], [sizes[e[0]] for e, _ in nonempty],
-               [sizes[e[-1]] for e, _ in nonempty], ends]  # fmt: skip
+    first_s = [offset[e[0]] for e, _ in nonempty]
+    first_d = [offset[e[-1]] for e, _ in nonempty]
+    columns = [first_s, first_d, [rel_of[e] for e, _ in nonempty],
+               [f + sizes[e[0]] - 1 for f, (e, _) in zip(first_s, nonempty)],
+               [f + sizes[e[-1]] - 1 for f, (e, _) in zip(first_d, nonempty)],
+               list(itertools.accumulate(ei.size(1) for _, ei in nonempty))]  # fmt: skip
     table = torch.tensor(columns, dtype=torch.long)
     if device.type == "cuda":  # from pinned memory the copy does not wait for the device
         table = table.pin_memory().to(device, non_blocking=True)
     local = torch.cat([ei.long() for _, ei in nonempty], 1)
-    seg = torch.searchsorted(table[5], torch.arange(ends[-1], device=device), right=True)
-    rel = table[0][seg]
-    count = table[3:5].index_select(1, seg)  # [2, E]: the source's and the destination's node count
-    if bool(((local < 0) | (local >= count)).any()):
+    seg = torch.searchsorted(table[5], torch.arange(local.size(1), device=device), right=True)
+    # edge lists that dsx's sampler made for these node counts are in range: no check, no host sync
+    check = not all(vouched_within(ei, (sizes[e[0]], sizes[e[-1]])) for e, ei in nonempty)
+    # [5, E]: source and destination offsets, relation, last source and destination ids (layout ids)
+    per_edge = table[: 5 if check else 3].index_select(1, seg)
+    edge_index = per_edge[:2].add_(local)
+    # in range where local >= 0 and id <= last: (last - id) | local is negative where either fails
+    if check and int(per_edge[3:].sub_(edge_index).bitwise_or_(local).min()) < 0:
         _raise_out_of_range(sizes, nonempty)
-    edge_index = local + table[1:3].index_select(1, seg)
-    return TypedLayout(offset, sizes, edge_index, rel)
+    return TypedLayout(offset, sizes, per_edge[:2], per_edge[2])
 
 
 def _raise_out_of_range(sizes: dict[str, int], nonempty: list) -> None:
@@ -191,7 +198,7 @@ def typed_graph(
 ) -> tuple[RelGraph, dict[str, int]]:
     """The prepared graph (:func:`dsx.rgnn.prepare`) of :func:`typed_layout`'s layout and the node types'
     offsets, kept for the last four ``edge_index_dict`` tensor sets: every layer of a model on one batch gets
-    the first layer's graph. The graph drops the concatenated edge lists (24 bytes per edge) once built."""
+    the first layer's graph. The graph drops the layout's per-edge table (40 bytes per edge) once built."""
     items = [(tuple(e), ei) for e, ei in edge_index_dict.items()]
     cache = not any(ei.is_inference() for _, ei in items)
     key = (

@@ -4,13 +4,16 @@ gradients), the layout is shared by a model's layers, and bad input is named."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch_geometric.nn as pygnn
 
 import dsx.rgnn as rg
 from dsx.direct import HeteroNeighborLoader
-from tests.direct.test_hetero_loader import CITES, WRITES, hetero_graph
+from dsx.id_bounds import vouch, vouched_within
+from tests.direct.test_hetero_loader import CITES, WRITES, _TorchCalls, hetero_graph
 
 # the fused path on the PyTorch twins, and with the generated Triton kernels under Triton's interpreter
 BACKENDS = [("kernels", "reference"), ("kernels", "interpret")]
@@ -135,6 +138,12 @@ def test_bad_input_is_named(data) -> None:
     bad[1, 3] = sizes["paper"]
     with pytest.raises(ValueError, match=r"\('paper', 'cites', 'paper'\): node ids out of range"):
         rg.typed_layout(sizes, {**eid, CITES: bad}, meta[1])
+    # an id one past its type's last, where the type is not first in the layout (its ids start above 0)
+    far = eid[WRITES].clone()
+    far[0, 2] = sizes["author"]
+    assert list(sizes).index("author") > 0
+    with pytest.raises(ValueError, match=r"\('author', 'writes', 'paper'\): node ids out of range"):
+        rg.typed_layout(sizes, {**eid, WRITES: far}, meta[1])
     negative = eid[WRITES].clone()
     negative[0, 5] = -1
     with pytest.raises(
@@ -156,6 +165,91 @@ def test_bad_input_is_named(data) -> None:
         conv(torch.randn(sum(sizes.values()), 8), eid)
     with pytest.raises(ValueError, match=rf"tensor of {sum(sizes.values()) + 1} rows for sizes"):
         conv(torch.randn(sum(sizes.values()) + 1, 8), eid, sizes)
+
+
+def test_a_batchs_graph_is_prepared_in_few_calls_as_from_separate_tensors(data, monkeypatch) -> None:
+    """On a GPU preparation is a chain of small launches whose host time sets its cost: RGCN's typed layout and
+    graph (the table path a GPU takes for a batch) in at most 22 torch calls for the loader's edge lists, whose
+    ids it vouches for, and 26 with the range check of other edge lists, whatever the number of edge types; and
+    the layout's rows, gathered together, give the graph that separate tensors give."""
+    import dsx.rgnn.graph as graph_mod
+
+    monkeypatch.setattr(graph_mod, "_dense_fits", lambda keys, edges, device: True)
+    b = _batches(data, 1)[0]
+    sizes = {t: b[t].num_nodes for t in b.node_types}
+    conv = rg.RelationalHetero(rg.RGCNConv(8, 6, len(b.edge_types)), b.metadata())
+    calls = {}
+    for name, edges in (("vouched", b.edge_index_dict),
+                        ("checked", {e: ei.clone() for e, ei in b.edge_index_dict.items()})):  # fmt: skip
+        rg.clear_cache()
+        conv.prepare_graph(sizes, edges, torch.device("cpu"))  # (the first call may allocate)
+        rg.clear_cache()
+        with _TorchCalls() as counter:
+            layout = conv.prepare_graph(sizes, edges, torch.device("cpu"))[0]
+        rg.clear_cache()
+        calls[name] = counter.calls
+    assert calls["vouched"] <= 22 and calls["checked"] <= 26, calls
+    fields = ("src", "dst", "rel", "perm", "dst_row_idx", "dst_rel_ptr", "edge_dst_row", "inv_deg_rel")
+    n, r = layout.num_nodes, len(b.edge_types)
+    apart = rg.prepare(layout.edge_index.clone(), layout.edge_type.clone(), n, r, cache=False, needs=fields)
+    assert graph_mod._rows_of_one(layout.edge_index, layout.edge_type) is not None
+    together = rg.prepare(layout.edge_index, layout.edge_type, n, r, cache=False, needs=fields)
+    for name in ("dst_ptr", "src_row_idx", "src_rel_ptr", "edge_src_row", *fields):
+        assert torch.equal(getattr(together, name), getattr(apart, name)), name
+
+
+def test_the_loaders_vouched_edge_lists_are_checked_once_edited_or_laid_over_fewer_nodes(data) -> None:
+    """The layout skips the range check only for edge lists as the loader made them, over at least the node
+    counts it made them for: edited in place, or laid out over fewer nodes, out-of-range ids are named."""
+    b = _batches(data, 1)[0]
+    sizes = {t: b[t].num_nodes for t in b.node_types}
+    edges = dict(b.edge_index_dict)
+    assert all(vouched_within(ei, (sizes[e[0]], sizes[e[-1]])) for e, ei in edges.items())
+    rg.typed_layout(sizes, edges, b.edge_types, cache=False)
+    edges[CITES][0, 0] = sizes["paper"]  # in place: the loader's promise no longer holds
+    assert not vouched_within(edges[CITES], (sizes["paper"], sizes["paper"]))
+    with pytest.raises(ValueError, match=r"\('paper', 'cites', 'paper'\): node ids out of range"):
+        rg.typed_layout(sizes, edges, b.edge_types, cache=False)
+    b = _batches(data, 1)[0]
+    fewer = {t: b[t].num_nodes for t in b.node_types}
+    fewer["author"] = int(b[WRITES].edge_index[0].max())  # the largest author id is now one past the last
+    with pytest.raises(ValueError, match=r"\('author', 'writes', 'paper'\): node ids out of range"):
+        rg.typed_layout(fewer, b.edge_index_dict, b.edge_types, cache=False)
+    ei = torch.zeros(2, 3, dtype=torch.long)
+    vouch(ei, (5, 5))
+    assert (
+        vouched_within(ei, (5, 6))
+        and not vouched_within(ei, (4, 6))
+        and not vouched_within(ei.clone(), (5, 5))
+    )
+    with torch.inference_mode():
+        frozen = torch.zeros(2, 3, dtype=torch.long)
+    vouch(frozen, (5, 5))  # no version counter: an edit could not be seen, so no promise is kept
+    assert not vouched_within(frozen, (5, 5))
+
+
+@pytest.mark.gpu
+def test_a_loader_batchs_graph_waits_for_the_device_once_on_cuda(data) -> None:
+    """RGCN's preparation of a loader batch on CUDA: the unique-pair map's size is its only wait (CUDA's sync
+    debug mode names every other: the layout's range check, a table copied from pageable memory)."""
+    loader = HeteroNeighborLoader(data, [4, 3], ("paper", None), batch_size=16, prefetch=0, device="cuda")
+    b = next(iter(loader))
+    sizes = {t: b[t].num_nodes for t in b.node_types}
+    conv = rg.RelationalHetero(rg.RGCNConv(8, 6, len(b.edge_types)), b.metadata()).cuda()
+    conv.prepare_graph(sizes, b.edge_index_dict, torch.device("cuda"))  # (the first call allocates)
+    rg.clear_cache()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            graph = conv.prepare_graph(sizes, b.edge_index_dict, torch.device("cuda"))[1]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        rg.clear_cache()
+    waits = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(waits) == 1, waits
+    assert graph is not None and graph.num_edges > 0
 
 
 def test_a_models_hgt_layers_share_one_prepared_graph_and_clear_cache_drops_it(data) -> None:
