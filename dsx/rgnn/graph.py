@@ -110,6 +110,10 @@ class RelGraph:
             for name in self.LAZY:
                 if name not in self._wanted:
                     self.__dict__.pop(name, None)
+            for name in ("src", "dst", "rel"):  # a row of prepare()'s [3, E] gather keeps all three alive
+                v = self.__dict__.get(name)
+                if v is not None and v.untyped_storage().nbytes() > v.numel() * v.element_size():
+                    self.__dict__[name] = v.clone()
         return self
 
     def release_edges(self) -> None:
@@ -189,7 +193,7 @@ class RelGraph:
         exact = self.num_edges < _FLOAT_COUNTS_EXACT_BELOW
         dtype = torch.float32 if exact else torch.int64
         counts = torch.zeros(self.num_relations * n, dtype=dtype, device=key.device)
-        counts.index_add_(0, key, _one(dtype, key.device).expand(self.num_edges))
+        counts.index_add_(0, key, torch.ones((), dtype=dtype, device=key.device).expand(self.num_edges))
         deg = counts.index_select(0, key)
         return deg.reciprocal_() if exact else 1.0 / deg.to(torch.float32)
 
@@ -214,21 +218,10 @@ class RelGraph:
 # key's width).
 
 
-_ONES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 0-dim one on ``device``, made once per (dtype, device): expanded, it counts without a fill launch."""
-    one = _ONES.get((dtype, device))
-    if one is None:
-        one = _ONES[(dtype, device)] = torch.ones((), dtype=dtype, device=device)
-    return one
-
-
 def _counts(groups: torch.Tensor, n: int) -> torch.Tensor:
     """How many of ``groups`` (ids in ``[0, n)``) fall in each group, without a host synchronisation."""
     return torch.zeros(n, dtype=torch.int64, device=groups.device).index_add_(
-        0, groups, _one(torch.int64, groups.device).expand(groups.numel())
+        0, groups, torch.ones((), dtype=torch.int64, device=groups.device).expand(groups.numel())
     )
 
 
@@ -351,8 +344,9 @@ def _build(edge_index, edge_type, num_src, num_dst, num_relations) -> RelGraph:
     # Stable sort by destination keeps the caller's edge order within a destination (matters only for
     # floating-point summation order, not for results beyond rounding).
     dst, perm = torch.sort(edge_index[1].to(_key_dtype(num_dst)), stable=True)
-    # the CSR pointer of sorted ids in one launch (a binary search per node needs their arange too)
-    dst_ptr = torch._convert_indices_from_coo_to_csr(dst, num_dst)
+    # (torch._convert_indices_from_coo_to_csr is one launch, but its CUDA kernel fills each run of nodes without
+    # edges from one thread, and a batch's last hop is such a run of hundreds of thousands)
+    dst_ptr = _sorted_ptr(dst, num_dst).long()
     rows = _rows_of_one(edge_index, edge_type)
     if rows is not None:  # one gather for source, destination and relation
         src, dst_long, rel = rows.index_select(1, perm)
@@ -410,9 +404,10 @@ def prepare(
     offending value for out-of-range relation ids or node indices and mismatched sizes. Graphs built from
     inference tensors are not cached.
 
-    ``checked=True``: the caller has range-checked the node and relation ids (:func:`dsx.rgnn.typed_layout`
-    does, for every edge type at once); the shapes are still checked, the ids' bounds and their host
-    synchronisation are skipped.
+    ``checked=True``: the caller vouches that the node and relation ids are in range
+    (:func:`dsx.rgnn.typed_layout` checks them for every edge type at once, or holds the loader's word for them:
+    :mod:`dsx.id_bounds`); the shapes are still checked, the ids' bounds and their host synchronisation are
+    skipped.
     """
     check_index_tensor(edge_index, "edge_index", "a [2, E] tensor of (source, destination) node ids")
     check_index_tensor(edge_type, "edge_type", "one relation id per edge, an [E] tensor")

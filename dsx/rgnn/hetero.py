@@ -13,8 +13,9 @@ reference) so that it takes ``(x_dict, edge_index_dict)`` and returns a dict per
 
 Performance: a layout costs one concatenation of the edge lists, a handful of launches and one host
 synchronisation (the range check of every edge type at once), none for edge lists whose ids
-``dsx.direct.HeteroNeighborLoader`` vouched for (:mod:`dsx.id_bounds`). Layouts are kept for the last few ``edge_index_dict`` tensor sets (by
-identity and in-place version), so every layer of a model on one batch reuses the first layer's tensors, and
+``dsx.direct.HeteroNeighborLoader`` vouched for (:mod:`dsx.id_bounds`). Layouts are kept for the last few
+``edge_index_dict`` tensor sets (by identity and in-place version), so every layer of a model on one batch
+reuses the first layer's tensors, and
 :func:`dsx.rgnn.prepare`'s cache then serves them the prepared graph; :func:`typed_graph` does the same for
 HGT, keeping the prepared graph itself.
 """
@@ -149,9 +150,9 @@ def _build(
         return TypedLayout(offset, sizes, empty, empty[0])
     # A batch has a handful of edge types and a few hundred thousand edges: the cost is in launches, not
     # bytes. So the edge lists are concatenated first and every per-type value comes from one small table,
-    # gathered per edge by its segment: eight launches whatever the number of edge types, and one host
-    # synchronisation for the range check. (One launch gathers the table's rows into rows per edge, contiguous;
-    # an [E, 5] gather of columns is slower.)
+    # gathered per edge by its segment: five launches whatever the number of edge types, and three more and a
+    # host synchronisation for the range check. (One launch gathers the table's rows into rows per edge,
+    # contiguous: a gather of its columns, [E, 6], was measured slower.)
     device = nonempty[0][1].device
     first_s = [offset[e[0]] for e, _ in nonempty]
     first_d = [offset[e[-1]] for e, _ in nonempty]
@@ -166,7 +167,8 @@ def _build(
     seg = torch.searchsorted(table[5], torch.arange(local.size(1), device=device), right=True)
     # edge lists that dsx's sampler made for these node counts are in range: no check, no host sync
     check = not all(vouched_within(ei, (sizes[e[0]], sizes[e[-1]])) for e, ei in nonempty)
-    # [5, E]: source and destination offsets, relation, last source and destination ids (layout ids)
+    # [5, E]: source and destination offsets, relation, last source and destination ids (layout ids); without the
+    # check, the first three
     per_edge = table[: 5 if check else 3].index_select(1, seg)
     edge_index = per_edge[:2].add_(local)
     # in range where local >= 0 and id <= last: (last - id) | local is negative where either fails
@@ -198,7 +200,8 @@ def typed_graph(
 ) -> tuple[RelGraph, dict[str, int]]:
     """The prepared graph (:func:`dsx.rgnn.prepare`) of :func:`typed_layout`'s layout and the node types'
     offsets, kept for the last four ``edge_index_dict`` tensor sets: every layer of a model on one batch gets
-    the first layer's graph. The graph drops the layout's per-edge table (40 bytes per edge) once built."""
+    the first layer's graph. The graph drops the layout's per-edge table once built (24 bytes per edge, 40 where
+    the layout checked the ids' range)."""
     items = [(tuple(e), ei) for e, ei in edge_index_dict.items()]
     cache = not any(ei.is_inference() for _, ei in items)
     key = (
@@ -304,9 +307,9 @@ class PrepareGraph:
     as without the transform. The batch keeps what was built in ``batch.prepared_graph`` (alive while the batch
     is), and the loader records those tensors on the training stream.
 
-    Performance: graph preparation (sorting the batch's edges, one host synchronisation for the range check and
-    one per unique-pair map) leaves the training step for the loader's pipeline, where it overlaps the step
-    before.
+    Performance: graph preparation (sorting the batch's edges, one host synchronisation per unique-pair map, and
+    one for the range check of edge lists the loader did not vouch for) leaves the training step for the
+    loader's pipeline, where it overlaps the step before.
     """
 
     #: a loader refuses more prefetched batches than this: the caches keep four batches' graphs (the step's,

@@ -169,33 +169,39 @@ def test_bad_input_is_named(data) -> None:
 
 def test_a_batchs_graph_is_prepared_in_few_calls_as_from_separate_tensors(data, monkeypatch) -> None:
     """On a GPU preparation is a chain of small launches whose host time sets its cost: RGCN's typed layout and
-    graph (the table path a GPU takes for a batch) in at most 22 torch calls for the loader's edge lists, whose
-    ids it vouches for, and 26 with the range check of other edge lists, whatever the number of edge types; and
-    the layout's rows, gathered together, give the graph that separate tensors give."""
+    graph (the table path a GPU takes for a batch) in at most 24 torch calls for the loader's edge lists, whose
+    ids it vouches for, and 28 with the range check of other edge lists, whatever the number of edge types; the
+    layout's rows, gathered together, give the graph that separate tensors give; and a row kept from that
+    gather (HGT keeps the relations) does not keep the other two alive."""
     import dsx.rgnn.graph as graph_mod
 
     monkeypatch.setattr(graph_mod, "_dense_fits", lambda keys, edges, device: True)
     b = _batches(data, 1)[0]
     sizes = {t: b[t].num_nodes for t in b.node_types}
     conv = rg.RelationalHetero(rg.RGCNConv(8, 6, len(b.edge_types)), b.metadata())
-    calls = {}
+    calls, layouts = {}, {}
     for name, edges in (("vouched", b.edge_index_dict),
                         ("checked", {e: ei.clone() for e, ei in b.edge_index_dict.items()})):  # fmt: skip
         rg.clear_cache()
         conv.prepare_graph(sizes, edges, torch.device("cpu"))  # (the first call may allocate)
         rg.clear_cache()
         with _TorchCalls() as counter:
-            layout = conv.prepare_graph(sizes, edges, torch.device("cpu"))[0]
+            layouts[name] = conv.prepare_graph(sizes, edges, torch.device("cpu"))[0]
         rg.clear_cache()
         calls[name] = counter.calls
-    assert calls["vouched"] <= 22 and calls["checked"] <= 26, calls
+    assert calls["vouched"] <= 24 and calls["checked"] <= 28, calls
     fields = ("src", "dst", "rel", "perm", "dst_row_idx", "dst_rel_ptr", "edge_dst_row", "inv_deg_rel")
-    n, r = layout.num_nodes, len(b.edge_types)
-    apart = rg.prepare(layout.edge_index.clone(), layout.edge_type.clone(), n, r, cache=False, needs=fields)
-    assert graph_mod._rows_of_one(layout.edge_index, layout.edge_type) is not None
-    together = rg.prepare(layout.edge_index, layout.edge_type, n, r, cache=False, needs=fields)
-    for name in ("dst_ptr", "src_row_idx", "src_rel_ptr", "edge_src_row", *fields):
-        assert torch.equal(getattr(together, name), getattr(apart, name)), name
+    n, r = next(iter(layouts.values())).num_nodes, len(b.edge_types)
+    for layout in layouts.values():
+        ei, et = layout.edge_index, layout.edge_type
+        apart = rg.prepare(ei.clone(), et.clone(), n, r, cache=False, needs=fields)
+        assert graph_mod._rows_of_one(ei, et) is not None
+        together = rg.prepare(ei, et, n, r, cache=False, needs=fields)
+        for name in ("dst_ptr", "src_row_idx", "src_rel_ptr", "edge_src_row", *fields):
+            assert torch.equal(getattr(together, name), getattr(apart, name)), name
+        rel_only = rg.prepare(ei, et, n, r, cache=False, needs=("rel",))
+        assert rel_only.rel.untyped_storage().nbytes() == 8 * rel_only.num_edges
+        assert torch.equal(rel_only.rel, apart.rel)
 
 
 def test_the_loaders_vouched_edge_lists_are_checked_once_edited_or_laid_over_fewer_nodes(data) -> None:
@@ -222,6 +228,8 @@ def test_the_loaders_vouched_edge_lists_are_checked_once_edited_or_laid_over_few
         and not vouched_within(ei, (4, 6))
         and not vouched_within(ei.clone(), (5, 5))
     )
+    ei.data = torch.full((2, 3), 7)  # other memory, at the same version
+    assert not vouched_within(ei, (5, 5))
     with torch.inference_mode():
         frozen = torch.zeros(2, 3, dtype=torch.long)
     vouch(frozen, (5, 5))  # no version counter: an edit could not be seen, so no promise is kept
