@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from dsx.direct.sampler import claim_nodes, draw_positions, seeds_on
+from dsx.runtime.host_memory import device_table
 
 __all__ = ["EdgeType", "HeteroNeighborSampler", "HeteroSampledSubgraph"]
 
@@ -179,7 +180,7 @@ class HeteroNeighborSampler:
              self._row_off[et], self.num_neighbors[et][h], self._edge_index[et], n]
             for i, (et, (src, _, dst), (first, n)) in enumerate(zip(types, types, _spans(lens)))
         ]  # fmt: skip
-        table = self._to_device(table)
+        table = device_table(table, self.device)
         tab = table[:, :-1].repeat_interleave(table[:, -1], dim=0, output_size=sum(lens))
         nodes = torch.cat([frontier[et[2]] for et in types]) if len(types) > 1 else frontier[types[0][2]]
         rows = nodes + tab[:, _ROW_OFF]
@@ -314,7 +315,7 @@ class HeteroNeighborSampler:
             + [int(et[0] == t) for t in self.node_types]
             for i, ((et, _), (lo, c)) in enumerate(zip(sampled, spans))
         ]  # fmt: skip
-        meta = self._to_device(meta)
+        meta = device_table(meta, self.device)
 
         def number(first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             claims = torch.zeros(first.numel() + 1, dtype=torch.long, device=first.device)
@@ -326,14 +327,6 @@ class HeteroNeighborSampler:
             return rank, (meta[:, 2 + n :] * per_block.unsqueeze(1)).sum(0)
 
         return number
-
-    def _to_device(self, rows: list[list[int]]) -> torch.Tensor:
-        """A small host table on the device without a host synchronisation: a copy from pageable memory waits
-        for the stream; from pinned memory it is queued like a kernel."""
-        table = torch.tensor(rows, dtype=torch.long)
-        if self.device.type != "cuda":
-            return table
-        return table.pin_memory().to(self.device, non_blocking=True)
 
 
 # The pointer arrays joined so far, each with the tensors it joined (and their versions): a sampler built on

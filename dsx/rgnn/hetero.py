@@ -41,6 +41,7 @@ from dsx.rgnn.graph import (
     tensor_version,
 )
 from dsx.rgnn.graph import clear_cache as clear_graph_cache
+from dsx.runtime.host_memory import device_table
 
 __all__ = [
     "EdgeType",
@@ -160,9 +161,7 @@ def _build(
                [f + sizes[e[0]] - 1 for f, (e, _) in zip(first_s, nonempty)],
                [f + sizes[e[-1]] - 1 for f, (e, _) in zip(first_d, nonempty)],
                list(itertools.accumulate(ei.size(1) for _, ei in nonempty))]  # fmt: skip
-    table = torch.tensor(columns, dtype=torch.long)
-    if device.type == "cuda":  # from pinned memory the copy does not wait for the device
-        table = table.pin_memory().to(device, non_blocking=True)
+    table = device_table(columns, device)
     local = torch.cat([ei.long() for _, ei in nonempty], 1)
     seg = torch.searchsorted(table[5], torch.arange(local.size(1), device=device), right=True)
     # edge lists that dsx's sampler made for these node counts are in range: no check, no host sync

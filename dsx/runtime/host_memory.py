@@ -26,6 +26,7 @@ __all__ = [
     "HostMemoryError",
     "PinnedBuffer",
     "available_host_bytes",
+    "device_table",
     "page_aligned_empty",
     "require_host_bytes",
     "touch_pages",
@@ -39,6 +40,16 @@ GiB = 1 << 30
 class HostMemoryError(MemoryError):
     """The host has less memory available than a buffer asks for (not a pinning refusal: falling back to
     another way of pinning would not help)."""
+
+
+def device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """A small int64 table made on the host, on ``device`` without a host synchronisation: a copy from
+    pageable memory waits for the stream, one from pinned memory is queued like a kernel (what per-batch code,
+    a chain of small launches, needs of its lookup tables)."""
+    table = torch.tensor(rows, dtype=torch.long)
+    if device.type != "cuda":
+        return table
+    return table.pin_memory().to(device, non_blocking=True)
 
 
 def page_aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
