@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsx.direct.sampler import claim_nodes, draw_positions, seeds_on
+from dsx.direct.sampler import claim_nodes, draw_positions, fanout_rows, seeds_on
 from dsx.runtime.host_memory import device_table
 
 __all__ = ["EdgeType", "HeteroNeighborSampler", "HeteroSampledSubgraph"]
@@ -183,10 +183,7 @@ class HeteroNeighborSampler:
         table = device_table(table, self.device)
         tab = table[:, :-1].repeat_interleave(table[:, -1], dim=0, output_size=sum(lens))
         nodes = torch.cat([frontier[et[2]] for et in types]) if len(types) > 1 else frontier[types[0][2]]
-        rows = nodes + tab[:, _ROW_OFF]
-        start = self.rowptr.index_select(0, rows)
-        deg = self.rowptr[1:].index_select(0, rows) - start
-        return types, tab, start, deg, _taken(deg, tab[:, _FANOUT])
+        return types, tab, *fanout_rows(self.rowptr, nodes + tab[:, _ROW_OFF], tab[:, _FANOUT])
 
     def _next_counts(self, h: int, nbr: torch.Tensor, node_type: torch.Tensor, first: torch.Tensor):
         """Per edge type, the (device) number of edges hop ``h`` samples from the nodes that ``first`` marks
@@ -197,8 +194,7 @@ class HeteroNeighborSampler:
         x = self._expand[h].index_select(0, node_type)  # [entries, most, 3]
         ok = (x[..., 0] >= 0) & first.unsqueeze(1)
         rows = torch.where(ok, x[..., 0] + nbr.unsqueeze(1), 0).view(-1)
-        start = self.rowptr.index_select(0, rows)
-        take = _taken(self.rowptr[1:].index_select(0, rows) - start, x[..., 1].reshape(-1))
+        take = fanout_rows(self.rowptr, rows, x[..., 1].reshape(-1))[2]
         return counts.index_add_(0, x[..., 2].reshape(-1), take * ok.view(-1))
 
     def sample(self, input_type: str, seeds: torch.Tensor) -> HeteroSampledSubgraph:
@@ -347,11 +343,6 @@ def _joined(rowptrs: list[torch.Tensor]) -> torch.Tensor:
     out = torch.cat([r.long() for r in rowptrs])
     _JOINED.append(([(weakref.ref(r), r._version) for r in rowptrs], weakref.ref(out)))
     return out
-
-
-def _taken(deg: torch.Tensor, fanout: torch.Tensor) -> torch.Tensor:
-    """Edges taken from rows of degree ``deg`` at ``fanout`` each (``-1``: every edge)."""
-    return torch.where(fanout < 0, deg, torch.minimum(deg, fanout))
 
 
 def _spans(sizes) -> list[tuple[int, int]]:

@@ -31,6 +31,7 @@ __all__ = [
     "check_csr",
     "claim_nodes",
     "draw_positions",
+    "fanout_rows",
     "fanout_take",
     "floyd",
     "new_node_ids",
@@ -177,18 +178,21 @@ class NeighborSampler:
 
 def fanout_take(rowptr: torch.Tensor, nodes: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(CSR start, edges taken) of ``nodes`` at fanout ``k`` (``-1``: every edge)."""
-    start, _, take = _fanout(rowptr, nodes, k)
+    start, _, take = fanout_rows(rowptr, nodes, k)
     return start, take
 
 
-def _fanout(
-    rowptr: torch.Tensor, nodes: torch.Tensor, k: int
+def fanout_rows(
+    rowptr: torch.Tensor, nodes: torch.Tensor, k: int | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(CSR start, degree, edges taken at fanout ``k``) of ``nodes``."""
+    """(CSR start, degree, edges taken at fanout ``k``) of ``nodes``; ``k`` is one fanout for all of them or
+    a tensor of one per node (``-1``: every edge)."""
     # index_select rather than ``rowptr[nodes]``: the same rows for less host time a call (the sampler is a
     # chain of small launches whose host cost sets its pace), and ``rowptr[1:]`` is a view, not an add
     start = rowptr.index_select(0, nodes)
     deg = rowptr[1:].index_select(0, nodes) - start
+    if isinstance(k, torch.Tensor):
+        return start, deg, torch.where(k < 0, deg, torch.minimum(deg, k))
     return start, deg, (deg if k < 0 else deg.clamp(max=k))
 
 
@@ -202,7 +206,7 @@ def sample_positions(
     """For frontier ``nodes`` of the CSR ``rowptr``: (owner index into ``nodes``, CSR edge position) of every
     sampled edge, grouped by owner. ``total`` (the number of sampled edges, if known) saves a host
     synchronisation."""
-    start, deg, take = _fanout(rowptr, nodes, k)
+    start, deg, take = fanout_rows(rowptr, nodes, k)
     if total is None:
         total = int(take.sum())
     return draw_positions(start, deg, take, k, total, generator)
