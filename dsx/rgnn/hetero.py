@@ -113,6 +113,19 @@ def typed_layout(
     """
     rel_of = {tuple(e): i for i, e in enumerate(edge_types)}
     items = [(tuple(e), ei) for e, ei in edge_index_dict.items()]
+    # every layer of a model asks for the same layout: the cache is looked in first, as what it holds was
+    # validated when built (inference tensors keep no in-place version: a layout of them is never reused)
+    cache = cache and all(isinstance(ei, torch.Tensor) and not ei.is_inference() for _, ei in items)
+    if cache:
+        key = (
+            tuple((e, id(ei), tensor_version(ei)) for e, ei in items),
+            tuple(sizes.items()),
+            tuple(rel_of),
+            str(device),
+        )
+        hit = cache_get(_LAYOUTS, key)
+        if hit is not None:
+            return hit[1]
     for e, ei in items:
         check_index_tensor(ei, f"edge_index_dict[{e}]", "a [2, E] tensor of node ids")
         if e not in rel_of:
@@ -121,17 +134,6 @@ def typed_layout(
             raise ValueError(f"edge type {e} needs node types {e[0]!r} and {e[-1]!r} in x_dict")
         if ei.dim() != 2 or ei.size(0) != 2:
             raise ValueError(f"edge_index_dict[{e}] must be a [2, E] tensor, got {tuple(ei.shape)}")
-    # inference tensors keep no in-place version: a layout built from them is never reused
-    cache = cache and not any(ei.is_inference() for _, ei in items)
-    key = (
-        tuple((e, id(ei), tensor_version(ei)) for e, ei in items),
-        tuple(sizes.items()),
-        tuple(rel_of),
-        str(device),
-    )
-    hit = cache_get(_LAYOUTS, key) if cache else None
-    if hit is not None:
-        return hit[1]
     layout = _build(dict(sizes), items, rel_of, torch.device(device or "cpu"))
     if cache:  # the entry keeps the keyed tensors alive, so their ids cannot be reused by others
         cache_put(_LAYOUTS, key, ([ei for _, ei in items], layout), _LAYOUTS_KEPT)
